@@ -1,0 +1,166 @@
+"""AsyncLLM: the engine stepping in a background thread, each request an async stream of increments.
+
+The step loop owns the engine; the event loop only hands it commands (add, abort) through a
+thread-safe queue and receives increments via ``call_soon_threadsafe``. So a long forward pass
+never blocks HTTP handling, and an abort is applied before the next step: its blocks are free
+within one step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from .config import EngineConfig
+from .engine import LLMEngine, RequestRejected
+from .outputs import CompletionOutput, FinishReason, RequestOutput
+from .sampling_params import SamplingParams
+from .trace import EngineStats, StepRecord
+
+log = logging.getLogger("slipstream.engine")
+
+__all__ = ["AsyncLLM", "RequestRejected"]
+
+
+class AsyncLLM:
+    """Args:
+        config: engine settings. The model loads in the constructor (seconds).
+        engine: an already built engine (tests, the simulator); ``config`` is then ignored.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- life cycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the step loop on a daemon thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
+        self._thread.start()
+
+    async def warmup(self) -> None:
+        """Run one tiny request through a step, so the first real request pays no first-call costs."""
+        async for _ in self.generate([self.engine.eos_token_ids[0] if self.engine.eos_token_ids else 0],
+                                     SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                     request_id="warmup"):
+            pass
+
+    async def shutdown(self) -> None:
+        """Stop the step loop; unfinished requests are aborted."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for rid, q in list(self._streams.items()):
+            q.put_nowait(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
+                                       error="server shutting down"))
+
+    # --- requests ---------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's increments (new text and token ids per choice) until it finishes.
+
+        Raises (on the first iteration, before anything is queued):
+            RequestRejected: the request can never fit (``.code == "context_length_exceeded"``).
+            ValueError: bad prompt or parameters.
+            RuntimeError: the engine is shutting down.
+
+        Closing or cancelling the iterator early aborts the request.
+        """
+        if self._thread is None or self._stopping:
+            raise RuntimeError("engine is not running")
+        reqs = self.engine.make_requests(prompt, params, request_id)
+        rid = reqs[0].group_id
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = stream
+        self._commands.put(("add", reqs))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put(("abort", rid))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def add_step_listener(self, fn: Callable[[StepRecord], None]) -> None:
+        """Call ``fn(record)`` on the engine thread after every step."""
+        self.engine.step_listeners.append(fn)
+
+    # --- the step loop (engine thread) ------------------------------------------------------
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add(arg)
+                except ValueError as e:
+                    self._deliver_error(arg[0].group_id, str(e))
+            else:
+                self.engine.abort(arg)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._apply_commands()
+            if not engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a scheduler bug must not hang every client
+                log.exception("engine step crashed; failing all requests")
+                for rid in list(engine.groups):
+                    engine.abort(rid)
+                    self._deliver_error(rid, f"internal engine error: {type(e).__name__}: {e}")
+                continue
+            for out in outputs:
+                self._deliver(out)
+        for rid in list(engine.groups):
+            engine.abort(rid)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._put, out)
+
+    def _put(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put_nowait(out)
+
+    def _deliver_error(self, rid: str, message: str) -> None:
+        self._deliver(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
+                                    error=message))

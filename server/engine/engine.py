@@ -1,0 +1,320 @@
+"""LLMEngine: add requests, step, get increments. A request's path reads top to bottom:
+``add_request`` → ``step`` (schedule → run → sample → postprocess) → outputs."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from dataclasses import replace
+
+import torch
+
+from ..models.loader import load_model
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCacheManager
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
+from .request import Request
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .trace import EngineStats, StepRecord
+
+log = logging.getLogger("slipstream.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the model or the cache).
+
+    ``code`` is OpenAI-style (``context_length_exceeded``), ``param`` the offending field.
+    """
+
+    def __init__(self, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = config.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    return device, _DTYPES[name]
+
+
+class LLMEngine:
+    """The continuous-batching engine on one device.
+
+    Args:
+        config: engine settings (see :class:`EngineConfig`).
+
+    Raises:
+        ModelLoadError: the model could not be loaded.
+        ValueError: settings that cannot work (a KV budget smaller than one block, a
+            ``max_model_len`` beyond the model's context).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device, self.dtype = resolve_device(config)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, self.device, self.dtype)
+        self.model_name = loaded.name
+        self.model_config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        if config.max_model_len and config.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
+                             f"of {cfg.max_position_embeddings} tokens")
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        block_bytes = config.block_size * cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        num_blocks = config.kv_cache_memory_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
+                             f"(one block of {config.block_size} tokens needs {block_bytes} bytes)")
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.device, self.dtype)
+        self.eos_token_ids = list(cfg.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.groups: dict[str, list[Request]] = {}
+        self._rng = random.Random(config.seed)
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.trace: list[StepRecord] = []
+        self.step_listeners: list = []
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d", num_blocks, config.block_size,
+                 num_blocks * block_bytes / 2**20, self.max_model_len)
+
+    # --- requests in ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt: a string is encoded with the tokenizer's special tokens
+        (a BOS where the model wants one); a list is taken as token ids and checked."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return ids
+
+    def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None, arrival_time: float | None = None) -> list[Request]:
+        """Validate and build a request (its first choice; more choices fork after the prompt).
+
+        Does not touch the scheduler, so it may run on another thread than :meth:`step`.
+
+        Raises:
+            RequestRejected: prompt + ``max_tokens`` over ``max_model_len``, or more blocks than the cache has.
+            ValueError: an empty prompt or token ids outside the vocabulary.
+        """
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens; "
+                                  f"the prompt has {n_prompt} tokens. Shorten the prompt.",
+                                  "context_length_exceeded", "messages")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                  f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
+                                  f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                                  "context_length_exceeded", "max_tokens")
+        blocks = self.kv.blocks_needed(n_prompt + max_tokens)
+        if blocks > self.kv.num_blocks:
+            raise RequestRejected(f"The request needs {blocks} KV blocks ({n_prompt + max_tokens} tokens) but the "
+                                  f"cache holds only {self.kv.num_blocks}. Reduce the prompt or max_tokens.",
+                                  "context_length_exceeded", "max_tokens")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max_tokens)
+        gid = request_id or uuid.uuid4().hex
+        return [self._new_request(gid, 0, ids, params, arrival_time or time.monotonic())]
+
+    def _new_request(self, gid: str, index: int, ids: list[int], params: SamplingParams, arrival: float) -> Request:
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            seed = params.seed + index * 0x9E3779B1 if params.seed is not None else self._rng.getrandbits(62)
+            generator.manual_seed(seed % (1 << 63))
+        req = Request(f"{gid}-{index}" if index else gid, gid, index, ids, params, generator, RequestMetrics(arrival))
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        return req
+
+    def add(self, requests: list[Request]) -> None:
+        """Queue requests built by :meth:`make_requests`."""
+        gid = requests[0].group_id
+        if gid in self.groups:
+            raise ValueError(f"request id {gid!r} is already in use")
+        self.groups[gid] = list(requests)
+        for req in requests:
+            self.scheduler.add(req)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises as :meth:`make_requests`."""
+        reqs = self.make_requests(prompt, params, request_id)
+        self.add(reqs)
+        return reqs[0].group_id
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every choice of a request with reason ``abort`` and free its blocks now."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        for req in group:
+            if not req.finished:
+                req.finish_reason = FinishReason.ABORT.value
+                self.scheduler.finish(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # --- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the forward pass over every scheduled token, sample,
+        append, detokenize, retire. Returns the increments of the requests that moved."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        for req in batch.requests:
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                if req.index == 0:
+                    self.prompt_tokens_total += req.num_prompt_tokens
+        sample_idx = [i for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                      if req.num_computed_tokens + n == req.num_tokens]
+        to_sample = [batch.requests[i] for i in sample_idx]
+        record = self._record(batch)
+        try:
+            logits = self.runner.run(batch, sample_idx)
+            sampled = self.sampler(logits, to_sample)
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("step %d failed; aborting its %d requests", self.num_steps, len(batch.requests))
+            return self._fail(batch.requests, f"internal error in engine step: {type(e).__name__}: {e}")
+        t_fwd = time.perf_counter()
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+        outputs = self._postprocess(to_sample, sampled.token_ids, sampled.logprobs)
+        self.num_steps += 1
+        record.forward_time = t_fwd - t0
+        record.step_time = time.perf_counter() - t0
+        self._publish(record)
+        return outputs
+
+    def _postprocess(self, requests: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
+        now = time.monotonic()
+        changed: dict[str, list[CompletionOutput]] = {}
+        for req, tok, lp in zip(requests, tokens, logprobs):
+            if req.finished:
+                continue
+            req.token_ids.append(tok)
+            self.generation_tokens_total += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                if req.index == 0 and req.params.n > 1:
+                    self._fork(req)
+            req.metrics.last_token_time = now
+            self._check_stop(req, tok)
+            if req.finished:
+                req.metrics.finished_time = now
+            changed.setdefault(req.group_id, []).append(CompletionOutput(
+                req.index, req.detokenizer.take(req.finished), [tok], req.finish_reason, req.stop_reason,
+                [lp] if lp is not None else None))
+        return [self._group_output(gid, outs) for gid, outs in changed.items()]
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        past_min = req.num_output_tokens >= p.min_tokens
+        stop_str = req.detokenizer.append(tok, check_stop=past_min)
+        if past_min and not p.ignore_eos and tok in self.eos_token_ids:
+            self._finish(req, FinishReason.STOP, None)
+        elif past_min and tok in p.stop_token_ids:
+            self._finish(req, FinishReason.STOP, tok)
+        elif stop_str is not None:
+            self._finish(req, FinishReason.STOP, stop_str)
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, FinishReason.LENGTH, None)
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
+        req.finish_reason = reason.value
+        req.stop_reason = stop_reason
+        self.scheduler.finish(req)
+
+    def _fork(self, parent: Request) -> None:
+        """Start choices 1..n-1 of a request, sharing the parent's prompt blocks."""
+        group = self.groups[parent.group_id]
+        for i in range(parent.params.n - 1, 0, -1):
+            child = self._new_request(parent.group_id, i, parent.prompt_token_ids, parent.params,
+                                      parent.metrics.arrival_time)
+            self.kv.fork(parent, child)
+            group.append(child)
+            self.scheduler.add(child, front=True)
+
+    def _group_output(self, gid: str, outs: list[CompletionOutput]) -> RequestOutput:
+        group = self.groups[gid]
+        first = group[0]
+        done = all(r.finished for r in group) and (first.params.n == len(group) or first.finish_reason == "abort")
+        if done:
+            del self.groups[gid]
+        return RequestOutput(gid, first.prompt_token_ids, outs, done, first.metrics,
+                             first.num_cached_tokens)
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        outputs = []
+        for gid in dict.fromkeys(r.group_id for r in requests):
+            group = self.groups.pop(gid, [])
+            for req in group:
+                if not req.finished:
+                    req.finish_reason = FinishReason.ABORT.value
+                    self.scheduler.finish(req)
+            outs = [CompletionOutput(r.index, "", [], FinishReason.ABORT.value) for r in group]
+            outputs.append(RequestOutput(gid, group[0].prompt_token_ids, outs, True, group[0].metrics,
+                                         error=message))
+        return outputs
+
+    # --- observability ----------------------------------------------------------------------
+    def _record(self, batch: SchedulerOutput) -> StepRecord:
+        rec = StepRecord(self.num_steps, num_preemptions=len(batch.preempted),
+                         num_blocks_used=self.kv.num_used_blocks, num_blocks_total=self.kv.num_blocks,
+                         num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            decode = 1 if n == 1 and req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1 else 0
+            rec.scheduled.append((req.request_id, n - decode, decode))
+            rec.num_prefill_tokens += n - decode
+            rec.num_decode_tokens += decode
+        return rec
+
+    def _publish(self, record: StepRecord) -> None:
+        if self.config.trace:
+            self.trace.append(record)
+        for fn in self.step_listeners:
+            fn(record)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage,
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=self.kv.prefix_queries,
+            prefix_cache_hits_total=self.kv.prefix_hits,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,181 @@
+"""The KV block pool: fixed-size blocks, per-request block tables, reference counts, prefix sharing.
+
+PagedAttention (Kwon et al., SOSP '23, §4.2–4.4): a request's KV lives in blocks of
+``block_size`` tokens anywhere in the pool; its block table maps logical to physical blocks.
+Full blocks are named by a chained hash (parent hash + the block's token ids, as vLLM's
+automatic prefix caching does), so equal prefixes map to the same physical block, shared with a
+reference count. A block whose count drops to zero keeps its contents and hash and waits in an
+LRU free queue: a later request with the same prefix revives it, and allocation evicts the least
+recently freed first.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from .request import Request
+
+
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """Chained hash of one full block: 16 bytes of BLAKE2b over the parent hash and the token ids.
+    A cryptographic hash, so one client cannot craft a prompt that collides with another's prefix."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
+class KVCacheManager:
+    """Owns which physical block holds what; the tensor itself lives in the model runner.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: share and revive full blocks by content hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # tokens looked up at admission (counted by the scheduler)
+        self.prefix_hits = 0     # of those, tokens found cached
+
+    # --- accounting ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request references (cached ones included: they can be evicted)."""
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool referenced by requests, 0..1 (the ``kv_cache_usage_perc`` gauge)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def utilization(self, requests: list[Request]) -> float:
+        """Tokens held / slots allocated over the given requests' blocks, 0..1; a shared block counts once.
+
+        With paging only each request's last block is partly empty, so this stays near 1;
+        a contiguous reservation of ``max_model_len`` per request would hold far less.
+        """
+        filled: dict[int, int] = {}
+        for req in requests:
+            for i, block in enumerate(req.block_table):
+                n = min(self.block_size, max(0, req.num_computed_tokens - i * self.block_size))
+                filled[block] = max(filled.get(block, 0), n)
+        return sum(filled.values()) / (len(filled) * self.block_size) if filled else 0.0
+
+    # --- allocation ---------------------------------------------------------------------------
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, req: Request) -> int:
+        """Give a new request the cached blocks of its longest cached prefix of full blocks.
+
+        Never covers the last token: its logits must be computed. Sets ``req.block_table`` and
+        ``req.num_computed_tokens``; returns the number of tokens found.
+        """
+        assert not req.block_table and req.num_computed_tokens == 0
+        self._extend_hashes(req)
+        if not self.enable_prefix_caching:
+            return 0
+        limit = (req.num_tokens - 1) // self.block_size
+        for h in req.block_hashes[:limit]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self._ref(block)
+            req.block_table.append(block)
+        hit = len(req.block_table) * self.block_size
+        req.num_computed_tokens = hit
+        req.num_cached_tokens = max(req.num_cached_tokens, hit)
+        return hit
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Make the block table cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        All or nothing: returns False, allocating nothing, when too few blocks are free.
+        """
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            block, _ = self.free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            req.block_table.append(block)
+        return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` (same prompt) share the parent's computed full prompt blocks.
+
+        Shares at most ``(prompt_len - 1) // block_size`` blocks, so the child computes its own
+        last prompt token (and samples its own first token) in a block of its own.
+        """
+        shared = min((child.num_tokens - 1) // self.block_size, parent.num_computed_tokens // self.block_size)
+        for block in parent.block_table[:shared]:
+            self._ref(block)
+        child.block_table = parent.block_table[:shared]
+        child.block_hashes = parent.block_hashes[:shared]
+        child.num_computed_tokens = shared * self.block_size
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Name the request's newly computed full blocks by hash so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        self._extend_hashes(req)
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
+        for i in range(full):
+            block, h = req.block_table[i], req.block_hashes[i]
+            if self.hash_of[block] is None and h not in self.cached:
+                self.hash_of[block] = h
+                self.cached[h] = block
+
+    def free_request(self, req: Request) -> None:
+        """Drop the request's references; blocks reaching zero go to the free queue.
+
+        Tail blocks are freed first so they are evicted first (a later request is likelier
+        to share the head of a prompt than its tail); unhashed blocks go to the front.
+        """
+        for block in reversed(req.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                if self.hash_of[block] is None:
+                    self.free.move_to_end(block, last=False)
+        req.block_table = []
+        req.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after the weights change)."""
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks
+
+    # --- internals ----------------------------------------------------------------------------
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def _evict(self, block: int) -> None:
+        h = self.hash_of[block]
+        if h is not None:
+            self.hash_of[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+
+    def _extend_hashes(self, req: Request) -> None:
+        bs = self.block_size
+        for i in range(len(req.block_hashes), req.num_tokens // bs):
+            parent = req.block_hashes[i - 1] if i else None
+            req.block_hashes.append(block_hash(parent, req.token_ids[i * bs:(i + 1) * bs]))

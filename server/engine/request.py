@@ -1,0 +1,70 @@
+"""A request's state as the scheduler moves it from waiting to running to finished."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import Logprob, RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence: a prompt and the tokens generated after it.
+
+    ``num_computed_tokens`` counts tokens whose K/V is in the cache; a step moves it toward
+    ``num_tokens`` (vLLM v1's single loop: prefill, chunked prefill, prefix hits and decode are
+    the same move with different numbers). With ``n > 1`` each choice is its own Request, with
+    ``group_id`` the caller's id and ``index`` the choice.
+    """
+
+    request_id: str
+    group_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    logprobs: list[Logprob] | None = None
+    detokenizer: object = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,47 @@
+"""Per-step records: what ran, what it cost. Cheap enough to build every step; kept only on request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step.
+
+    ``scheduled`` holds ``(request_id, prefill_tokens, decode_tokens)`` per request; times are
+    seconds (``forward_time``: model + sampler; ``step_time``: the whole step, scheduling and
+    detokenization included).
+    """
+
+    step: int
+    scheduled: list[tuple[str, int, int]] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+    num_blocks_used: int = 0
+    num_blocks_total: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    forward_time: float = 0.0
+    step_time: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's gauges and cumulative counters (tokens, requests, seconds)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks referenced, 0..1
+    num_blocks: int
+    num_free_blocks: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int     # tokens
+    prompt_tokens_total: int         # prompt tokens of admitted requests
+    generation_tokens_total: int
+    num_steps: int

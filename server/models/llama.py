@@ -1,0 +1,196 @@
+"""Llama-family decoder forward over one flattened token batch (Touvron et al., 2023).
+
+Orca's selective batching (Yu et al., OSDI '22, §4.2): every linear layer sees the whole
+``[num_tokens, hidden]`` matrix of the step — prefill chunks and decode tokens alike — and only
+attention splits per request, reading each request's KV through its block table.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from slipstream import kernels
+from slipstream.kernels import AttentionMetadata
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` fp32 of rotary embeddings (Su et al., RoFormer, §3.4),
+    with the checkpoint's scaling: ``linear`` (position interpolation, Chen et al. 2023) or
+    ``llama3`` (Llama 3.1's frequency-band rescaling).
+
+    Raises:
+        ValueError: a rope scaling type this engine does not implement.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer, 2020)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack and LM head. Parameter names follow Hugging Face's, with q/k/v and
+    gate/up fused (one matmul each) by :meth:`load_weights`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the step's tokens.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64, every scheduled token of every request, flattened.
+            positions: ``[num_tokens]`` int64, each token's position in its request.
+            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: where each request's tokens and context are (see :class:`AttentionMetadata`).
+
+        Returns:
+            ``[num_tokens, hidden_size]`` after the final norm; see :meth:`logits`.
+        """
+        x = self.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            x = layer(x, cos, sin, layer_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` → ``[n, vocab_size]`` fp32 logits."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …).
+
+        Raises:
+            ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
+        """
+        cfg = self.cfg
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        if "lm_head.weight" not in w:
+            if not cfg.tie_word_embeddings:
+                raise ValueError("checkpoint has no lm_head.weight and does not tie word embeddings")
+            w["lm_head.weight"] = w["embed_tokens.weight"]
+        fused: dict[str, torch.Tensor] = {}
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            try:
+                for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                    fused[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                        [w.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
+                fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                    [w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+            except KeyError as e:
+                raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
+        w.update(fused)
+        w = {k: v for k, v in w.items() if not k.endswith("rotary_emb.inv_freq")}
+        own = self.state_dict()
+        missing = sorted(set(own) - set(w))
+        unexpected = sorted(set(w) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the {cfg.architecture} architecture: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in w.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+        self.load_state_dict(w, strict=True, assign=True)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
