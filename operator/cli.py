@@ -1,0 +1,136 @@
+"""``slipstream operator``: run the operator (kopf) or render manifests without a cluster.
+
+    slipstream operator [run] [--namespace NS ... | --all-namespaces] [--liveness URL]
+                              [--peering NAME | --standalone] [--priority N]
+                              [--resync-seconds S] [--cluster-domain D] [--verbose]
+    slipstream operator render -f FILE [-n NAMESPACE]
+
+``main(argv)`` returns the exit status; ``slipstream`` (server/cli.py) dispatches to it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import sys
+from typing import Any, TextIO
+
+import kopf
+import yaml
+
+from slipstream.operator.handlers import OperatorConfig, register
+from slipstream.operator.resources import API_VERSION, KIND, render_children
+from slipstream.operator.spec import SpecError
+
+DEFAULT_PEERING = "slipstream-operator"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipstream operator",
+        description="Run the InferenceService operator, or render what it would create.")
+    commands = parser.add_subparsers(dest="command")
+
+    run = commands.add_parser("run", help="run the operator (the default command)")
+    _add_run_arguments(run)
+    _add_run_arguments(parser)  # `slipstream operator --namespace x` means `run`
+
+    render = commands.add_parser("render", help="print the Deployment and Service that "
+                                                "InferenceService objects in FILE become")
+    render.add_argument("-f", "--filename", required=True,
+                        help="YAML file with one or more InferenceService documents ('-': stdin)")
+    render.add_argument("-n", "--namespace", default=None,
+                        help="namespace for objects that name none (default: 'default')")
+    return parser
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", dest="namespaces", default=[],
+                       metavar="NS", help="serve this namespace (repeatable; globs allowed)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="serve every namespace (cluster-wide)")
+    parser.add_argument("--liveness", metavar="URL", default=None,
+                        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", metavar="NAME", default=DEFAULT_PEERING,
+                         help="kopf peering object for leader election between replicas "
+                              f"(default: {DEFAULT_PEERING}; its CRDs are in crds/)")
+    peering.add_argument("--standalone", action="store_true",
+                         help="no peering: for a single replica, or without the peering CRDs")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority; the highest live one acts, the others wait "
+                             "(default: random, so two replicas never tie)")
+    parser.add_argument("--resync-seconds", type=float, default=60.0,
+                        help="period of the level-based check of every InferenceService")
+    parser.add_argument("--cluster-domain", default="cluster.local",
+                        help="cluster DNS domain, for status.url")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def render_documents(documents: list[Any], namespace: str | None = None) -> list[dict[str, Any]]:
+    """The children of every InferenceService in ``documents`` (others are skipped).
+    Raises SpecError naming the object that cannot be served."""
+    out: list[dict[str, Any]] = []
+    for doc in documents:
+        if not isinstance(doc, dict) or doc.get("kind") != KIND:
+            continue
+        if doc.get("apiVersion") != API_VERSION:
+            raise SpecError("InvalidSpec", f"{KIND} must have apiVersion {API_VERSION}, "
+                                           f"got {doc.get('apiVersion')!r}")
+        meta = doc.setdefault("metadata", {})
+        if namespace or not meta.get("namespace"):
+            meta["namespace"] = namespace or "default"
+        try:
+            out.extend(render_children(doc))
+        except SpecError as exc:
+            raise SpecError(exc.reason, f"{KIND} {meta.get('name')}: {exc.message}") from None
+    return out
+
+
+def render(path: str, namespace: str | None, out: TextIO) -> int:
+    try:
+        stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
+        with stream:
+            documents = list(yaml.safe_load_all(stream))
+        children = render_documents(documents, namespace)
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"slipstream operator render: cannot read {path}: {exc}", file=sys.stderr)
+        return 1
+    except SpecError as exc:
+        print(f"slipstream operator render: {exc.reason}: {exc.message}", file=sys.stderr)
+        return 1
+    if not children:
+        print(f"slipstream operator render: no {KIND} in {path}", file=sys.stderr)
+        return 1
+    yaml.safe_dump_all(children, out, sort_keys=False, explicit_start=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    registry = kopf.OperatorRegistry()
+    register(registry, OperatorConfig(resync_seconds=args.resync_seconds,
+                                      cluster_domain=args.cluster_domain,
+                                      namespaces=tuple(args.namespaces)))
+    priority = args.priority if args.priority is not None else random.randint(1, 2 ** 30)
+    asyncio.run(kopf.operator(
+        registry=registry,
+        clusterwide=args.all_namespaces or not args.namespaces,
+        namespaces=[] if args.all_namespaces else args.namespaces,
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        priority=priority,
+        liveness_endpoint=args.liveness,
+    ))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``slipstream operator``; returns the process exit status."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "render":
+        return render(args.filename, args.namespace, sys.stdout)
+    return run(args)

@@ -1,0 +1,122 @@
+"""kopf handlers: thin triggers of :func:`slipstream.operator.reconcile.reconcile`.
+
+``register(registry, config)`` puts them on a registry (the CLI's, or a test's own).
+Triggers: create/update/resume of an InferenceService, a periodic resync (timer), and any
+change to a Deployment or Service labelled ``app.kubernetes.io/managed-by=slipstream-operator``
+(so a hand-deleted or hand-edited child comes back within moments). One asyncio lock per
+InferenceService keeps these from reconciling the same object at once in this process; kopf
+peering keeps a second operator replica from acting at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import kopf
+
+from slipstream.operator.kube import CLUSTER_PEERINGS, PEERINGS, ApiError, Kube
+from slipstream.operator.reconcile import reconcile
+from slipstream.operator.resources import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
+
+CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """resync_seconds: period of the level-based check of every InferenceService.
+    cluster_domain: for ``status.url``. kube: makes the API client (tests pass their own)."""
+
+    resync_seconds: float = 60.0
+    cluster_domain: str = "cluster.local"
+    kube: Callable[[], Kube] = Kube.from_environment
+    namespaces: tuple[str, ...] = ()
+
+
+async def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...] | None,
+                         logger: kopf.Logger | logging.Logger) -> None:
+    """Create kopf's peering object(s) ``name`` if missing (kopf only patches them): one
+    ClusterKopfPeering for a cluster-wide operator (``namespaces`` None), else a KopfPeering in
+    each literal namespace. Needs the CRDs in crds/kopf-peering.yaml."""
+    targets = [(CLUSTER_PEERINGS, "ClusterKopfPeering", None)] if namespaces is None else [
+        (PEERINGS, "KopfPeering", ns) for ns in namespaces if not any(c in ns for c in "*?[!")]
+    for resource, kind, namespace in targets:
+        if await kube.get(resource, namespace, name) is not None:
+            continue
+        meta = {"name": name, **({"namespace": namespace} if namespace else {})}
+        try:
+            await kube.create(resource, {"apiVersion": "kopf.dev/v1", "kind": kind,
+                                         "metadata": meta})
+            logger.info(f"created {kind} {name} for leader election")
+        except ApiError as exc:
+            if exc.status != 409:  # 409: another replica created it first
+                raise
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf's storage under our own names, and Events only for our own messages + warnings."""
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Register the operator's handlers on ``registry``."""
+    resource = dict(group=GROUP, version=VERSION, plural=PLURAL)
+    locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = \
+        collections.defaultdict(asyncio.Lock)
+
+    async def run(memo: Any, namespace: str, name: str, retry: int = 0) -> None:
+        async with locks[namespace, name]:
+            await reconcile(memo.kube, namespace, name, retry=retry,
+                            cluster_domain=config.cluster_domain)
+
+    @kopf.on.startup(registry=registry)
+    async def start(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger,
+                    **_: Any) -> None:
+        configure(settings)
+        memo.kube = config.kube()
+        if not settings.peering.standalone and settings.peering.name:
+            await ensure_peering(memo.kube, settings.peering.name,
+                                 None if settings.peering.clusterwide else config.namespaces,
+                                 logger)
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop(memo: Any, **_: Any) -> None:
+        kube = getattr(memo, "kube", None)
+        if kube is not None:
+            await kube.close()
+
+    @kopf.on.resume(**resource, registry=registry)
+    @kopf.on.create(**resource, registry=registry)
+    @kopf.on.update(**resource, registry=registry)
+    async def reconcile_on_change(namespace: str, name: str, memo: Any, retry: int,
+                                  **_: Any) -> None:
+        await run(memo, namespace, name, retry)
+
+    @kopf.timer(**resource, interval=config.resync_seconds, initial_delay=config.resync_seconds,
+                registry=registry)
+    async def resync(namespace: str, name: str, memo: Any, retry: int, **_: Any) -> None:
+        await run(memo, namespace, name, retry)
+
+    @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry)
+    @kopf.on.event("", "v1", "services", labels=CHILD_LABELS, registry=registry)
+    async def child_changed(body: kopf.Body, namespace: str, memo: Any,
+                            logger: kopf.Logger, **_: Any) -> None:
+        owners = [ref["name"] for ref in body.metadata.get("ownerReferences") or ()
+                  if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP)]
+        for owner in owners:
+            try:
+                await run(memo, namespace, owner)
+            except (kopf.TemporaryError, kopf.PermanentError) as exc:
+                # The owner's own handlers and the resync retry; this trigger only hurries.
+                logger.debug(f"reconcile of {owner} after a child changed: {exc}")
+
+    @kopf.on.delete(**resource, optional=True, registry=registry)
+    async def deleted(namespace: str, name: str, logger: kopf.Logger, **_: Any) -> None:
+        locks.pop((namespace, name), None)
+        logger.info("children go with their owner references (garbage collection)")

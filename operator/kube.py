@@ -1,0 +1,161 @@
+"""A small asynchronous Kubernetes REST client: dicts in, dicts out.
+
+The operator needs five verbs on three resources; this is them over aiohttp (which kopf runs on
+too), with the credentials kopf itself would use (in-cluster service account, else kubeconfig,
+loaded by ``kopf.login_via_client``). API errors come back as :class:`ApiError` with the HTTP
+status, so callers tell retryable (409, 429, 5xx) from permanent (400, 403, 422) mistakes.
+"""
+from __future__ import annotations
+
+import logging
+import ssl
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import aiohttp
+import kopf
+
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class ApiError(Exception):
+    """A non-2xx answer: ``status`` (HTTP code), ``reason`` (the Status object's reason),
+    ``message``."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+    @property
+    def retryable(self) -> bool:
+        """True for conflicts, throttling, timeouts and server errors: trying later can help."""
+        return self.status in (408, 409, 429) or self.status >= 500
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """A resource type: ``group`` ('' for the core group), ``version``, ``plural``."""
+
+    group: str
+    version: str
+    plural: str
+
+    def path(self, namespace: str | None, name: str | None = None,
+             subresource: str | None = None) -> str:
+        """The URL path; ``namespace`` None for a cluster-scoped resource."""
+        base = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        if namespace is not None:
+            base += f"/namespaces/{namespace}"
+        path = f"{base}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+        if subresource is not None:
+            path += f"/{subresource}"
+        return path
+
+
+DEPLOYMENTS = Resource("apps", "v1", "deployments")
+SERVICES = Resource("", "v1", "services")
+INFERENCESERVICES = Resource("slipstream.dev", "v1alpha1", "inferenceservices")
+CLUSTER_PEERINGS = Resource("kopf.dev", "v1", "clusterkopfpeerings")
+PEERINGS = Resource("kopf.dev", "v1", "kopfpeerings")
+
+
+class Kube:
+    """Requests against one API server. Use :meth:`from_environment` in the operator; tests
+    give ``server`` (``http://127.0.0.1:PORT``) directly."""
+
+    def __init__(self, server: str, *, token: str | None = None, scheme: str | None = None,
+                 ssl_context: ssl.SSLContext | bool = True, timeout: float = 30.0,
+                 relogin: Callable[[], "Kube"] | None = None):
+        self.server = server.rstrip("/")
+        self._headers = {"Accept": JSON}
+        if token:
+            self._headers["Authorization"] = f"{scheme or 'Bearer'} {token}"
+        self._ssl = ssl_context
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._relogin = relogin
+
+    @classmethod
+    def from_environment(cls) -> "Kube":
+        """Credentials as kopf finds them: in-cluster, else ``$KUBECONFIG``/~/.kube/config.
+        Raises kopf.LoginError when neither exists. On a 401 it logs in again once (service
+        account tokens rotate)."""
+        info = kopf.login_via_client(logger=logging.getLogger(__name__),
+                                     settings=kopf.OperatorSettings())
+        if info is None:
+            raise kopf.LoginError("the kubernetes client library is not installed")
+        context: ssl.SSLContext | bool = True
+        if info.server.startswith("https"):
+            context = ssl.create_default_context(cafile=info.ca_path or None)
+            if info.insecure:
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            if info.certificate_path and info.private_key_path:
+                context.load_cert_chain(info.certificate_path, info.private_key_path)
+        return cls(info.server, token=info.token, scheme=info.scheme, ssl_context=context,
+                   relogin=cls.from_environment)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, path: str, body: Any = None,
+                      content_type: str = JSON) -> dict[str, Any]:
+        """One call; returns the decoded JSON body. Raises ApiError on a non-2xx answer."""
+        try:
+            return await self._request(method, path, body, content_type)
+        except ApiError as exc:
+            if exc.status != 401 or self._relogin is None:
+                raise
+            fresh = self._relogin()
+            self._headers, self._ssl = fresh._headers, fresh._ssl
+            await self.close()
+            return await self._request(method, path, body, content_type)
+
+    async def _request(self, method: str, path: str, body: Any, content_type: str,
+                       ) -> dict[str, Any]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        try:
+            async with self._session.request(method, self.server + path, json=body,
+                                             headers=headers, ssl=self._ssl) as response:
+                data = await response.json(content_type=None) if response.content_length != 0 \
+                    else {}
+                if response.status >= 300:
+                    data = data if isinstance(data, Mapping) else {}
+                    raise ApiError(response.status, data.get("reason") or response.reason or "",
+                                   data.get("message") or "")
+                return data or {}
+        except aiohttp.ClientError as exc:
+            raise ApiError(503, "Unavailable", f"{method} {path}: {exc}") from exc
+
+    async def get(self, resource: Resource, namespace: str | None, name: str,
+                  ) -> dict[str, Any] | None:
+        """The object, or None when it does not exist (404)."""
+        try:
+            return await self.request("GET", resource.path(namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create(self, resource: Resource, obj: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.request("POST", resource.path(obj["metadata"].get("namespace")), obj)
+
+    async def replace(self, resource: Resource, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT; ``obj.metadata.resourceVersion`` makes it fail with 409 if the object moved."""
+        meta = obj["metadata"]
+        return await self.request("PUT", resource.path(meta["namespace"], meta["name"]), obj)
+
+    async def merge_patch(self, resource: Resource, namespace: str, name: str,
+                          patch: Mapping[str, Any], subresource: str | None = None,
+                          ) -> dict[str, Any]:
+        """JSON merge patch (RFC 7386): dicts merge, lists and scalars replace, None deletes.
+        A ``metadata.resourceVersion`` in ``patch`` makes it fail with 409 if the object moved."""
+        return await self.request("PATCH", resource.path(namespace, name, subresource), patch,
+                                  content_type=MERGE_PATCH)

@@ -1,0 +1,177 @@
+"""One idempotent, level-based reconcile of an InferenceService.
+
+``reconcile`` reads the InferenceService fresh, renders its children (pure), creates what is
+missing, puts back what drifted, and writes the status fields it owns. Every trigger calls it —
+create, update, resume, a periodic resync, any change to a child — so missing an event costs
+nothing but latency. Errors: a spec that cannot be served gets ``Ready=False`` and a Warning
+Event and is not retried (the user must edit it); an API answer worth retrying (409, 429, 5xx)
+becomes ``kopf.TemporaryError`` (kopf retries with backoff); any other API refusal becomes
+``Ready=False, reason=ApplyFailed`` and ``kopf.PermanentError``.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import kopf
+
+from slipstream.operator import status as st
+from slipstream.operator.drift import foreign_owner, plan_deployment, plan_service
+from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, SERVICES, ApiError, Kube, \
+    Resource
+from slipstream.operator.resources import render_deployment, render_service, service_url
+from slipstream.operator.spec import SpecError, parse_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one reconcile did: ``ready`` (the Ready condition's status), ``actions`` (one line
+    per child created or updated), ``error`` (the reason of a failed status, or None)."""
+
+    ready: str
+    actions: tuple[str, ...] = ()
+    error: str | None = None
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def retry_delay(retry: int) -> float:
+    """Seconds before retry number ``retry`` (0, 1, 2 …): 1, 2, 4 … capped at 60."""
+    return float(min(60, 2 ** retry))
+
+
+def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """A Kubernetes Event on ``body`` (through kopf's poster; a no-op outside the operator)."""
+    try:
+        kopf.event(dict(body), type=type_, reason=reason, message=message)
+    except LookupError:  # no running operator (render, unit tests): nothing to post to
+        logger.info("%s %s: %s", type_, reason, message)
+
+
+async def write_status(kube: Kube, body: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Merge-patch the fields of ``new`` that differ from ``body.status``, guarded by
+    ``body``'s resourceVersion (409 if the object moved since it was read). True if written."""
+    patch = st.changed_fields(body.get("status"), new)
+    if not patch:
+        return False
+    meta = body["metadata"]
+    await kube.merge_patch(INFERENCESERVICES, meta["namespace"], meta["name"],
+                           {"metadata": {"resourceVersion": meta["resourceVersion"]},
+                            "status": patch}, subresource="status")
+    return True
+
+
+async def update_status(kube: Kube, body: Mapping[str, Any],
+                        compute: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+                        attempts: int = 3) -> Mapping[str, Any]:
+    """Write ``compute(body)`` as the status; on a 409 (another writer, e.g. the autoscaler,
+    got there first) read the object again and recompute, while its generation is the same.
+    Returns the body the status was computed from. Raises ApiError when attempts run out, the
+    spec changed meanwhile (409: the next reconcile handles it), or the object is gone (404)."""
+    for attempt in range(attempts):
+        try:
+            await write_status(kube, body, compute(body))
+            return body
+        except ApiError as exc:
+            if exc.status != 409 or attempt == attempts - 1:
+                raise
+        meta = body["metadata"]
+        fresh = await kube.get(INFERENCESERVICES, meta["namespace"], meta["name"])
+        if fresh is None:
+            raise ApiError(404, "NotFound", f"{meta['name']} was deleted")
+        if fresh["metadata"].get("generation") != meta.get("generation"):
+            raise ApiError(409, "Conflict", f"{meta['name']}'s spec changed meanwhile")
+        body = fresh
+    raise AssertionError("unreachable")
+
+
+async def _fail(kube: Kube, body: Mapping[str, Any], reason: str, message: str) -> Outcome:
+    previous = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
+    await update_status(kube, body, lambda b: st.failed_status(b, reason, message, _now()))
+    if not previous or (previous.get("reason"), previous.get("message")) != (reason, message):
+        post_event(body, "Warning", reason, message)  # once per distinct failure, not per resync
+    return Outcome(ready="False", error=reason)
+
+
+def _raise_for(exc: ApiError, what: str, retry: int) -> None:
+    if exc.retryable:
+        raise kopf.TemporaryError(f"{what}: {exc}", delay=retry_delay(retry)) from exc
+
+
+async def _apply(kube: Kube, resource: Resource, body: Mapping[str, Any],
+                 desired: dict[str, Any], plan: Any) -> tuple[dict[str, Any], str | None]:
+    """Create ``desired`` if missing, or PUT what ``plan(desired, live)`` returns.
+    Returns the live child and a line saying what was done (None: nothing)."""
+    meta = desired["metadata"]
+    kind = desired["kind"]
+    live = await kube.get(resource, meta["namespace"], meta["name"])
+    if live is None:
+        created = await kube.create(resource, desired)
+        was = " (it had been deleted)" if (body.get("status") or {}).get(
+            "observedGeneration") else ""
+        return created, f"created {kind} {meta['name']}{was}"
+    if live["metadata"].get("deletionTimestamp"):
+        raise ApiError(409, "Terminating", f"{kind} {meta['name']} is being deleted; "
+                                           f"it is recreated once gone")
+    why_not = foreign_owner(live, body["metadata"].get("uid"), body["metadata"]["name"])
+    if why_not:
+        raise SpecError("ChildConflict", f"{kind} {meta['name']} already exists and {why_not}; "
+                                         f"delete it or rename the InferenceService")
+    new, why = plan(desired, live)
+    if new is None:
+        return live, None
+    return await kube.replace(resource, new), f"updated {kind} {meta['name']}: {why}"
+
+
+async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
+                    cluster_domain: str = "cluster.local") -> Outcome | None:
+    """Bring InferenceService ``namespace/name``'s Deployment, Service and status in line
+    with its spec. Returns None when the object is gone or being deleted.
+
+    Raises kopf.TemporaryError (retry after ``retry_delay(retry)`` s) or kopf.PermanentError
+    as described in the module docstring.
+    """
+    try:
+        body = await kube.get(INFERENCESERVICES, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        try:
+            spec = parse_spec(body.get("spec"), name=name)
+            deployment = render_deployment(body, spec)
+            service = render_service(body)
+            kopf.adopt([deployment, service], owner=body)
+            live_dep, dep_action = await _apply(
+                kube, DEPLOYMENTS, body, deployment,
+                lambda d, live: plan_deployment(d, live, spec))
+            _, svc_action = await _apply(kube, SERVICES, body, service, plan_service)
+        except SpecError as exc:
+            return await _fail(kube, body, exc.reason, exc.message)
+
+        actions = tuple(a for a in (dep_action, svc_action) if a)
+        for action in actions:
+            post_event(body, "Normal", "Created" if action.startswith("created") else "Updated",
+                       action[0].upper() + action[1:])
+        before = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
+        url = service_url(name, namespace, cluster_domain)
+        await update_status(kube, body, lambda b: st.compute_status(
+            b, spec, live_dep, now=_now(), url=url))
+        ready, _, message = st.ready_condition(live_dep)
+        if before and before.get("status") != ready:
+            post_event(body, "Normal" if ready == "True" else "Warning",
+                       "Ready" if ready == "True" else "NotReady", message)
+        return Outcome(ready=ready, actions=actions)
+    except ApiError as exc:
+        _raise_for(exc, f"reconciling {namespace}/{name}", retry)
+        try:
+            body = await kube.get(INFERENCESERVICES, namespace, name)
+            if body is not None:
+                await _fail(kube, body, "ApplyFailed", f"the API server refused a change: {exc}")
+        except ApiError as again:
+            _raise_for(again, f"reporting on {namespace}/{name}", retry)
+        raise kopf.PermanentError(f"reconciling {namespace}/{name}: {exc}") from exc

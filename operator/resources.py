@@ -1,0 +1,235 @@
+"""Pure renderers: an InferenceService (dict) → the Deployment and Service (dicts) it owns.
+
+Nothing here talks to a cluster; ``slipstream operator render`` prints what these return, and the
+reconcile loop applies it. Shapes follow apps/v1 Deployment and core/v1 Service.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Mapping
+
+import kopf
+
+from slipstream.operator.spec import InferenceServiceSpec, parse_spec
+
+GROUP = "slipstream.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+MANAGED_BY = "slipstream-operator"
+INSTANCE_LABEL = "slipstream.dev/inferenceservice"
+# The hash of the rendered Deployment: a spec change that removes a field still shows as a change.
+SPEC_HASH_ANNOTATION = "slipstream.dev/spec-hash"
+CONTAINER_NAME = "server"
+PORT_NAME = "http"
+SERVICE_PORT = 80
+MODEL_MOUNT = "/mnt/models"
+# Seconds the preStop hook waits before the kubelet sends SIGTERM (which starts the drain):
+# endpoint controllers and kube-proxy take a moment to stop routing to a terminating pod.
+PRESTOP_SLEEP_SECONDS = 5
+PROBE_PERIOD_SECONDS = 5
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels every child and every pod of InferenceService ``name`` carries."""
+    return {
+        "app.kubernetes.io/name": "slipstream",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "model-server",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        INSTANCE_LABEL: name,
+    }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The Deployment's and Service's pod selector (immutable on a Deployment: keep it small)."""
+    return {INSTANCE_LABEL: name, "app.kubernetes.io/component": "model-server"}
+
+
+def pod_selector(name: str) -> str:
+    """``selector_labels`` as a label-selector string (``kubectl get pods -l …``; the scale
+    subresource's ``status.selector``; the scraper's pod listing)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def service_url(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
+    """The in-cluster URL of the Service (port 80, so no port in the URL)."""
+    return f"http://{name}.{namespace}.svc.{cluster_domain}"
+
+
+def model_argument(spec: InferenceServiceSpec) -> str:
+    """What ``slipstream serve --model`` gets: ``builtin`` or a path inside the container."""
+    if spec.model.source == "builtin":
+        return "builtin"
+    if spec.model.source == "pvc":
+        return f"{MODEL_MOUNT}/{spec.model.path.strip('/')}"
+    return spec.model.path
+
+
+def server_args(spec: InferenceServiceSpec, name: str) -> list[str]:
+    """The ``slipstream serve`` argument list (after the ``slipstream`` command)."""
+    engine = spec.engine
+    args = [
+        "serve",
+        "--model", model_argument(spec),
+        "--host", "0.0.0.0",
+        "--port", str(spec.port),
+        "--served-model-name", spec.model.served_model_name or name,
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+        "--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes),
+        "--block-size", str(engine.block_size),
+        "--shutdown-timeout", str(spec.shutdown_timeout_seconds),
+    ]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    return args
+
+
+def termination_grace_period(spec: InferenceServiceSpec) -> int:
+    """Seconds from delete to SIGKILL: the preStop pause, the server's drain, a margin."""
+    return PRESTOP_SLEEP_SECONDS + spec.shutdown_timeout_seconds + 10
+
+
+def initial_replicas(spec: InferenceServiceSpec) -> int:
+    """Replicas at creation: ``spec.replicas``, or ``minReplicas`` when the autoscaler owns it."""
+    return spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas
+
+
+def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+    res = spec.resources
+    requests: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
+    limits: dict[str, Any] = {"memory": res.memory}
+    if res.gpus:
+        # Extended resources are set as limits; requests default to them.
+        limits["nvidia.com/gpu"] = res.gpus
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "command": ["slipstream"],
+        "args": server_args(spec, name),
+        "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
+        "resources": {"requests": requests, "limits": limits},
+        "startupProbe": {
+            # Model load and warm-up: liveness checks start only after this succeeds.
+            "httpGet": {"path": "/health", "port": PORT_NAME},
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "timeoutSeconds": 2,
+            "failureThreshold": math.ceil(spec.startup_timeout_seconds / PROBE_PERIOD_SECONDS),
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": PORT_NAME},
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "timeoutSeconds": 2,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": PORT_NAME},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "lifecycle": {
+            # Keep serving while the pod leaves the Service's endpoints; SIGTERM then drains.
+            "preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}},
+        },
+    }
+    if spec.env:
+        container["env"] = [dict(var) for var in spec.env]
+    if spec.model.source == "pvc":
+        container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT,
+                                      "readOnly": True}]
+    return container
+
+
+def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None = None,
+                      ) -> dict[str, Any]:
+    """The Deployment for InferenceService ``body`` (a dict with metadata.name/namespace).
+
+    ``spec.replicas`` of the result is the initial count (see :func:`initial_replicas`); the
+    reconcile loop leaves it alone on an existing Deployment while autoscaling is on.
+    Raises SpecError (from :func:`parse_spec`) when the spec cannot be served.
+    """
+    meta = body.get("metadata", {})
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    spec = spec if spec is not None else parse_spec(body.get("spec"), name=name)
+    pod_spec: dict[str, Any] = {
+        "containers": [_container(spec, name)],
+        "terminationGracePeriodSeconds": termination_grace_period(spec),
+        # A Service named like an env prefix (SLIPSTREAM_…) must not leak variables into pods.
+        "enableServiceLinks": False,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.model.source == "pvc":
+        pod_spec["volumes"] = [{"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model.claim_name, "readOnly": True}}]
+    deployment: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name),
+                     "annotations": {}},
+        "spec": {
+            "replicas": initial_replicas(spec),
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            # A rollout waits for model loads: give it the startup budget and then some.
+            "progressDeadlineSeconds": max(600, spec.startup_timeout_seconds + 120),
+            "template": {
+                "metadata": {
+                    "labels": labels(name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(spec.port),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    deployment["metadata"]["annotations"][SPEC_HASH_ANNOTATION] = spec_hash(deployment)
+    return deployment
+
+
+def render_service(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The ClusterIP Service: port 80 (``http``) → the pods' named port ``http``."""
+    meta = body.get("metadata", {})
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": PORT_NAME, "port": SERVICE_PORT, "targetPort": PORT_NAME,
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def render_children(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """[Deployment, Service] for ``body``. When ``body`` has a uid (it came from a cluster),
+    both carry its owner reference and labels (``kopf.adopt``), so deleting it deletes them.
+    Raises SpecError when the spec cannot be served."""
+    children = [render_deployment(body), render_service(body)]
+    if body.get("metadata", {}).get("uid"):
+        kopf.adopt(children, owner=dict(body))
+    return children
+
+
+def spec_hash(deployment: Mapping[str, Any]) -> str:
+    """A short stable hash of what the operator renders for a Deployment, without
+    ``spec.replicas`` (the autoscaler's) and without the hash annotation itself."""
+    content = json.loads(json.dumps(deployment))
+    content.get("spec", {}).pop("replicas", None)
+    content.get("metadata", {}).get("annotations", {}).pop(SPEC_HASH_ANNOTATION, None)
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,282 @@
+"""The InferenceService spec as typed, defaulted, validated values.
+
+The CRD (``crds/inferenceservice.yaml``) defaults and validates on the API server; this module
+does the same again because the operator cannot count on it: an API server older than 1.25 runs
+no CEL rules, an emulator runs no schema at all, and some rules (a memory limit that must exceed
+the KV cache, a name that must also be a Service name) are not expressible in the schema.
+The defaults here equal the CRD's ``default:`` values (a test keeps them equal).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Mapping
+
+from kubernetes.utils.quantity import parse_quantity
+
+DEFAULT_IMAGE = "ghcr.io/slipstream-dev/slipstream:0.1.0"
+MODEL_SOURCES = ("builtin", "image", "pvc")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# A Service name is an RFC 1035 label; the InferenceService's name becomes one.
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+class SpecError(ValueError):
+    """An InferenceService that cannot be served as written.
+
+    ``reason`` is a CamelCase word for the condition and the Event; the message says what was
+    wrong and what to do. Retrying does not help: the user has to change the object.
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Which weights the pods load. ``source``: builtin | image (``path`` inside the image,
+    absolute) | pvc (``path`` relative to the root of PersistentVolumeClaim ``claim_name``)."""
+
+    source: str = "builtin"
+    path: str | None = None
+    claim_name: str | None = None
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingSpec:
+    """Bounds and targets of the autoscaler (issue 6 reads them; times in seconds)."""
+
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_queue_depth: float = 5.0
+    target_kv_cache_utilization: float = 0.8
+    stable_window_seconds: int = 60
+    panic_window_seconds: int = 6
+    panic_threshold: float = 2.0
+    scale_down_delay_seconds: int = 300
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Engine settings passed to ``slipstream serve``. ``kv_cache_memory`` is a quantity string
+    (``"1Gi"``); ``max_model_len`` None leaves the model's own context length."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: str = "1Gi"
+    max_model_len: int | None = None
+    block_size: int = 16
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        return int(parse_quantity(self.kv_cache_memory))
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcesSpec:
+    """Per-pod compute: ``cpu`` and ``memory`` quantities, ``gpus`` → ``nvidia.com/gpu``."""
+
+    cpu: str = "2"
+    memory: str = "4Gi"
+    gpus: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceServiceSpec:
+    """The whole ``spec`` with defaults filled in. Times in seconds."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    image: str = DEFAULT_IMAGE
+    replicas: int = 1
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    port: int = 8000
+    shutdown_timeout_seconds: int = 30
+    startup_timeout_seconds: int = 600
+
+
+# CRD field name → dataclass field name, per object. Anything not listed is an unknown field.
+_FIELDS: dict[type, dict[str, str]] = {
+    ModelSpec: {"source": "source", "path": "path", "claimName": "claim_name",
+                "servedModelName": "served_model_name"},
+    AutoscalingSpec: {
+        "enabled": "enabled", "minReplicas": "min_replicas", "maxReplicas": "max_replicas",
+        "targetQueueDepth": "target_queue_depth",
+        "targetKVCacheUtilization": "target_kv_cache_utilization",
+        "stableWindowSeconds": "stable_window_seconds",
+        "panicWindowSeconds": "panic_window_seconds", "panicThreshold": "panic_threshold",
+        "scaleDownDelaySeconds": "scale_down_delay_seconds",
+    },
+    EngineSpec: {"maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
+                 "kvCacheMemory": "kv_cache_memory", "maxModelLen": "max_model_len",
+                 "blockSize": "block_size"},
+    ResourcesSpec: {"cpu": "cpu", "memory": "memory", "gpus": "gpus"},
+    InferenceServiceSpec: {
+        "model": "model", "image": "image", "replicas": "replicas", "autoscaling": "autoscaling",
+        "engine": "engine", "resources": "resources", "nodeSelector": "node_selector",
+        "tolerations": "tolerations", "env": "env", "port": "port",
+        "shutdownTimeoutSeconds": "shutdown_timeout_seconds",
+        "startupTimeoutSeconds": "startup_timeout_seconds",
+    },
+}
+_NESTED = {"model": ModelSpec, "autoscaling": AutoscalingSpec, "engine": EngineSpec,
+           "resources": ResourcesSpec}
+
+
+def _build(cls: type, raw: Mapping[str, Any] | None, where: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise SpecError("InvalidSpec", f"{where} must be an object, got {raw!r}")
+    names = _FIELDS[cls]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise SpecError("InvalidSpec", f"{where} has unknown field(s) {', '.join(unknown)}; "
+                                       f"known: {', '.join(names)}")
+    kwargs: dict[str, Any] = {}
+    for crd_name, value in raw.items():
+        if value is None:
+            continue
+        if cls is InferenceServiceSpec and crd_name in _NESTED:
+            value = _build(_NESTED[crd_name], value, f"{where}.{crd_name}")
+        elif crd_name in ("tolerations", "env"):
+            value = tuple(dict(item) for item in value)
+        elif crd_name == "nodeSelector":
+            value = dict(value)
+        elif crd_name in ("kvCacheMemory", "cpu", "memory"):
+            value = str(value)
+        kwargs[names[crd_name]] = value
+    return cls(**kwargs)
+
+
+def _quantity(value: str, where: str) -> Decimal:
+    try:
+        return parse_quantity(value)
+    except ValueError:
+        raise SpecError("InvalidSpec", f"{where} must be a Kubernetes quantity such as "
+                                       f"'512Mi' or '2', got {value!r}") from None
+
+
+def _check_int(value: Any, where: str, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"≥ {low}"
+        raise SpecError("InvalidSpec", f"{where} must be an integer {bound}, got {value!r}")
+
+
+def _check_number(value: Any, where: str, low: float, high: float | None = None,
+                  low_open: bool = True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
+    if not ok:
+        bound = f"in ({low}, {high}]" if high is not None else f"> {low}"
+        raise SpecError("InvalidSpec", f"{where} must be a number {bound}, got {value!r}")
+
+
+def validate_name(name: str) -> None:
+    """Raise SpecError unless ``name`` can name the Service (RFC 1035 label, ≤ 63 chars)."""
+    if len(name) > 63 or not DNS1035_LABEL.match(name):
+        raise SpecError(
+            "InvalidName",
+            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits and "
+            f"'-', starting with a letter, at most 63 characters) because it names the Service; "
+            f"recreate the InferenceService under such a name")
+
+
+def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> InferenceServiceSpec:
+    """Turn ``.spec`` of an InferenceService (a dict, possibly without defaults) into a
+    defaulted :class:`InferenceServiceSpec`.
+
+    Raises SpecError with ``reason`` InvalidSpec (or InvalidName for ``name``) on the first
+    rule broken: the CRD schema's bounds and its CEL rules, plus the rules the schema cannot
+    state (KV cache memory below the memory limit on CPU pods).
+    """
+    if name is not None:
+        validate_name(name)
+    spec: InferenceServiceSpec = _build(InferenceServiceSpec, raw or {}, "spec")
+    model, scaling, engine, res = spec.model, spec.autoscaling, spec.engine, spec.resources
+
+    if model.source not in MODEL_SOURCES:
+        raise SpecError("InvalidSpec", f"spec.model.source must be one of "
+                                       f"{', '.join(MODEL_SOURCES)}, got {model.source!r}")
+    if model.source == "builtin" and (model.path or model.claim_name):
+        raise SpecError("InvalidSpec", "spec.model.source builtin takes no path or claimName; "
+                                       "use source image or pvc to load other weights")
+    if model.source != "builtin" and not model.path:
+        raise SpecError("InvalidSpec", f"spec.model.path is required with source {model.source}")
+    if model.source == "image" and not model.path.startswith("/"):
+        raise SpecError("InvalidSpec", f"spec.model.path must be absolute with source image, "
+                                       f"got {model.path!r}")
+    if (model.source == "pvc") != bool(model.claim_name):
+        raise SpecError("InvalidSpec", "spec.model.claimName is required with source pvc and "
+                                       "only allowed with it")
+    if model.source == "pvc" and (model.path.startswith("/") or ".." in model.path.split("/")):
+        raise SpecError("InvalidSpec", f"spec.model.path must be relative to the volume's root "
+                                       f"(no leading '/', no '..') with source pvc, "
+                                       f"got {model.path!r}")
+
+    _check_int(spec.replicas, "spec.replicas", 0)
+    _check_int(spec.port, "spec.port", 1, 65535)
+    _check_int(spec.shutdown_timeout_seconds, "spec.shutdownTimeoutSeconds", 0, 3600)
+    _check_int(spec.startup_timeout_seconds, "spec.startupTimeoutSeconds", 10, 7200)
+
+    _check_int(scaling.min_replicas, "spec.autoscaling.minReplicas", 1)
+    _check_int(scaling.max_replicas, "spec.autoscaling.maxReplicas", 1)
+    if scaling.min_replicas > scaling.max_replicas:
+        raise SpecError("InvalidSpec", f"spec.autoscaling.minReplicas ({scaling.min_replicas}) "
+                                       f"must be ≤ maxReplicas ({scaling.max_replicas})")
+    _check_number(scaling.target_queue_depth, "spec.autoscaling.targetQueueDepth", 0)
+    _check_number(scaling.target_kv_cache_utilization,
+                  "spec.autoscaling.targetKVCacheUtilization", 0, 1)
+    _check_int(scaling.stable_window_seconds, "spec.autoscaling.stableWindowSeconds", 1)
+    _check_int(scaling.panic_window_seconds, "spec.autoscaling.panicWindowSeconds", 1)
+    if scaling.panic_window_seconds > scaling.stable_window_seconds:
+        raise SpecError("InvalidSpec", f"spec.autoscaling.panicWindowSeconds "
+                                       f"({scaling.panic_window_seconds}) must be ≤ "
+                                       f"stableWindowSeconds ({scaling.stable_window_seconds})")
+    _check_number(scaling.panic_threshold, "spec.autoscaling.panicThreshold", 1)
+    _check_int(scaling.scale_down_delay_seconds, "spec.autoscaling.scaleDownDelaySeconds", 0)
+
+    _check_int(engine.max_num_seqs, "spec.engine.maxNumSeqs", 1)
+    _check_int(engine.max_num_batched_tokens, "spec.engine.maxNumBatchedTokens", 1)
+    if engine.max_num_batched_tokens < engine.max_num_seqs:
+        # Every running sequence needs one token of the step's budget (vLLM's rule too).
+        raise SpecError("InvalidSpec", f"spec.engine.maxNumBatchedTokens "
+                                       f"({engine.max_num_batched_tokens}) must be ≥ maxNumSeqs "
+                                       f"({engine.max_num_seqs})")
+    if engine.max_model_len is not None:
+        _check_int(engine.max_model_len, "spec.engine.maxModelLen", 1)
+    if engine.block_size not in BLOCK_SIZES:
+        raise SpecError("InvalidSpec", f"spec.engine.blockSize must be a power of two from 1 to "
+                                       f"256, got {engine.block_size!r}")
+    kv_bytes = _quantity(engine.kv_cache_memory, "spec.engine.kvCacheMemory")
+    if kv_bytes < 1 or kv_bytes != int(kv_bytes):
+        raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory must be a whole number of "
+                                       f"bytes ≥ 1, got {engine.kv_cache_memory!r}")
+
+    if _quantity(res.cpu, "spec.resources.cpu") <= 0:
+        raise SpecError("InvalidSpec", f"spec.resources.cpu must be > 0, got {res.cpu!r}")
+    memory = _quantity(res.memory, "spec.resources.memory")
+    _check_int(res.gpus, "spec.resources.gpus", 0)
+    if res.gpus == 0 and kv_bytes >= memory:
+        # On CPU the KV cache lives in the pod's memory, beside the weights and the runtime.
+        raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory ({engine.kv_cache_memory}) "
+                                       f"must be below spec.resources.memory ({res.memory}) on a "
+                                       f"CPU pod: the KV cache, the weights and the server share "
+                                       f"that memory; raise memory or lower kvCacheMemory")
+
+    for i, var in enumerate(spec.env):
+        if not isinstance(var.get("name"), str) or not ENV_NAME.match(var["name"]):
+            raise SpecError("InvalidSpec", f"spec.env[{i}].name must be a C identifier-like "
+                                           f"environment variable name, got {var.get('name')!r}")
+    return spec

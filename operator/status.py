@@ -1,0 +1,156 @@
+"""Pure status computation: conditions in the Kubernetes style and the replica counts.
+
+A condition is ``{type, status: "True"|"False"|"Unknown", reason, message, lastTransitionTime}``
+(as in metav1.Condition); ``lastTransitionTime`` changes only when ``status`` does.
+Types: ``Ready`` (some pod serves), ``Progressing`` (a rollout is under way), ``ScalingActive``
+(the autoscaler has metrics and acts; written by the autoscaler, issue 6, once it runs).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Mapping
+
+from slipstream.operator.resources import pod_selector
+from slipstream.operator.spec import InferenceServiceSpec
+
+READY, PROGRESSING, SCALING_ACTIVE = "Ready", "Progressing", "ScalingActive"
+CONDITION_ORDER = (READY, PROGRESSING, SCALING_ACTIVE)
+# Status fields the reconcile loop owns; the autoscaler owns queueDepth, kvCacheUtilization,
+# kvCachePercent, lastScaleTime, and shares desiredReplicas and the ScalingActive condition.
+OWNED_FIELDS = ("conditions", "replicas", "readyReplicas", "desiredReplicas", "url",
+                "observedGeneration", "selector")
+
+
+def timestamp(now: datetime.datetime) -> str:
+    """RFC 3339 in UTC with a ``Z``, seconds precision (metav1.Time)."""
+    return now.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def find_condition(conditions: list[Mapping[str, Any]] | None, type_: str,
+                   ) -> Mapping[str, Any] | None:
+    """The condition of ``type_`` in ``conditions``, or None."""
+    return next((c for c in conditions or () if c.get("type") == type_), None)
+
+
+def set_condition(conditions: list[Mapping[str, Any]] | None, type_: str, status: str,
+                  reason: str, message: str, now: datetime.datetime) -> list[dict[str, Any]]:
+    """A new condition list with ``type_`` set; the others are kept, ordered by type.
+
+    ``lastTransitionTime`` is ``now`` when the status differs from the previous one of that
+    type (or there was none), else the previous time.
+    """
+    previous = find_condition(conditions, type_)
+    since = previous.get("lastTransitionTime") if previous and previous.get(
+        "status") == status else None
+    condition = {"type": type_, "status": status, "reason": reason, "message": message,
+                 "lastTransitionTime": since or timestamp(now)}
+    rest = [dict(c) for c in conditions or () if c.get("type") != type_]
+    merged = rest + [condition]
+    order = {t: i for i, t in enumerate(CONDITION_ORDER)}
+    return sorted(merged, key=lambda c: order.get(c["type"], len(order)))
+
+
+def ready_condition(deployment: Mapping[str, Any] | None) -> tuple[str, str, str]:
+    """(status, reason, message) of ``Ready`` from the Deployment (None: not there yet)."""
+    if deployment is None:
+        return "False", "DeploymentMissing", "the Deployment does not exist yet"
+    want = deployment.get("spec", {}).get("replicas", 1)
+    ready = deployment.get("status", {}).get("readyReplicas") or 0
+    if want == 0 and ready == 0:
+        return "False", "ScaledToZero", "the Deployment has 0 replicas"
+    if ready >= 1:
+        return "True", "ReplicasReady", f"{ready}/{want} replicas ready"
+    return ("False", "NoReplicasReady",
+            f"0/{want} replicas ready; a pod turns ready once its model is loaded and warmed")
+
+
+def progressing_condition(deployment: Mapping[str, Any] | None) -> tuple[str, str, str]:
+    """(status, reason, message) of ``Progressing``: True while the Deployment rolls out."""
+    if deployment is None:
+        return "True", "Creating", "creating the Deployment"
+    spec, status = deployment.get("spec", {}), deployment.get("status", {})
+    for cond in status.get("conditions") or ():
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return "False", "ProgressDeadlineExceeded", cond.get("message", "rollout stalled")
+    want = spec.get("replicas", 1)
+    updated = status.get("updatedReplicas") or 0
+    available = status.get("availableReplicas") or 0
+    total = status.get("replicas") or 0
+    observed = status.get("observedGeneration") or 0
+    generation = deployment.get("metadata", {}).get("generation") or 0
+    if observed < generation or updated < want or total > updated or available < updated:
+        return ("True", "RollingOut",
+                f"{updated}/{want} pods run the current spec, {available} available")
+    return "False", "RolloutComplete", f"all {want} replicas run the current spec"
+
+
+def scaling_condition(spec: InferenceServiceSpec, conditions: list[Mapping[str, Any]] | None,
+                      ) -> tuple[str, str, str]:
+    """(status, reason, message) of ``ScalingActive``; keeps the autoscaler's own verdict."""
+    if not spec.autoscaling.enabled:
+        return ("False", "AutoscalingDisabled",
+                "replicas follow spec.replicas (kubectl scale changes it)")
+    previous = find_condition(conditions, SCALING_ACTIVE)
+    if previous and previous.get("reason") != "AutoscalingDisabled":
+        return previous["status"], previous["reason"], previous.get("message", "")
+    return "Unknown", "AwaitingMetrics", "the autoscaler has not read the pods' metrics yet"
+
+
+def clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
+
+
+def desired_replicas(spec: InferenceServiceSpec, status: Mapping[str, Any],
+                     deployment: Mapping[str, Any] | None) -> int:
+    """How many replicas the service should have now: ``spec.replicas`` without autoscaling;
+    with it, the autoscaler's last answer (else the Deployment's count), within min/max."""
+    scaling = spec.autoscaling
+    if not scaling.enabled:
+        return spec.replicas
+    current = status.get("desiredReplicas")
+    if current is None and deployment is not None:
+        current = deployment.get("spec", {}).get("replicas")
+    if current is None:
+        current = scaling.min_replicas
+    return clamp(current, scaling.min_replicas, scaling.max_replicas)
+
+
+def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,
+                   deployment: Mapping[str, Any] | None, *, url: str,
+                   now: datetime.datetime) -> dict[str, Any]:
+    """The status fields the reconcile loop owns (:data:`OWNED_FIELDS`) for a valid spec."""
+    status = body.get("status") or {}
+    conditions = status.get("conditions")
+    for type_, (st, reason, message) in (
+            (READY, ready_condition(deployment)),
+            (PROGRESSING, progressing_condition(deployment)),
+            (SCALING_ACTIVE, scaling_condition(spec, conditions))):
+        conditions = set_condition(conditions, type_, st, reason, message, now)
+    dep_status = (deployment or {}).get("status", {})
+    meta = body.get("metadata", {})
+    return {
+        "conditions": conditions,
+        "replicas": dep_status.get("replicas") or 0,
+        "readyReplicas": dep_status.get("readyReplicas") or 0,
+        "desiredReplicas": desired_replicas(spec, status, deployment),
+        "url": url,
+        "observedGeneration": meta.get("generation"),
+        "selector": pod_selector(meta["name"]),
+    }
+
+
+def failed_status(body: Mapping[str, Any], reason: str, message: str,
+                  now: datetime.datetime) -> dict[str, Any]:
+    """Status for a spec the operator cannot serve (or the API refused): Ready and Progressing
+    False with ``reason``; replica counts and url are left as they were."""
+    status = body.get("status") or {}
+    conditions = set_condition(status.get("conditions"), READY, "False", reason, message, now)
+    conditions = set_condition(conditions, PROGRESSING, "False", reason, message, now)
+    return {"conditions": conditions,
+            "observedGeneration": body.get("metadata", {}).get("generation")}
+
+
+def changed_fields(current: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``new`` that differ from ``current`` (a merge patch of the status)."""
+    current = current or {}
+    return {k: v for k, v in new.items() if current.get(k) != v}

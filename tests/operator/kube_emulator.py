@@ -1,0 +1,243 @@
+"""kmock's KubernetesEmulator made strict enough for a real kopf operator.
+
+As shipped, kmock's emulator stores objects as given: no ``resourceVersion``/``uid``/
+``generation``, a failed JSON-patch ``test`` answers 500 (kopf expects 422 and so cannot add its
+finalizer), PUT is not served, status is not a subresource, and no defaults are applied. This
+subclass takes over the writes (POST, PUT, PATCH, DELETE) and does what the API server does:
+
+- stamps ``uid``, ``creationTimestamp``, ``resourceVersion`` (bumped on each real change) and
+  ``generation`` (bumped when anything but metadata and status changes);
+- answers 409 to a create of an existing name and to a stale ``resourceVersion`` (PUT, merge
+  patch), 422 to a failed JSON-patch test or invalid body, 404 to a missing object;
+- serves merge, JSON and (as merge) strategic-merge patches, and PUT as a replace;
+- makes ``status`` a subresource where the CRD says so (the main resource ignores status
+  writes, ``/status`` writes only status);
+- applies the CRD's structural defaults and validates custom objects against its schema
+  (jsonschema), and Deployments/Services against Kubernetes' own (kubernetes-validate);
+- defaults a Deployment's ``spec.replicas`` to 1;
+- deletes an object with finalizers only by setting ``deletionTimestamp``, and removes it once
+  the last finalizer is gone.
+
+Not covered (real-API behaviour these tests cannot see): garbage collection by owner
+references, admission webhooks, CEL rules (``x-kubernetes-validations``), server-side apply and
+strategic merge by list keys, label selectors on list/watch, the controllers that give a
+Deployment pods and status (tests write that status by hand), Service IP allocation.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import uuid
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonschema
+import kmock
+import kubernetes_validate
+from kmock._internal import dicts as kmock_dicts
+
+KUBERNETES_VERSION = "1.37"
+_VALIDATED_KINDS = {("apps", "deployments"), ("", "services")}
+
+
+def schema_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """``value`` with the ``default``s of a structural OpenAPI schema filled in (recursively,
+    as the API server defaults a custom object)."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        value = dict(value)
+        for key, sub in (schema.get("properties") or {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = schema_defaults(sub, value[key])
+    elif isinstance(value, list) and "items" in schema:
+        value = [schema_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _essence(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    """See the module docstring. ``add_crd(crd)`` serves a CustomResourceDefinition's
+    resource; ``fail_next(method, plural, status)`` makes the next matching write fail once."""
+
+    _schemas: dict[Any, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    _status_subresource: set[Any] = attrs.field(factory=set, init=False)
+    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _failures: list[tuple[str, str, int]] = attrs.field(factory=list, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+
+    def add_crd(self, crd: dict[str, Any]) -> kmock.resource:
+        """Serve the (first) version of ``crd`` like the API server would after applying it."""
+        spec = crd["spec"]
+        version = spec["versions"][0]
+        res = kmock.resource(spec["group"], version["name"], spec["names"]["plural"])
+        subresources = set(version.get("subresources") or {})
+        self.resources[res] = kmock.ResourceInfo(
+            kind=spec["names"]["kind"], singular=spec["names"].get("singular"),
+            namespaced=spec["scope"] == "Namespaced", subresources=subresources,
+            shortnames=spec["names"].get("shortNames", ()),
+            verbs={"create", "delete", "get", "list", "patch", "update", "watch"})
+        self._schemas[res] = version["schema"]["openAPIV3Schema"]
+        if "status" in subresources:
+            self._status_subresource.add(res)
+        return res
+
+    def fail_next(self, method: str, plural: str, status: int) -> None:
+        """The next ``method`` (POST, PUT, PATCH, DELETE) on ``plural`` answers ``status``."""
+        self._failures.append((method.upper(), plural, status))
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        write = request.method in ("POST", "PUT", "PATCH", "DELETE")
+        if request.resource is None or not write:
+            return await super()._handle(request)  # reads: kmock serves the stored objects
+        for i, (method, plural, status) in enumerate(self._failures):
+            if method == request.method and plural == request.resource.plural:
+                del self._failures[i]
+                raise kmock.KubernetesError(status=status, reason="Injected",
+                                            message=f"injected {status} for a test")
+        async with self._lock:
+            code, obj, event = self._write(request)
+        if event is not None:
+            await self._buses[request.resource].put({"type": event, "object": obj})
+        return aiohttp.web.json_response(obj, status=code)
+
+    # One write, under the lock: returns (HTTP code, object to answer with, watch event type).
+    def _write(self, request: kmock.Request) -> tuple[int, dict[str, Any], str | None]:
+        res = request.resource
+        if request.method == "POST" and request.name is None:
+            return self._create(res, request)
+        key = (res, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        old = self.objects[key].raw
+        if request.method == "DELETE":
+            return self._delete(key, old)
+        if request.subresource not in (None, "status"):
+            raise kmock.KubernetesNotFoundError(message=f"no subresource {request.subresource}")
+        new = self._changed(res, request, old)
+        meta, old_meta = new.setdefault("metadata", {}), old["metadata"]
+        for field in ("uid", "creationTimestamp", "name", "namespace", "deletionTimestamp"):
+            if field in old_meta:
+                meta[field] = old_meta[field]
+        if res in self._status_subresource:  # status and the rest are written separately
+            if request.subresource == "status":
+                new = {**copy.deepcopy(old), "status": new.get("status")}
+                if new["status"] is None:
+                    del new["status"]
+            elif "status" in old:
+                new["status"] = copy.deepcopy(old["status"])
+            else:
+                new.pop("status", None)
+        new = self._defaulted(res, new)
+        new["metadata"]["generation"] = old_meta.get("generation", 1) + (
+            _essence(new) != _essence(old))
+        new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
+        if new == old:
+            return 200, old, None
+        new["metadata"]["resourceVersion"] = str(next(self._versions))
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            self.objects[key].delete()
+            return 200, new, "DELETED"
+        self.objects[key].patch(None)  # a new version in the history, then its content
+        self.objects[key].history[-1] = new
+        return 200, new, "MODIFIED"
+
+    def _changed(self, res: Any, request: kmock.Request, old: dict[str, Any]) -> dict[str, Any]:
+        body = request.data
+        if request.method == "PUT":
+            sent_version = (body.get("metadata") or {}).get("resourceVersion")
+            if sent_version and sent_version != old["metadata"]["resourceVersion"]:
+                raise self._conflict(request)
+            return copy.deepcopy(body)
+        content_type = request.headers.get("Content-Type", "").split(";")[0]
+        if content_type == "application/json-patch+json":
+            try:
+                return jsonpatch.apply_patch(copy.deepcopy(old), body)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc))
+        if content_type in ("application/merge-patch+json",
+                            "application/strategic-merge-patch+json"):
+            sent_version = (body.get("metadata") or {}).get("resourceVersion")
+            if sent_version and sent_version != old["metadata"]["resourceVersion"]:
+                raise self._conflict(request)
+            return dict(kmock_dicts.merge_patch_dict(copy.deepcopy(old), body))
+        raise kmock.KubernetesError(status=415, reason="UnsupportedMediaType",
+                                    message=f"unsupported patch type {content_type!r}")
+
+    def _create(self, res: Any, request: kmock.Request) -> tuple[int, dict[str, Any], str]:
+        obj = copy.deepcopy(request.data)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        namespace = request.namespace or meta.get("namespace")
+        if namespace:
+            meta["namespace"] = namespace
+        key = (res, namespace, meta.get("name"))
+        if key in self.objects and not self.objects[key].deleted:
+            raise kmock.KubernetesError(status=409, reason="AlreadyExists",
+                                        message=f"{res.plural} {meta['name']!r} already exists")
+        if res in self._status_subresource:
+            obj.pop("status", None)
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
+                    resourceVersion=str(next(self._versions)))
+        obj = self._defaulted(res, obj)
+        if key in self.objects:
+            self.objects[key].create(obj)
+        else:
+            self.objects[key] = obj
+        return 201, obj, "ADDED"
+
+    def _delete(self, key: Any, old: dict[str, Any]) -> tuple[int, dict[str, Any], str | None]:
+        meta = old["metadata"]
+        if meta.get("finalizers"):
+            if meta.get("deletionTimestamp"):
+                return 200, old, None
+            new = copy.deepcopy(old)
+            new["metadata"].update(deletionTimestamp=_now(),
+                                   resourceVersion=str(next(self._versions)))
+            self.objects[key].patch(None)
+            self.objects[key].history[-1] = new
+            return 200, new, "MODIFIED"
+        self.objects[key].delete()
+        return 200, old, "DELETED"
+
+    def _defaulted(self, res: Any, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server defaults, then validation (422 on an invalid object)."""
+        if res in self._schemas:
+            obj = schema_defaults(self._schemas[res], obj)
+            errors = sorted(jsonschema.Draft4Validator(self._schemas[res]).iter_errors(obj),
+                            key=str)
+            if errors:
+                raise kmock.KubernetesError(status=422, reason="Invalid",
+                                            message=errors[0].message)
+        if (res.group, res.plural) == ("apps", "deployments"):
+            obj.setdefault("spec", {}).setdefault("replicas", 1)
+        if (res.group, res.plural) in _VALIDATED_KINDS:
+            try:
+                kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise kmock.KubernetesError(status=422, reason="Invalid",
+                                            message=f"{'.'.join(map(str, exc.path))}: "
+                                                    f"{exc.message}")
+        return obj
+
+    def _conflict(self, request: kmock.Request) -> kmock.KubernetesError:
+        return kmock.KubernetesError(
+            status=409, reason="Conflict",
+            message=f"Operation cannot be fulfilled on {request.resource.plural} "
+                    f"{request.name!r}: the object has been modified; please apply your changes "
+                    f"to the latest version and try again")
