@@ -1,25 +1,93 @@
-"""Attention over the paged KV cache: Triton kernels on CUDA, the torch reference elsewhere."""
+"""Attention over the paged KV cache: Triton kernels on CUDA, the torch reference elsewhere.
+
+The engine calls :func:`write_kv` and :func:`paged_attention` once per layer. Which
+implementation runs is chosen per call from the tensors' device and ``SLIPSTREAM_ATTENTION``:
+
+- ``auto`` (default): Triton on CUDA tensors, the torch reference on anything else;
+- ``torch``: always the reference;
+- ``triton``: always Triton. On CPU tensors that needs Triton's interpreter, i.e.
+  ``TRITON_INTERPRET=1`` set before the Triton kernels are first imported.
+"""
 from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
 
 import torch
 
 from . import reference
 from .metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "write_kv", "paged_attention"]
+__all__ = ["AttentionMetadata", "write_kv", "paged_attention", "select_backend"]
+
+ENV_VAR = "SLIPSTREAM_ATTENTION"
+MODES = ("auto", "torch", "triton")
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
+def _triton_backend(forced: bool) -> ModuleType | None:
+    # Imported on first use: triton is optional (the `gpu` extra) and slow to import.
+    try:
+        from . import triton_attention
+    except ImportError as exc:
+        if forced:
+            raise RuntimeError(f"{ENV_VAR}=triton but Triton cannot be imported ({exc}); "
+                               "install it with `pip install 'slipstream[gpu]'`") from exc
+        warnings.warn(f"CUDA tensors but Triton cannot be imported ({exc}); using the slower torch "
+                      "reference attention. Install `slipstream[gpu]` to use the Triton kernels.",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return triton_attention
+
+
+def select_backend(tensor: torch.Tensor) -> ModuleType:
+    """The module (``reference`` or ``triton_attention``) that attends over ``tensor``'s device.
+
+    Raises:
+        ValueError: ``SLIPSTREAM_ATTENTION`` is not one of ``auto``, ``torch``, ``triton``.
+        RuntimeError: ``triton`` forced but Triton is missing, or CPU tensors without the
+            interpreter.
+    """
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "torch" or (mode == "auto" and not tensor.is_cuda):
+        return reference
+    backend = _triton_backend(forced=mode == "triton")
+    if backend is None:
+        return reference
+    from .triton_common import check_runnable
+    check_runnable(tensor)
+    return backend
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write new K/V through the slot mapping; see :func:`reference.write_kv` for shapes."""
-    reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    """Write new K/V through the slot mapping, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64, ``block * block_size + offset``; ``-1`` skipped.
+    """
+    select_backend(key).write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of the batch's new tokens over their paged context; see :func:`reference.paged_attention`."""
-    return reference.paged_attention(query, k_cache, v_cache, meta, scale)
+    """Causal attention of the batch's new tokens over their paged context.
+
+    Decode rows, prefill chunks and prefix-cache hits may be mixed in one batch; see
+    :func:`reference.paged_attention` for the contract.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding
+            the new tokens' K/V.
+        meta: the batch layout.
+        scale: softmax scale.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    return select_backend(query).paged_attention(query, k_cache, v_cache, meta, scale)

@@ -1,0 +1,294 @@
+"""Paged-attention kernels: the torch reference against dense attention, the Triton kernels
+(in Triton's interpreter, on CPU) against the reference, and the dispatch between them.
+
+Tolerances compare each kernel with the reference run in fp32 on the same (already rounded)
+inputs, so they bound only the kernel's own rounding:
+- fp32: 1e-5 (summation order, exp2 vs exp);
+- fp16: 2e-3 relative + 1e-3 absolute (probabilities rounded to fp16 for the P·V product as on
+  tensor cores, output rounded to fp16: each ≤ 2^-11 relative);
+- bf16: 8e-3 relative + 2e-3 absolute (output rounded to bf16: ≤ 2^-8 relative, as the interpreter
+  truncates where a GPU rounds to nearest; it computes bf16 in fp32, see
+  ``triton_common.compute_in_fp32``).
+The KV write copies bits, so it must match the reference exactly.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+# Triton 3.9 reads TRITON_INTERPRET when triton.language is first imported (its library kernels
+# are decorated then), when our kernels are decorated, and again at launch: so it is set for the
+# whole session, before anything imports triton. Harmless elsewhere: CPU tensors take the torch
+# path under the default SLIPSTREAM_ATTENTION=auto.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from slipstream import kernels  # noqa: E402
+from slipstream.kernels import reference  # noqa: E402
+from slipstream.kernels.metadata import AttentionMetadata  # noqa: E402
+
+TRITON_MODULES = ("triton_common", "triton_kv_write", "triton_decode", "triton_prefill", "triton_attention")
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (8e-3, 2e-3)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                                 ids=["fp32", "fp16", "bf16"])
+
+
+@pytest.fixture(scope="module")
+def tk():
+    """The Triton kernel modules, defined under Triton's interpreter so they run on CPU tensors."""
+    mods = {name: importlib.import_module(f"slipstream.kernels.{name}") for name in TRITON_MODULES}
+    assert mods["triton_common"].INTERPRETED, (
+        "triton was imported before TRITON_INTERPRET=1 was set: run these tests in their own "
+        "process or set TRITON_INTERPRET=1 in the environment")
+    return type("Kernels", (), mods)
+
+
+def make_batch(q_lens, seq_lens, *, block_size=16, num_kv_heads=2, group=1, head_dim=64,
+               dtype=torch.float32, pad_tokens=0, seed=0):
+    """Random caches and a batch over them with shuffled (non-contiguous) block tables.
+
+    Request ``b`` has ``q_lens[b]`` new tokens ending a ``seq_lens[b]``-token context; its blocks
+    are a random draw from a pool with spare blocks. ``pad_tokens`` query rows after the last
+    request stand for padding (slot -1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    pool = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = pool[used:used + n]
+        used += n
+    slots = [int(tables[b, p // block_size]) * block_size + p % block_size
+             for b, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(sum(q_lens) + pad_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    return query, k_cache, v_cache, meta
+
+
+def oracle(query, k_cache, v_cache, meta, scale):
+    """The reference in fp32 on the same rounded inputs."""
+    return reference.paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, scale)
+
+
+def assert_matches(out, expected, dtype):
+    rtol, atol = TOL[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+
+
+def boundary_contexts(block_size):
+    """A 1-token context, contexts ending just before, on and just after a block boundary, and a
+    multi-block one."""
+    return [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+
+
+# --- the oracle itself -------------------------------------------------------------------------
+
+def dense_causal_attention(q, k, v, scale):
+    """Per-request attention with no paging: ``q [q_len, h, d]`` at the end of ``k, v [seq_len, kvh, d]``."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        pos = k.shape[0] - q.shape[0] + i
+        probs = (torch.einsum("hd,jhd->hj", q[i], k[:pos + 1]) * scale).softmax(-1)
+        out[i] = torch.einsum("hj,jhd->hd", probs, v[:pos + 1])
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_reference_equals_dense_causal_attention_per_request(block_size, group):
+    q_lens, seq_lens = [1, 7, block_size, 3], [1, 7, 3 * block_size, 2 * block_size + 1]
+    num_kv_heads, head_dim, scale = 2, 8, 0.3
+    gen = torch.Generator().manual_seed(1)
+    keys = [torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=torch.float64) for s in seq_lens]
+    values = [torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=torch.float64) for s in seq_lens]
+    queries = [torch.randn(q, num_kv_heads * group, head_dim, generator=gen, dtype=torch.float64) for q in q_lens]
+    _, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, block_size=block_size,
+                                           num_kv_heads=num_kv_heads, head_dim=head_dim)
+    k_cache, v_cache = torch.zeros_like(k_cache, dtype=torch.float64), torch.zeros_like(v_cache, dtype=torch.float64)
+    # Store every context token (not only the new ones) through its own slot.
+    for b, s in enumerate(seq_lens):
+        slots = torch.tensor([int(meta.block_tables[b, p // block_size]) * block_size + p % block_size
+                              for p in range(s)])
+        reference.write_kv(keys[b], values[b], k_cache, v_cache, slots)
+
+    out = reference.paged_attention(torch.cat(queries), k_cache, v_cache, meta, scale)
+
+    expected = torch.cat([dense_causal_attention(q, k, v, scale) for q, k, v in zip(queries, keys, values)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # the reference computes in fp32
+
+
+# --- Triton KV write ---------------------------------------------------------------------------
+
+@DTYPES
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("kv_dtype", ["same", "fp32"])
+def test_triton_write_kv_scatters_like_reference_and_skips_padding(tk, block_size, dtype, kv_dtype):
+    q_lens = seq_lens = [3, block_size + 1]
+    _, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, pad_tokens=2)
+    num_tokens, num_kv_heads, head_dim = meta.slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3]
+    # K as a view into a fused QKV projection (strided rows), V contiguous; cache dtype or fp32.
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim).to(dtype if kv_dtype == "same" else torch.float32)
+    key = qkv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, 2 * num_kv_heads * head_dim:].reshape(num_tokens, num_kv_heads, head_dim).clone()
+    before = k_cache.clone()
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, expected_k, expected_v, meta.slot_mapping)
+
+    tk.triton_kv_write.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not torch.equal(k_cache, before)
+
+
+# --- Triton decode -----------------------------------------------------------------------------
+
+DECODE_CASES = [  # (block_size, head_dim, group, dtype): every dtype x group, both block sizes and head dims
+    (16, 64, 1, torch.float32), (32, 128, 3, torch.float32), (16, 128, 8, torch.float32),
+    (32, 64, 1, torch.float16), (16, 64, 3, torch.float16), (32, 128, 8, torch.float16),
+    (16, 128, 1, torch.bfloat16), (32, 64, 3, torch.bfloat16), (16, 64, 8, torch.bfloat16),
+]
+
+
+def case_id(case):
+    block_size, head_dim, group, dtype = case
+    return f"bs{block_size}-d{head_dim}-g{group}-{str(dtype).removeprefix('torch.')}"
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+def test_triton_decode_matches_reference_unsplit_and_split_k(tk, case):
+    block_size, head_dim, group, dtype = case
+    seq_lens = boundary_contexts(block_size)
+    query, k_cache, v_cache, meta = make_batch([1] * len(seq_lens), seq_lens, block_size=block_size,
+                                               group=group, head_dim=head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    expected = oracle(query, k_cache, v_cache, meta, scale)
+
+    for num_splits in (1, 4):  # 4 partitions of 32 keys: requests fill 1..4 of them
+        out = torch.zeros_like(query)
+        tk.triton_decode.decode_attention(query, k_cache, v_cache, meta, scale, out,
+                                          num_splits=num_splits, tile_n=16)
+        assert_matches(out, expected, dtype)
+
+
+def test_triton_decode_default_tiles_on_long_context(tk):
+    seq_lens = [1, 200, 64, 65]
+    query, k_cache, v_cache, meta = make_batch([1] * 4, seq_lens, block_size=16, group=3)
+    expected = oracle(query, k_cache, v_cache, meta, 0.125)
+    for num_splits in (None, 3):
+        out = torch.zeros_like(query)
+        tk.triton_decode.decode_attention(query, k_cache, v_cache, meta, 0.125, out, num_splits=num_splits)
+        assert_matches(out, expected, torch.float32)
+
+
+def test_decode_partitions_cover_the_context_in_whole_tiles(tk):
+    choose = tk.triton_decode.choose_partition
+    cpu = torch.device("cpu")
+    assert choose(8, 2, 4096, cpu) == (1, 4096)
+    for max_seq_len, forced in ((1, 4), (100, 4), (4096, 7), (65, 64)):
+        splits, partition = choose(1, 1, max_seq_len, cpu, num_splits=forced, tile_n=16)
+        assert partition % 16 == 0 and 1 <= splits <= forced
+        assert (splits - 1) * partition < max_seq_len <= splits * partition
+
+
+# --- Triton prefill ----------------------------------------------------------------------------
+
+def prefill_batch(block_size):
+    """(q_lens, seq_lens): a fresh prompt crossing a boundary, a chunk ending on a boundary, a
+    prefix-cache hit ending just before one, a short chunk just after one, and a decode row."""
+    return ([block_size + 1, 5, block_size, 3, 1],
+            [block_size + 1, 2 * block_size, 3 * block_size - 1, 2 * block_size + 1, 7])
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+def test_triton_prefill_matches_reference_on_chunks_and_cached_prefixes(tk, case):
+    block_size, head_dim, group, dtype = case
+    q_lens, seq_lens = prefill_batch(block_size)
+    query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, block_size=block_size, group=group,
+                                               head_dim=head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    expected = oracle(query, k_cache, v_cache, meta, scale)
+
+    # Small tiles put several query tiles and key tiles in each request; then the defaults.
+    for block_m, tile_n in ((16, 16), (64, 64)):
+        out = torch.zeros_like(query)
+        tk.triton_prefill.prefill_attention(query, k_cache, v_cache, meta, scale, out,
+                                            min_q_len=1, block_m=block_m, tile_n=tile_n)
+        assert_matches(out, expected, dtype)
+
+
+def test_triton_prefill_leaves_rows_shorter_than_min_q_len_to_decode(tk):
+    query, k_cache, v_cache, meta = make_batch([1, 4], [9, 9])
+    out = torch.zeros_like(query)
+    tk.triton_prefill.prefill_attention(query, k_cache, v_cache, meta, 0.125, out, min_q_len=2)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert_matches(out[1:], oracle(query, k_cache, v_cache, meta, 0.125)[1:], torch.float32)
+
+
+# --- the entry point ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_entry_point_runs_a_mixed_batch_with_padding_through_triton(tk, monkeypatch, dtype):
+    # Decode rows (1-token and multi-block contexts), a chunk after a cached prefix, a fresh
+    # prompt, and two padding tokens at the end; K/V are written through the entry point first.
+    q_lens, seq_lens = [1, 1, 6, 19, 2, 1], [1, 50, 38, 19, 17, 16]
+    query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, group=3, dtype=dtype, pad_tokens=2)
+    key = torch.randn(query.shape[0], k_cache.shape[2], k_cache.shape[3]).to(dtype)
+    value = torch.randn_like(key)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    monkeypatch.setenv("SLIPSTREAM_ATTENTION", "triton")
+    kernels.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    out = kernels.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    monkeypatch.setenv("SLIPSTREAM_ATTENTION", "torch")
+    kernels.write_kv(key, value, k_ref, v_ref, meta.slot_mapping)
+    expected = oracle(query, k_ref, v_ref, meta, 0.125)
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert_matches(out, expected, dtype)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # padding rows
+
+
+@pytest.mark.parametrize("mode, expected", [("auto", "reference"), ("torch", "reference"),
+                                            ("triton", "triton_attention"), (" Triton ", "triton_attention")])
+def test_slipstream_attention_selects_the_backend_for_cpu_tensors(tk, monkeypatch, mode, expected):
+    monkeypatch.setenv("SLIPSTREAM_ATTENTION", mode)
+    assert kernels.select_backend(torch.zeros(1)).__name__ == f"slipstream.kernels.{expected}"
+
+
+def test_default_backend_on_cpu_is_the_reference(monkeypatch):
+    monkeypatch.delenv("SLIPSTREAM_ATTENTION", raising=False)
+    assert kernels.select_backend(torch.zeros(1)) is reference
+
+
+def test_unknown_slipstream_attention_value_is_rejected(monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_ATTENTION", "cuda")
+    with pytest.raises(ValueError, match="SLIPSTREAM_ATTENTION must be one of auto, torch, triton, got 'cuda'"):
+        kernels.select_backend(torch.zeros(1))
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(tk, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_ATTENTION", "triton")
+    monkeypatch.setattr(tk.triton_common, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1.*SLIPSTREAM_ATTENTION=torch"):
+        kernels.select_backend(torch.zeros(1))
+
+
+def test_triton_attention_rejects_mismatched_dtypes(tk):
+    query, k_cache, v_cache, meta = make_batch([1], [5])
+    with pytest.raises(ValueError, match="dtypes must match"):
+        tk.triton_attention.paged_attention(query.half(), k_cache, v_cache, meta, 0.125)
