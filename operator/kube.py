@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -56,6 +57,7 @@ class Resource:
 
 
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
+PODS = Resource("", "v1", "pods")
 SERVICES = Resource("", "v1", "services")
 INFERENCESERVICES = Resource("slipstream.dev", "v1alpha1", "inferenceservices")
 CLUSTER_PEERINGS = Resource("kopf.dev", "v1", "clusterkopfpeerings")
@@ -143,6 +145,14 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(self, resource: Resource, namespace: str | None,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        """The items of a list call (``label_selector`` like ``a=b,c=d``)."""
+        query = f"?{urllib.parse.urlencode({'labelSelector': label_selector})}" \
+            if label_selector else ""
+        answer = await self.request("GET", resource.path(namespace) + query)
+        return list(answer.get("items") or [])
 
     async def create(self, resource: Resource, obj: Mapping[str, Any]) -> dict[str, Any]:
         return await self.request("POST", resource.path(obj["metadata"].get("namespace")), obj)

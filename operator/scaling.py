@@ -18,14 +18,16 @@ from slipstream.operator.spec import SpecError, parse_spec
 
 def scale_status(status: Mapping[str, Any], *, replicas: int, scaled: bool,
                  queue_depth: float | None, kv_cache_utilization: float | None,
-                 active: bool, reason: str, message: str,
-                 now: datetime.datetime) -> dict[str, Any]:
+                 active: bool, reason: str, message: str, now: datetime.datetime,
+                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The status fields after an autoscaler tick.
 
     replicas: the (clamped) count written to the Deployment. scaled: whether it changed (then
-    ``lastScaleTime`` is ``now``). queue_depth: mean ``num_requests_waiting`` per ready pod.
-    kv_cache_utilization: mean ``kv_cache_usage_perc`` (0..1). active/reason/message: the
-    ``ScalingActive`` condition (False with a reason when metrics could not be read).
+    ``lastScaleTime`` is ``now``). queue_depth: ``num_requests_waiting`` summed over the ready
+    pods. kv_cache_utilization: mean ``kv_cache_usage_perc`` (0..1). active/reason/message: the
+    ``ScalingActive`` condition (False with a reason when metrics could not be read). extra:
+    more status fields the CRD declares (``autoscaler``: the policy's state between ticks,
+    ``scalingHistory``), written as given.
     """
     new: dict[str, Any] = {
         "desiredReplicas": replicas,
@@ -39,6 +41,7 @@ def scale_status(status: Mapping[str, Any], *, replicas: int, scaled: bool,
         new["kvCachePercent"] = int(round(100 * float(kv_cache_utilization)))
     if scaled:
         new["lastScaleTime"] = st.timestamp(now)
+    new.update(extra or {})
     return new
 
 
@@ -46,10 +49,11 @@ async def apply_scale(kube: Kube, namespace: str, name: str, *, replicas: int,
                       queue_depth: float | None = None,
                       kv_cache_utilization: float | None = None, active: bool = True,
                       reason: str = "MetricsAvailable", message: str = "",
+                      extra_status: Mapping[str, Any] | None = None,
                       now: datetime.datetime | None = None) -> int | None:
     """Set InferenceService ``namespace/name``'s Deployment to ``replicas`` (clamped to
-    [minReplicas, maxReplicas]) and record the tick in its status; a Normal ``Scaled`` Event
-    (with ``message`` as the why) when the count changes.
+    [minReplicas, maxReplicas]) and record the tick in its status (see :func:`scale_status`
+    for the arguments); a Normal ``Scaled`` Event (``message`` says why) when the count changes.
 
     Returns the count written, or None when there is nothing to scale: the object or its
     Deployment is gone, it is being deleted, its spec is invalid, or autoscaling is off.
@@ -80,5 +84,5 @@ async def apply_scale(kube: Kube, namespace: str, name: str, *, replicas: int,
     await update_status(kube, body, lambda b: scale_status(
         b.get("status") or {}, replicas=target, scaled=target != current,
         queue_depth=queue_depth, kv_cache_utilization=kv_cache_utilization, active=active,
-        reason=reason, message=message, now=now))
+        reason=reason, message=message, now=now, extra=extra_status))
     return target

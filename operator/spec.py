@@ -279,4 +279,7 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
         if not isinstance(var.get("name"), str) or not ENV_NAME.match(var["name"]):
             raise SpecError("InvalidSpec", f"spec.env[{i}].name must be a C identifier-like "
                                            f"environment variable name, got {var.get('name')!r}")
+        if "value" in var and "valueFrom" in var:
+            raise SpecError("InvalidSpec", f"spec.env[{i}] ({var['name']}) sets value and "
+                                           f"valueFrom; set one")
     return spec

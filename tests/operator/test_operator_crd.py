@@ -1,0 +1,145 @@
+"""The CRD itself, and InferenceService files checked against it without a cluster.
+
+Three layers reject a bad InferenceService: the structural schema (checked here with
+jsonschema), the CEL rules (``x-kubernetes-validations``, evaluated here with the
+``common-expression-language`` package as the API server would), and the operator's own
+``parse_spec`` (which repeats both, for servers without CEL, and adds what neither can say).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Iterator
+
+import cel
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import EXAMPLES
+from kube_emulator import KUBERNETES_VERSION, schema_defaults
+from slipstream.operator import spec as spec_module
+from slipstream.operator.resources import render_children
+from slipstream.operator.spec import SpecError, parse_spec
+
+INVALID = sorted((pathlib.Path(__file__).parent / "invalid").glob("*.yaml"))
+
+
+def header(path: pathlib.Path, key: str) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith(f"# {key}:"):
+            return line.split(":", 1)[1].strip()
+    raise KeyError(key)
+
+
+def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    """jsonschema's verdict (OpenAPI v3.0 is draft-4-like: boolean exclusiveMinimum)."""
+    return [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(obj)]
+
+
+def cel_rules(schema: dict[str, Any], value: Any) -> Iterator[tuple[dict[str, Any], Any]]:
+    """(rule, self) for every CEL rule that applies to ``value``, as the API server walks."""
+    for rule in schema.get("x-kubernetes-validations") or ():
+        yield rule, value
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in value:
+                yield from cel_rules(sub, value[key])
+    elif isinstance(value, list) and "items" in schema:
+        for item in value:
+            yield from cel_rules(schema["items"], item)
+
+
+def cel_violations(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    return [rule["message"] for rule, value in cel_rules(schema, obj)
+            if cel.evaluate(rule["rule"], {"self": value}) is not True]
+
+
+def walk_schema(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from walk_schema(sub, f"{path}.{key}")
+    if "items" in schema:
+        yield from walk_schema(schema["items"], f"{path}[]")
+
+
+def test_crd_is_a_valid_apiextensions_object(crd):
+    kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
+    assert crd["spec"]["group"] == "slipstream.dev"
+    assert crd["spec"]["names"]["shortNames"] == ["infsvc"]
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+
+
+def test_kopf_peering_crds_are_valid():
+    path = pathlib.Path(__file__).resolve().parents[2] / "crds" / "kopf-peering.yaml"
+    docs = list(yaml.safe_load_all(path.read_text()))
+    assert {d["spec"]["names"]["kind"] for d in docs} == {"ClusterKopfPeering", "KopfPeering"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_printer_columns_cover_the_operators_view(crd):
+    columns = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
+    assert columns == ["Ready", "Replicas", "Desired", "Queue", "KV%", "URL", "Age"]
+
+
+def test_schema_is_structural(crd_schema):
+    """Every node says its type (or is int-or-string / preserves unknown fields), as a
+    structural schema must, and nothing but status and valueFrom keeps unknown fields."""
+    for path, node in walk_schema(crd_schema):
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), path
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            assert path in (".spec.env[].valueFrom", ".status.autoscaler"), path
+
+
+def test_crd_defaults_equal_the_operators_defaults(crd_schema):
+    """parse_spec fills what the API server would, so a server without defaulting (or an
+    emulator) sees the same spec."""
+    nodes = {spec_module.InferenceServiceSpec: crd_schema["properties"]["spec"]}
+    for crd_name, cls in spec_module._NESTED.items():
+        nodes[cls] = nodes[spec_module.InferenceServiceSpec]["properties"][crd_name]
+    checked = 0
+    for cls, node in nodes.items():
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for crd_name, py_name in spec_module._FIELDS[cls].items():
+            sub = node["properties"][crd_name]
+            if "default" in sub and not (cls is spec_module.InferenceServiceSpec
+                                         and crd_name in spec_module._NESTED):
+                assert sub["default"] == defaults[py_name], f"{cls.__name__}.{crd_name}"
+                checked += 1
+    assert checked >= 20
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_pass_schema_cel_and_operator(path, crd_schema):
+    obj = yaml.safe_load(path.read_text())
+    assert schema_errors(crd_schema, obj) == []
+    defaulted = schema_defaults(crd_schema, obj)
+    assert cel_violations(crd_schema, defaulted) == []
+    assert parse_spec(obj["spec"], name=obj["metadata"]["name"]) == \
+        parse_spec(defaulted["spec"], name=obj["metadata"]["name"])
+    obj["metadata"].setdefault("namespace", "default")
+    assert [c["kind"] for c in render_children(obj)] == ["Deployment", "Service"]
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
+def test_invalid_files_are_rejected_by_their_layer_and_by_the_operator(path, crd_schema):
+    obj = yaml.safe_load(path.read_text())
+    layer, needle = header(path, "rejected by"), header(path, "message mentions")
+    errors = schema_errors(crd_schema, obj)
+    if layer == "schema":
+        assert errors, "the schema should reject it"
+    else:
+        assert errors == []
+        violations = cel_violations(crd_schema, schema_defaults(crd_schema, obj))
+        if layer == "cel":
+            assert violations and any(needle in m for m in violations), violations
+        else:
+            assert violations == []
+    with pytest.raises(SpecError) as caught:
+        parse_spec(obj["spec"], name=obj["metadata"]["name"])
+    assert needle in caught.value.message
