@@ -1,0 +1,378 @@
+"""Autoscaling policy: desired replicas from the pods' queue depth and KV-cache use (pure).
+
+The operator calls :func:`decide` once per tick with the samples the scraper read, the clock and
+the replica counts; it returns a :class:`Decision` carrying the new :class:`AutoscalerState`.
+Nothing here reads a clock or talks to the network, so a simulation drives it in a loop with a
+synthetic clock and the tests replay sample sequences.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+HISTORY_LIMIT = 10
+# ceil(4.000000001) must stay 4: sums of float samples carry rounding error.
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class PodSample:
+    """One pod's gauges read at one scrape.
+
+    pod: the pod's name.
+    time: when it was read, seconds on the caller's clock.
+    num_requests_waiting / num_requests_running: requests (``slipstream:num_requests_*``).
+    kv_cache_usage_perc: KV-cache utilization, 0..1 (``slipstream:kv_cache_usage_perc``).
+    """
+
+    pod: str
+    time: float
+    num_requests_waiting: float
+    num_requests_running: float
+    kv_cache_usage_perc: float
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingSpec:
+    """``spec.autoscaling`` of an InferenceService (see :meth:`from_dict` for the keys);
+    the defaults are the CRD's (crds/inferenceservice.yaml).
+
+    Targets are per ready pod: waiting requests (``targetQueueDepth``) and KV-cache utilization
+    0..1 (``targetKVCacheUtilization``). Windows and delays are seconds. ``tolerance`` is the
+    dead band around the target (Kubernetes HPA's default 0.1).
+    """
+
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_queue_depth: float = 5.0
+    target_kv_cache_utilization: float = 0.8
+    stable_window_seconds: float = 60.0
+    panic_window_seconds: float = 6.0
+    panic_threshold: float = 2.0
+    scale_down_delay_seconds: float = 300.0
+    tolerance: float = 0.1
+
+    _KEYS = {
+        "enabled": "enabled",
+        "minReplicas": "min_replicas",
+        "maxReplicas": "max_replicas",
+        "targetQueueDepth": "target_queue_depth",
+        "targetKVCacheUtilization": "target_kv_cache_utilization",
+        "stableWindowSeconds": "stable_window_seconds",
+        "panicWindowSeconds": "panic_window_seconds",
+        "panicThreshold": "panic_threshold",
+        "scaleDownDelaySeconds": "scale_down_delay_seconds",
+        "tolerance": "tolerance",
+    }
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"spec.autoscaling: {message}")
+
+        check(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
+              f"minReplicas must be an integer >= 1 (no scale to zero), got {self.min_replicas!r}")
+        check(isinstance(self.max_replicas, int) and self.max_replicas >= self.min_replicas,
+              f"maxReplicas must be an integer >= minReplicas ({self.min_replicas}), got {self.max_replicas!r}")
+        check(self.target_queue_depth > 0,
+              f"targetQueueDepth must be > 0 waiting requests per pod, got {self.target_queue_depth}")
+        check(0 < self.target_kv_cache_utilization <= 1,
+              f"targetKVCacheUtilization must be in (0, 1], got {self.target_kv_cache_utilization}")
+        check(self.stable_window_seconds > 0,
+              f"stableWindowSeconds must be > 0, got {self.stable_window_seconds}")
+        check(0 < self.panic_window_seconds <= self.stable_window_seconds,
+              f"panicWindowSeconds must be in (0, stableWindowSeconds], got {self.panic_window_seconds}")
+        check(self.panic_threshold >= 1, f"panicThreshold must be >= 1, got {self.panic_threshold}")
+        check(self.scale_down_delay_seconds >= 0,
+              f"scaleDownDelaySeconds must be >= 0, got {self.scale_down_delay_seconds}")
+        check(0 <= self.tolerance < 1, f"tolerance must be in [0, 1), got {self.tolerance}")
+
+    @classmethod
+    def from_dict(cls, autoscaling: Mapping[str, Any] | None) -> AutoscalingSpec:
+        """Build from the CRD's camelCase ``spec.autoscaling``; None means autoscaling is off.
+
+        Keys: enabled (default false, as in the CRD), minReplicas, maxReplicas,
+        targetQueueDepth, targetKVCacheUtilization, stableWindowSeconds, panicWindowSeconds,
+        panicThreshold, scaleDownDelaySeconds, tolerance. Unknown keys are ignored.
+        Raises ValueError naming the field when a value is out of range.
+        """
+        if autoscaling is None:
+            return cls(enabled=False)
+        return cls(**{name: autoscaling[key] for key, name in cls._KEYS.items() if key in autoscaling})
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> AutoscalingSpec:
+        """Copy the same-named attributes of another spec object (``slipstream.operator.spec``'s
+        parsed ``AutoscalingSpec``); missing ones keep their defaults."""
+        return cls(**{name: getattr(spec, name) for name in cls._KEYS.values() if hasattr(spec, name)})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The camelCase form :meth:`from_dict` reads."""
+        return {key: getattr(self, name) for key, name in self._KEYS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """Load seen at one tick, summed over the ready pods: waiting requests and KV-cache use
+    (in pods' worth: 2 pods at 0.9 are 1.8)."""
+
+    time: float
+    queue_depth: float
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    time: float
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerState:
+    """What the policy remembers between ticks; plain data (:meth:`to_dict` is JSON-ready).
+
+    observations: load per tick within the stable window.
+    recommendations: per-tick recommendations within the scale-down delay.
+    tracking_since: start of the unbroken run of recommendations; before it the policy assumes
+        the replica count it found, so a fresh operator waits the full delay before scaling down.
+    panic_time: last time the panic condition held; None when not panicking.
+    last_scale_time: last time the desired replica count changed.
+    """
+
+    observations: tuple[Observation, ...] = ()
+    recommendations: tuple[Recommendation, ...] = ()
+    tracking_since: float | None = None
+    panic_time: float | None = None
+    last_scale_time: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "observations": [[o.time, o.queue_depth, o.kv_cache_usage] for o in self.observations],
+            "recommendations": [[r.time, r.replicas] for r in self.recommendations],
+            "trackingSince": self.tracking_since,
+            "panicTime": self.panic_time,
+            "lastScaleTime": self.last_scale_time,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> AutoscalerState:
+        if not data:
+            return cls()
+        return cls(
+            observations=tuple(Observation(*o) for o in data.get("observations", ())),
+            recommendations=tuple(Recommendation(t, int(r)) for t, r in data.get("recommendations", ())),
+            tracking_since=data.get("trackingSince"),
+            panic_time=data.get("panicTime"),
+            last_scale_time=data.get("lastScaleTime"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Result of one tick.
+
+    desired_replicas: what to write to the Deployment's ``spec.replicas``.
+    current_replicas: the count :func:`decide` was given.
+    reason: one line for an Event and the scaling history.
+    state: the state to pass to the next :func:`decide`.
+    queue_depth: waiting requests summed over the pods that reported this tick; None if none did.
+    kv_cache_utilization: mean KV-cache utilization (0..1) of those pods; None if none did.
+    recommendation: the count the load asks for, before the scale-down delay and rate limits.
+    panicking: whether the panic window is driving the decision.
+    """
+
+    desired_replicas: int
+    current_replicas: int
+    reason: str
+    state: AutoscalerState = field(repr=False)
+    queue_depth: float | None = None
+    kv_cache_utilization: float | None = None
+    recommendation: int | None = None
+    panicking: bool = False
+
+    @property
+    def scaled(self) -> bool:
+        return self.desired_replicas != self.current_replicas
+
+
+def _clamp(spec: AutoscalingSpec, replicas: int) -> int:
+    return min(max(replicas, spec.min_replicas), spec.max_replicas)
+
+
+def _pods_needed(total: float, target: float) -> int:
+    return max(0, math.ceil(total / target - _EPS))
+
+
+def _recommend(total: float, target: float, capacity: int, tolerance: float, current: int) -> int:
+    """ceil(total / target) pods, or ``current`` while total is within tolerance of capacity × target."""
+    if capacity > 0 and abs(total / (target * capacity) - 1) <= tolerance:
+        return current
+    return _pods_needed(total, target)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _need(spec: AutoscalingSpec, window: Sequence[Observation], capacity: int, current: int,
+          tolerance: float | None) -> int:
+    """Pods the mean load of ``window`` asks for: the larger of the two signals' counts.
+
+    tolerance None: the raw count (for the panic test); else in-band signals keep ``current``.
+    """
+    queue = _mean([o.queue_depth for o in window])
+    kv = _mean([o.kv_cache_usage for o in window])
+    if tolerance is None:
+        return max(_pods_needed(queue, spec.target_queue_depth),
+                   _pods_needed(kv, spec.target_kv_cache_utilization))
+    return max(_recommend(queue, spec.target_queue_depth, capacity, tolerance, current),
+               _recommend(kv, spec.target_kv_cache_utilization, capacity, tolerance, current))
+
+
+def _describe(spec: AutoscalingSpec, window: Sequence[Observation], ready: int) -> str:
+    queue = _mean([o.queue_depth for o in window]) / max(ready, 1)
+    kv = _mean([o.kv_cache_usage for o in window]) / max(ready, 1)
+    return (f"queue depth {queue:.2f}/pod (target {spec.target_queue_depth:g}), "
+            f"KV cache {kv:.2f}/pod (target {spec.target_kv_cache_utilization:g})")
+
+
+def decide(
+    spec: AutoscalingSpec,
+    state: AutoscalerState,
+    samples: Sequence[PodSample],
+    now: float,
+    current_replicas: int,
+    ready_replicas: int,
+    starting_replicas: int = 0,
+) -> Decision:
+    """One autoscaling tick; pure: ``state`` is not changed, the new one is ``Decision.state``.
+
+    samples: this tick's :class:`PodSample` of the ready pods that answered (missing pods are
+        simply absent). now: seconds on any monotonic clock, the same for every call.
+    current_replicas: the Deployment's ``spec.replicas``. ready_replicas: pods Ready.
+    starting_replicas: pods that exist but are not Ready yet (pending or loading the model).
+
+    Algorithm (Knative KPA's stable/panic windows, AIBrix APA's per-metric targets, Kubernetes
+    HPA's tolerance and scale-down stabilization):
+
+    1. Load at this tick: the per-pod mean of the reporting pods times the ready count, for
+       waiting requests and for KV-cache utilization (KPA's averaging: a ready pod that missed
+       this scrape is assumed to carry the average, so one lost scrape moves nothing). A tick
+       with no reports adds nothing; with no load seen in the stable window the count holds.
+    2. Averages over the stable window (``stableWindowSeconds``, KPA default 60 s) and the panic
+       window (``panicWindowSeconds``, KPA default 6 s).
+    3. Per signal, ``ceil(total / target)`` = ``ceil(ready × observed / target)`` pods (KPA, APA),
+       except that within ±``tolerance`` of the target on the capacity ``ready + starting`` the
+       count does not change (HPA tolerance 0.1). Pods still starting count as capacity in
+       flight, and because the load is divided by the per-pod target rather than multiplied
+       by the current count, pods that have not taken load yet do not inflate it. The larger
+       signal wins.
+    4. Panic (KPA): when the panic-window need reaches ``panicThreshold`` × capacity, panic mode
+       starts (or is extended); the count follows the panic window at once and never drops.
+       Panic ends a stable window after the condition last held.
+    5. Scale-down stabilization (HPA ``stabilizationWindowSeconds``, here
+       ``scaleDownDelaySeconds``): scale up at once; scale down only to the highest
+       recommendation of the delay window, i.e. after the delay of lower recommendations.
+    6. Rate limits per tick (HPA's default policies): up to max(2 × current, current + 4), down
+       to no less than half; then clamp to [minReplicas, maxReplicas].
+
+    References: Knative Serving autoscaling docs, "KPA: stable and panic windows";
+    AIBrix "APA" autoscaler (vLLM metrics, per-metric targets and fluctuation tolerance);
+    Kubernetes HPA "algorithm details" and "stabilization window".
+    """
+    if not spec.enabled:
+        return Decision(current_replicas, current_replicas, "autoscaling disabled", state)
+
+    capacity = ready_replicas + starting_replicas
+    observations = [o for o in state.observations if o.time > now - spec.stable_window_seconds]
+    queue_depth = kv_utilization = None
+    if samples:
+        reporting = len(samples)
+        queue_depth = sum(s.num_requests_waiting for s in samples)
+        kv_utilization = _mean([s.kv_cache_usage_perc for s in samples])
+        pods = max(ready_replicas, reporting)
+        observations.append(Observation(now, queue_depth / reporting * pods, kv_utilization * pods))
+
+    previous = [r for r in state.recommendations if r.time > now - spec.scale_down_delay_seconds]
+    tracking_since = state.tracking_since if previous and state.tracking_since is not None else now
+
+    panic_time = state.panic_time
+    if not observations:
+        recommendation = _clamp(spec, current_replicas)
+        why = f"no metrics from any ready pod in the last {spec.stable_window_seconds:g}s"
+    else:
+        stable_need = _need(spec, observations, capacity, current_replicas, spec.tolerance)
+        stable_text = _describe(spec, observations, ready_replicas)
+        recent = [o for o in observations if o.time > now - spec.panic_window_seconds]
+        panic_need = _need(spec, recent, capacity, current_replicas, None) if recent else 0
+        if panic_need >= spec.panic_threshold * max(capacity, 1):
+            panic_time = now
+        elif panic_time is not None and now - panic_time >= spec.stable_window_seconds:
+            panic_time = None
+        if panic_time is not None and recent:
+            in_band_need = _need(spec, recent, capacity, current_replicas, spec.tolerance)
+            recommendation = _clamp(spec, max(in_band_need, stable_need, current_replicas))
+            if panic_time == now:
+                trigger = f"{panic_need} pods needed >= {spec.panic_threshold:g}x capacity {capacity}"
+            else:
+                trigger = f"held a stable window after the last trigger at {panic_time:g}"
+            why = (f"panic ({trigger}): {_describe(spec, recent, ready_replicas)} "
+                   f"over {spec.panic_window_seconds:g}s")
+        elif panic_time is not None:
+            recommendation = _clamp(spec, max(stable_need, current_replicas))
+            why = f"panic mode, no scale-down: {stable_text} over {spec.stable_window_seconds:g}s"
+        else:
+            recommendation = _clamp(spec, stable_need)
+            why = f"{stable_text} over {spec.stable_window_seconds:g}s"
+
+    delay_window = [r.replicas for r in previous] + [recommendation]
+    if now - tracking_since < spec.scale_down_delay_seconds:
+        delay_window.append(current_replicas)  # before tracking began: assume the count found
+    if recommendation >= current_replicas:
+        desired = recommendation
+    else:
+        desired = min(current_replicas, max(delay_window))
+        if desired == current_replicas:
+            why += (f"; scale-down to {recommendation} waits for "
+                    f"{spec.scale_down_delay_seconds:g}s of lower recommendations")
+
+    limited = min(desired, max(2 * current_replicas, current_replicas + 4))
+    limited = max(limited, current_replicas - current_replicas // 2)
+    if limited != desired:
+        why += f"; rate-limited from {desired}"
+    desired = _clamp(spec, limited)
+
+    if desired != current_replicas:
+        reason = f"scaling {current_replicas} -> {desired}: {why}"
+    else:
+        reason = f"holding {desired}: {why}"
+    new_state = AutoscalerState(
+        observations=tuple(observations),
+        recommendations=tuple(previous) + (Recommendation(now, recommendation),),
+        tracking_since=tracking_since,
+        panic_time=panic_time,
+        last_scale_time=now if desired != current_replicas else state.last_scale_time,
+    )
+    return Decision(desired, current_replicas, reason, new_state, queue_depth, kv_utilization,
+                    recommendation, panic_time is not None)
+
+
+def append_scaling_history(
+    history: Sequence[Mapping[str, Any]] | None, decision: Decision, time: str, limit: int = HISTORY_LIMIT,
+) -> list[dict[str, Any]]:
+    """A new list: ``history`` plus one entry for ``decision``, keeping the newest ``limit``.
+
+    time: the entry's timestamp as the status shows it (RFC 3339, e.g. "2026-01-01T00:00:00Z").
+    Entry keys: time, fromReplicas, toReplicas, reason. Call it when ``decision.scaled``.
+    """
+    if limit < 1:
+        raise ValueError(f"history limit must be >= 1, got {limit}")
+    entry = {
+        "time": time,
+        "fromReplicas": decision.current_replicas,
+        "toReplicas": decision.desired_replicas,
+        "reason": decision.reason,
+    }
+    return ([dict(e) for e in history or ()] + [entry])[-limit:]
