@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from ..models.loader import load_model
+from ..models.loader import LoadedModel, load_model
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
@@ -52,6 +52,8 @@ class LLMEngine:
 
     Args:
         config: engine settings (see :class:`EngineConfig`).
+        loaded: an already loaded model to reuse (tests and benchmarks build several engines
+            over one model); ``config.model`` is then only a name.
 
     Raises:
         ModelLoadError: the model could not be loaded.
@@ -59,11 +61,11 @@ class LLMEngine:
             ``max_model_len`` beyond the model's context).
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         self.device, self.dtype = resolve_device(config)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, self.device, self.dtype)
+        loaded = loaded or load_model(config.model, self.device, self.dtype)
         self.model_name = loaded.name
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -26,8 +26,8 @@ class LLM:
     ``kv_cache_memory_bytes``, ``max_model_len``, ``enable_prefix_caching``, …).
     """
 
-    def __init__(self, model: str = "builtin", **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str = "builtin", loaded=None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), loaded)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],

@@ -1,0 +1,38 @@
+"""Shared fixtures: one load of the built-in model for the whole session, engines built over it,
+and a leak check after every test that built one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.server.engine import LLM
+from slipstream.server.models.loader import load_model
+
+
+@pytest.fixture(scope="session")
+def loaded():
+    """The built-in model (SmolLM2-135M-Instruct, GGUF Q4_1), fp32 on CPU."""
+    return load_model("builtin", torch.device("cpu"), torch.float32)
+
+
+def assert_no_leaks(engine) -> None:
+    kv = engine.kv
+    assert not engine.groups, f"unfinished requests left: {list(engine.groups)}"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks leaked"
+    assert all(c == 0 for c in kv.ref_counts)
+
+
+@pytest.fixture
+def make_llm(loaded):
+    """Build an :class:`LLM` over the shared model; after the test, every block must be free."""
+    made: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        llm = LLM(loaded=loaded, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        assert_no_leaks(llm.engine)

@@ -1,0 +1,108 @@
+"""The block pool: allocation, reference counts, prefix sharing, LRU reuse."""
+from __future__ import annotations
+
+from slipstream.server.engine.kv_cache import KVCacheManager
+from slipstream.server.engine.outputs import RequestMetrics
+from slipstream.server.engine.request import Request
+from slipstream.server.engine.sampling_params import SamplingParams
+
+
+def req(tokens, rid="r"):
+    return Request(rid, rid, 0, list(tokens), SamplingParams(), None, RequestMetrics(0.0))
+
+
+def compute(kv, r, n=None):
+    """Pretend the model computed the request's tokens (as the engine does after a step)."""
+    n = r.num_tokens - r.num_computed_tokens if n is None else n
+    assert kv.allocate(r, n)
+    r.num_computed_tokens += n
+    kv.cache_full_blocks(r)
+
+
+def test_allocate_is_all_or_nothing():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    r = req(range(17))
+    assert not kv.allocate(r, 17)  # needs 5 blocks
+    assert r.block_table == [] and kv.num_free_blocks == 4
+    assert kv.allocate(r, 16)
+    assert len(r.block_table) == 4 and kv.num_free_blocks == 0 and kv.usage == 1.0
+
+
+def test_prefix_hit_shares_blocks_and_never_covers_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = req(range(12), "a")
+    kv.match_prefix(a)
+    compute(kv, a)
+    b = req(range(12), "b")  # identical prompt: 3 full blocks, but the last token must be computed
+    assert kv.match_prefix(b) == 8
+    assert b.block_table == a.block_table[:2]
+    assert [kv.ref_counts[x] for x in a.block_table] == [2, 2, 1]
+    c = req(list(range(8)) + [99, 98, 97, 96, 95], "c")  # shares two blocks, then diverges
+    assert kv.match_prefix(c) == 8
+    d = req([7] + list(range(1, 13)), "d")  # first block differs: the chain breaks at once
+    assert kv.match_prefix(d) == 0
+
+
+def test_freed_cached_blocks_are_revived_then_evicted_lru():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = req([1, 2, 3, 4, 5], "a")
+    kv.match_prefix(a)
+    compute(kv, a)
+    blocks = list(a.block_table)
+    kv.free_request(a)
+    assert kv.num_free_blocks == 4 and all(c == 0 for c in kv.ref_counts)
+    b = req([1, 2, 3, 4, 9], "b")
+    assert kv.match_prefix(b) == 4 and b.block_table == blocks[:2]  # revived from the free queue
+    kv.free_request(b)
+    # A stranger needs all four blocks: the cache entries must be evicted, never shared.
+    c = req(range(100, 108), "c")
+    kv.match_prefix(c)
+    compute(kv, c)
+    assert sorted(c.block_table) == [0, 1, 2, 3]
+    d = req([1, 2, 3, 4, 9], "d")
+    kv.free_request(c)
+    assert kv.match_prefix(d) == 0
+
+
+def test_unhashed_blocks_are_reused_before_cached_ones():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = req([1, 2, 3], "a")
+    kv.match_prefix(a)
+    compute(kv, a)  # block 0 full and cached, block 1 partial
+    cached, partial = a.block_table
+    kv.free_request(a)
+    b = req([50], "b")
+    assert kv.allocate(b, 1) and b.block_table == [partial]
+
+
+def test_fork_shares_full_prompt_blocks_only():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = req(range(10), "p")
+    kv.match_prefix(parent)
+    compute(kv, parent)
+    child = req(range(10), "p-1")
+    kv.fork(parent, child)
+    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
+    assert [kv.ref_counts[b] for b in parent.block_table] == [2, 2, 1]
+    kv.free_request(parent)
+    kv.free_request(child)
+    assert kv.num_free_blocks == 8
+
+
+def test_utilization_counts_shared_blocks_once():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req(range(6), "a")
+    kv.match_prefix(a)
+    compute(kv, a)  # 6 tokens in 2 blocks
+    assert kv.utilization([a]) == 6 / 8
+    b = req(list(range(4)) + [9, 9, 9], "b")
+    kv.match_prefix(b)
+    compute(kv, b)  # shares block 0, adds one block with 3 tokens
+    assert kv.utilization([a, b]) == (4 + 2 + 3) / 12
+
+
+def test_block_hash_is_chained():
+    from slipstream.server.engine.kv_cache import block_hash
+    h1 = block_hash(None, [1, 2])
+    assert block_hash(h1, [3, 4]) != block_hash(block_hash(None, [9, 9]), [3, 4])
+    assert block_hash(None, [1, 2]) == h1

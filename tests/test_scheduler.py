@@ -1,0 +1,148 @@
+"""Iteration-level scheduling with a fake model (only the forward pass is faked; the scheduler,
+KV cache and engine are the real ones)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.server.engine import SamplingParams
+
+TOKEN = 42  # the fake model always predicts this (not EOS)
+
+
+class FakeRunner:
+    """Stands in for the forward pass: logits that pick ``TOKEN``, and a count of slot-steps."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.calls = 0
+
+    def run(self, batch, sample_rows):
+        self.calls += 1
+        logits = torch.zeros(len(sample_rows), self.vocab)
+        logits[:, TOKEN] = 1.0
+        return logits
+
+
+@pytest.fixture
+def engine(make_llm):
+    def build(**kwargs):
+        llm = make_llm(trace=True, **kwargs)
+        llm.engine.runner = FakeRunner(llm.engine.model_config.vocab_size)
+        return llm.engine
+    return build
+
+
+def static_slot_steps(output_lengths: list[int], slots: int) -> int:
+    """Slot-steps that static batching spends: each batch of ``slots`` runs to its longest request."""
+    return sum(max(output_lengths[i:i + slots]) * slots for i in range(0, len(output_lengths), slots))
+
+
+def params(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run_all(engine):
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = engine.num_steps - 1  # index of the step that finished it
+    return done
+
+
+def test_textbook_head_of_line_case(engine):
+    """Orca §2.2: 4 slots, outputs of 20/50/200/2000 tokens. Static batching holds every slot
+    for 2000 steps (8,000 slot-steps); continuous batching spends only the 2,270 useful ones and
+    gives a freed slot to the next waiting request on the very next step."""
+    eng = engine(max_num_seqs=4)
+    lengths = [20, 50, 200, 2000]
+    for i, n in enumerate(lengths):
+        eng.add_request([1], params(n), request_id=f"r{i}")
+    eng.add_request([1], params(5), request_id="late")
+    done = run_all(eng)
+
+    assert static_slot_steps(lengths, 4) == 8000
+    first_four = {f"r{i}" for i in range(4)}
+    used = sum(1 for rec in eng.trace for rid, _, _ in rec.scheduled if rid in first_four)
+    assert used == 2270
+    assert max(len(rec.scheduled) for rec in eng.trace) == 4
+    admitted = next(rec.step for rec in eng.trace if any(rid == "late" for rid, _, _ in rec.scheduled))
+    assert admitted == done["r0"] + 1
+    assert len(eng.trace) == 2000  # the longest request alone sets the length of the run
+
+
+def test_token_budget_chunks_prefill_and_keeps_decodes_going(engine):
+    eng = engine(max_num_batched_tokens=32)
+    eng.add_request([1], params(30), request_id="short")
+    eng.step()  # "short" is now decoding
+    eng.add_request(list(range(1, 101)), params(2), request_id="long")
+    run_all(eng)
+    for rec in eng.trace:
+        assert rec.num_tokens <= 32
+    steps_with_long_prefill = [rec for rec in eng.trace if any(rid == "long" and p for rid, p, _ in rec.scheduled)]
+    assert len(steps_with_long_prefill) == 4  # 100 tokens beside one decode token: 31+31+31+7
+    assert all(any(rid == "short" and d == 1 for rid, _, d in rec.scheduled) for rec in steps_with_long_prefill)
+
+
+def test_max_num_seqs_bounds_the_batch(engine):
+    eng = engine(max_num_seqs=3)
+    for i in range(7):
+        eng.add_request([1, 2], params(4), request_id=f"r{i}")
+    run_all(eng)
+    assert max(rec.num_running for rec in eng.trace) <= 3
+    assert max(len(rec.scheduled) for rec in eng.trace) == 3
+
+
+def test_out_of_blocks_preempts_newest_and_recomputes(engine):
+    eng = engine(kv_cache_memory_bytes=6 * 16 * 46080, max_num_seqs=8)  # 6 blocks of 16
+    assert eng.kv.num_blocks == 6
+    for i in range(3):
+        eng.add_request([1] * 16, params(30), request_id=f"r{i}")  # each grows to 3 blocks
+    done = run_all(eng)
+    assert set(done) == {"r0", "r1", "r2"}
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(rec.num_preemptions for rec in eng.trace) == eng.scheduler.num_preemptions
+    assert all(rec.num_blocks_used <= 6 for rec in eng.trace)
+
+
+def test_request_that_can_never_fit_is_rejected_at_once(engine):
+    from slipstream.server.engine import RequestRejected
+    eng = engine(kv_cache_memory_bytes=4 * 16 * 46080, max_model_len=1024)
+    with pytest.raises(RequestRejected, match="KV blocks") as e:
+        eng.add_request([1] * 40, params(40))  # 80 tokens > 64 slots
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(RequestRejected, match="maximum context length is 1024"):
+        eng.add_request([1] * 1000, params(100))
+    with pytest.raises(RequestRejected):
+        eng.add_request([1] * 1024, params(1))
+    with pytest.raises(ValueError, match="must not be empty"):
+        eng.add_request([], params(1))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request([1, 10**9], params(1))
+    assert not eng.has_unfinished()
+
+
+def test_abort_frees_blocks_at_once(engine):
+    eng = engine()
+    eng.add_request(list(range(1, 40)), params(100), request_id="a")
+    eng.add_request(list(range(1, 40)), params(100), request_id="b")
+    eng.step()
+    eng.step()
+    assert eng.kv.num_used_blocks > 0
+    assert eng.abort("a") and eng.abort("b")
+    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished()
+    assert not eng.abort("a")
+
+
+def test_n_choices_share_prompt_blocks(engine):
+    eng = engine(enable_prefix_caching=False)
+    eng.add_request(list(range(1, 50)), SamplingParams(n=3, temperature=1.0, max_tokens=5, ignore_eos=True),
+                    request_id="g")
+    eng.step()  # prefill of choice 0, then fork
+    group = eng.groups["g"]
+    assert len(group) == 3
+    shared = group[0].block_table[:3]
+    assert all(r.block_table[:3] == shared for r in group[1:])
+    assert all(eng.kv.ref_counts[b] == 3 for b in shared)
+    run_all(eng)
