@@ -94,11 +94,10 @@ def plan_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
     if spec.autoscaling.enabled:
         want["spec"]["replicas"] = clamp(live_replicas, spec.autoscaling.min_replicas,
                                          spec.autoscaling.max_replicas)
-    live_hash = (live.get("metadata", {}).get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
-    hash_changed = live_hash != want["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
-    if not hash_changed and contains(live, want):
+    if contains(live, want):  # the spec-hash annotation included: removals count too
         return None, ""
-    if hash_changed:
+    live_hash = (live.get("metadata", {}).get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
+    if live_hash != want["metadata"]["annotations"][SPEC_HASH_ANNOTATION]:
         why = "the InferenceService's spec changed" + (
             "; rolling the pods" if not contains(live["spec"].get("template"),
                                                  want["spec"]["template"]) else "")

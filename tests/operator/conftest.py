@@ -95,3 +95,9 @@ async def operator(api: ApiServer) -> AsyncIterator[kopf.OperatorRegistry]:
     stop.set()
     await asyncio.to_thread(thread.join, 15)
     assert not thread.is_alive(), "the operator did not stop within 15 s"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
+    config.addinivalue_line("filterwarnings",
+                            "ignore:read_binary is deprecated:DeprecationWarning")

@@ -153,7 +153,8 @@ async def test_hand_deleted_service_and_hand_edited_deployment_come_back(api, ku
     restored = await eventually(lambda: _deployment_where(
         kube, lambda d: container(d)["image"] == container(dep)["image"]), what="restored")
     assert restored["spec"]["replicas"] == 1
-    assert any("outside the operator" in e["message"] for e in events(api, "Updated"))
+    await eventually(lambda: any("outside the operator" in e["message"]
+                                 for e in events(api, "Updated")), what="an Updated event")
 
 
 async def test_delete_removes_the_finalizer_and_children_are_owned(api, kube, operator):

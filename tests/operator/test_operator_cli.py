@@ -1,0 +1,110 @@
+"""``slipstream operator`` command line, the REST client's credentials, and leader election."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import kubernetes.config.kube_config
+import pytest
+import yaml
+
+from conftest import EXAMPLES, ROOT
+from slipstream.operator.cli import build_parser, main
+from slipstream.operator.handlers import ensure_peering
+from slipstream.operator.kube import CLUSTER_PEERINGS, INFERENCESERVICES, PEERINGS, ApiError, \
+    Kube
+
+BUILTIN = ROOT / "examples" / "inferenceservice-builtin.yaml"
+
+
+def test_render_prints_deployment_and_service(capsys):
+    assert main(["render", "-f", str(BUILTIN)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs] == \
+        [("Deployment", "smollm2", "default"), ("Service", "smollm2", "default")]
+
+
+def test_render_takes_many_documents_and_skips_other_kinds(tmp_path, capsys):
+    text = "\n---\n".join(path.read_text() for path in EXAMPLES)
+    text += "\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n"
+    path = tmp_path / "all.yaml"
+    path.write_text(text)
+    assert main(["render", "-f", str(path), "-n", "team"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert len(docs) == 2 * len(EXAMPLES)
+    assert {d["metadata"]["namespace"] for d in docs} == {"team"}
+
+
+def test_render_explains_an_invalid_spec(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(textwrap.dedent("""
+        apiVersion: slipstream.dev/v1alpha1
+        kind: InferenceService
+        metadata: {name: bad}
+        spec:
+          autoscaling: {minReplicas: 3, maxReplicas: 1}
+    """))
+    assert main(["render", "-f", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "InferenceService bad" in err and "minReplicas (3) must be ≤ maxReplicas (1)" in err
+    assert main(["render", "-f", str(tmp_path / "missing.yaml")]) == 1
+
+
+def test_python_dash_m_renders_without_a_cluster():
+    done = subprocess.run([sys.executable, "-m", "slipstream.operator", "render", "-f",
+                           str(BUILTIN)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "kind: Deployment" in done.stdout
+
+
+def test_run_arguments():
+    parser = build_parser()
+    args = parser.parse_args(["run", "--namespace", "a", "-n", "b", "--liveness",
+                              "http://0.0.0.0:8080/healthz", "--peering", "p"])
+    assert (args.namespaces, args.all_namespaces, args.liveness, args.peering) == \
+        (["a", "b"], False, "http://0.0.0.0:8080/healthz", "p")
+    args = parser.parse_args(["--all-namespaces", "--standalone"])
+    assert args.command is None and args.all_namespaces and args.standalone
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "-A", "-n", "a"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--standalone", "--peering", "p"])
+
+
+async def test_client_finds_credentials_in_kubeconfig(api, tmp_path, monkeypatch):
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": str(api.url).rstrip("/")}}],
+        "users": [{"name": "test", "user": {"token": "secret-token"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
+    # The client library reads $KUBECONFIG once, at import; set what it read.
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION",
+                        str(config))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    kube = Kube.from_environment()
+    try:
+        assert await kube.get(INFERENCESERVICES, "ml", "nothing") is None
+        assert list(api)[-1].headers["Authorization"] == "Bearer secret-token"
+        with pytest.raises(ApiError) as caught:
+            await kube.request("GET", "/apis/nowhere.dev/v1/namespaces/ml/things")
+        assert caught.value.status == 404 and not caught.value.retryable
+    finally:
+        await kube.close()
+
+
+async def test_peering_objects_are_created_once(api, kube):
+    for doc in yaml.safe_load_all((ROOT / "crds" / "kopf-peering.yaml").read_text()):
+        api.add_crd(doc)
+    await ensure_peering(kube, "slipstream-operator", None, _Quiet())
+    await ensure_peering(kube, "slipstream-operator", None, _Quiet())  # already there: no-op
+    await ensure_peering(kube, "slipstream-operator", ("ml", "team-*"), _Quiet())
+    assert await kube.get(CLUSTER_PEERINGS, None, "slipstream-operator") is not None
+    assert await kube.get(PEERINGS, "ml", "slipstream-operator") is not None
+    assert await kube.list(PEERINGS, "team-x") == []  # globs are not created
+
+
+class _Quiet:
+    def info(self, *_: object) -> None:
+        pass

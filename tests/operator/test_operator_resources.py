@@ -1,0 +1,169 @@
+"""The pure renderers: InferenceService → Deployment + Service, checked against Kubernetes'
+own schemas (kubernetes-validate, strict: unknown fields fail) and against what the pods need."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import EXAMPLES
+from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNOTATION,
+                                           pod_selector, render_children, render_deployment,
+                                           render_service, spec_hash)
+from slipstream.operator.spec import parse_spec
+
+# The newest Kubernetes kubernetes-validate knows, and the oldest this CRD supports (CEL rules
+# in CRDs are on by default from 1.25).
+VERSIONS = ("1.37", "1.25")
+
+
+def isvc(name: str = "chat", namespace: str = "ml", **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+
+
+SPECS = {
+    "defaults": {},
+    "gpu": {"resources": {"cpu": "8", "memory": "32Gi", "gpus": 2},
+            "engine": {"kvCacheMemory": "40Gi", "maxModelLen": 8192}},
+    "pvc": {"model": {"source": "pvc", "claimName": "weights", "path": "llama/1b"}},
+    "image": {"model": {"source": "image", "path": "/models/m.gguf", "servedModelName": "m"}},
+    "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}},
+    "scheduling": {"nodeSelector": {"pool": "gpu"}, "tolerations": [
+        {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+    "env": {"env": [{"name": "A", "value": "1"}, {"name": "POD", "valueFrom": {
+        "fieldRef": {"fieldPath": "metadata.name"}}}]},
+    "zero-replicas": {"replicas": 0, "port": 9000, "shutdownTimeoutSeconds": 0},
+}
+CASES = [pytest.param(isvc(**spec), id=key) for key, spec in SPECS.items()] + [
+    pytest.param(yaml.safe_load(path.read_text()), id=path.name) for path in EXAMPLES]
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def arg(deployment: dict[str, Any], flag: str) -> str | None:
+    args = container(deployment)["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("body", CASES)
+def test_rendered_objects_pass_kubernetes_validate_strict(body, version):
+    body = copy.deepcopy(body)
+    body["metadata"]["uid"] = "0d9d8a4e-7b6a-4b7e-9a64-0e0b8f3c2a11"  # as from a cluster
+    children = render_children(body)
+    assert [c["kind"] for c in children] == ["Deployment", "Service"]
+    for child in children:
+        kubernetes_validate.validate(child, version, strict=True)
+
+
+def test_server_args_carry_the_engine_settings():
+    dep = render_deployment(isvc(engine={"maxNumSeqs": 7, "maxNumBatchedTokens": 300,
+                                         "kvCacheMemory": "256Mi", "maxModelLen": 1024,
+                                         "blockSize": 32}, port=8123))
+    assert container(dep)["command"] == ["slipstream"]
+    assert container(dep)["args"][0] == "serve"
+    assert [arg(dep, f) for f in ("--model", "--host", "--port", "--served-model-name",
+                                  "--max-num-seqs", "--max-num-batched-tokens",
+                                  "--kv-cache-memory-bytes", "--max-model-len", "--block-size",
+                                  "--shutdown-timeout")] == \
+        ["builtin", "0.0.0.0", "8123", "chat", "7", "300", str(256 * 2 ** 20), "1024", "32", "30"]
+    assert container(dep)["ports"] == [{"name": "http", "containerPort": 8123,
+                                        "protocol": "TCP"}]
+
+
+def test_unset_max_model_len_leaves_the_models_own():
+    assert arg(render_deployment(isvc()), "--max-model-len") is None
+
+
+def test_gpus_become_the_nvidia_limit_and_cpu_pods_have_none():
+    gpu = container(render_deployment(isvc(resources={"gpus": 2})))["resources"]
+    assert gpu["limits"]["nvidia.com/gpu"] == 2
+    assert "nvidia.com/gpu" not in gpu["requests"]
+    cpu = container(render_deployment(isvc()))["resources"]
+    assert "nvidia.com/gpu" not in cpu["limits"]
+    assert cpu == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+
+
+def test_pvc_model_is_mounted_read_only_and_passed_by_path():
+    dep = render_deployment(isvc(model={"source": "pvc", "claimName": "w", "path": "m/dir"}))
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {
+        "claimName": "w", "readOnly": True}}]
+    assert container(dep)["volumeMounts"] == [{"name": "model", "mountPath": "/mnt/models",
+                                               "readOnly": True}]
+    assert arg(dep, "--model") == "/mnt/models/m/dir"
+    assert arg(render_deployment(isvc(model={"source": "image", "path": "/w.gguf"})),
+               "--model") == "/w.gguf"
+
+
+def test_probes_give_the_model_time_to_load_and_the_server_time_to_drain():
+    dep = render_deployment(isvc(startupTimeoutSeconds=900, shutdownTimeoutSeconds=45))
+    c = container(dep)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_SLEEP_SECONDS)]
+    grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > PRESTOP_SLEEP_SECONDS + 45
+    assert dep["spec"]["progressDeadlineSeconds"] > 900
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
+        "maxUnavailable": 0, "maxSurge": 1}}
+
+
+def test_pods_are_scraped_by_prometheus_on_the_server_port():
+    annotations = render_deployment(isvc(port=9000))["spec"]["template"]["metadata"][
+        "annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9000",
+                           "prometheus.io/path": "/metrics"}
+
+
+def test_service_selects_the_deployments_pods_on_port_80():
+    dep, svc = render_deployment(isvc()), render_service(isvc())
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http",
+                                     "protocol": "TCP"}]
+    assert pod_labels["app.kubernetes.io/instance"] == "chat"
+    assert pod_labels["app.kubernetes.io/managed-by"] == "slipstream-operator"
+    assert pod_selector("chat") == ("app.kubernetes.io/component=model-server,"
+                                    "slipstream.dev/inferenceservice=chat")
+
+
+def test_replicas_start_at_min_replicas_when_autoscaling():
+    assert render_deployment(isvc(replicas=5))["spec"]["replicas"] == 5
+    assert render_deployment(isvc(replicas=5, autoscaling={
+        "enabled": True, "minReplicas": 2}))["spec"]["replicas"] == 2
+
+
+def test_spec_hash_ignores_replicas_and_sees_removed_fields():
+    base = render_deployment(isvc(env=[{"name": "A", "value": "1"}]))
+    assert spec_hash(render_deployment(isvc(env=[{"name": "A", "value": "1"}], replicas=4))) \
+        == base["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+    assert spec_hash(render_deployment(isvc())) != \
+        base["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+
+
+def test_children_are_adopted_only_when_the_owner_has_a_uid():
+    body = isvc()
+    assert all("ownerReferences" not in c["metadata"] for c in render_children(body))
+    body["metadata"].update(uid="u-1", labels={"team": "a"})
+    for child in render_children(body):
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService", "name": "chat",
+            "uid": "u-1", "controller": True, "blockOwnerDeletion": True}]
+        assert child["metadata"]["labels"]["team"] == "a"
+        assert child["metadata"]["namespace"] == "ml"
+
+
+def test_rendering_is_a_pure_function_of_the_spec():
+    spec = parse_spec({"replicas": 2})
+    assert render_deployment(isvc(replicas=2)) == render_deployment(isvc(), spec)
