@@ -91,20 +91,21 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         if kube is not None:
             await kube.close()
 
-    @kopf.on.resume(**resource, registry=registry)
-    @kopf.on.create(**resource, registry=registry)
-    @kopf.on.update(**resource, registry=registry)
+    @kopf.on.resume(**resource, id="reconcile", registry=registry)
+    @kopf.on.create(**resource, id="reconcile", registry=registry)
+    @kopf.on.update(**resource, id="reconcile", registry=registry)
     async def reconcile_on_change(namespace: str, name: str, memo: Any, retry: int,
                                   **_: Any) -> None:
         await run(memo, namespace, name, retry)
 
-    @kopf.timer(**resource, interval=config.resync_seconds, initial_delay=config.resync_seconds,
-                registry=registry)
+    @kopf.timer(**resource, id="resync", interval=config.resync_seconds,
+                initial_delay=config.resync_seconds, registry=registry)
     async def resync(namespace: str, name: str, memo: Any, retry: int, **_: Any) -> None:
         await run(memo, namespace, name, retry)
 
-    @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, registry=registry)
-    @kopf.on.event("", "v1", "services", labels=CHILD_LABELS, registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", id="child", labels=CHILD_LABELS,
+                   registry=registry)
+    @kopf.on.event("", "v1", "services", id="child", labels=CHILD_LABELS, registry=registry)
     async def child_changed(body: kopf.Body, namespace: str, memo: Any,
                             logger: kopf.Logger, **_: Any) -> None:
         owners = [ref["name"] for ref in body.metadata.get("ownerReferences") or ()
@@ -116,7 +117,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 # The owner's own handlers and the resync retry; this trigger only hurries.
                 logger.debug(f"reconcile of {owner} after a child changed: {exc}")
 
-    @kopf.on.delete(**resource, optional=True, registry=registry)
+    @kopf.on.delete(**resource, id="deleted", optional=True, registry=registry)
     async def deleted(namespace: str, name: str, logger: kopf.Logger, **_: Any) -> None:
         locks.pop((namespace, name), None)
         logger.info("children go with their owner references (garbage collection)")

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import kmock
 import kopf
@@ -12,13 +11,9 @@ import pytest
 import yaml
 
 from kube_emulator import ApiServer
+from operator_helpers import CRD_PATH, eventually
 from slipstream.operator.handlers import OperatorConfig, register
 from slipstream.operator.kube import Kube
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-NAMESPACE = "ml"
 
 
 @pytest.fixture(scope="session")
@@ -46,29 +41,11 @@ async def kube(api: ApiServer) -> AsyncIterator[Kube]:
     await client.close()
 
 
-async def eventually(check: Callable[[], Awaitable[Any] | Any], timeout: float = 10.0,
-                     what: str = "condition") -> Any:
-    """Poll ``check`` (sync or async) until it returns a truthy value; fail after ``timeout`` s."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        try:
-            result = check()
-            if asyncio.iscoroutine(result):
-                result = await result
-            if result:
-                return result
-            last: Any = result
-        except (KeyError, ValueError, AssertionError) as exc:
-            last = exc
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        await asyncio.sleep(0.05)
-
-
 @pytest.fixture
-async def operator(api: ApiServer) -> AsyncIterator[kopf.OperatorRegistry]:
+async def operator(api: ApiServer, request: pytest.FixtureRequest,
+                   ) -> AsyncIterator[kopf.OperatorRegistry]:
     """The real operator (kopf) serving all namespaces of ``api``, with a 1-second resync so
-    level-based repairs show quickly.
+    level-based repairs show quickly (``@pytest.mark.resync(seconds)`` sets another).
 
     It runs in a thread with its own event loop, as in production: on exit kopf cancels every
     task it did not start in its loop, which would include the test's own. Cluster-wide because
@@ -81,7 +58,9 @@ async def operator(api: ApiServer) -> AsyncIterator[kopf.OperatorRegistry]:
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
 
-    register(registry, OperatorConfig(resync_seconds=1.0, kube=lambda: Kube(url)))
+    marker = request.node.get_closest_marker("resync")
+    resync = marker.args[0] if marker else 1.0
+    register(registry, OperatorConfig(resync_seconds=resync, kube=lambda: Kube(url)))
     settings = kopf.OperatorSettings()
     settings.watching.server_timeout = 10
     settings.networking.request_timeout = 10
@@ -101,3 +80,4 @@ def pytest_configure(config: pytest.Config) -> None:
     # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
     config.addinivalue_line("filterwarnings",
                             "ignore:read_binary is deprecated:DeprecationWarning")
+    config.addinivalue_line("markers", "resync(seconds): the operator fixture's resync period")

@@ -16,7 +16,9 @@ subclass takes over the writes (POST, PUT, PATCH, DELETE) and does what the API 
   (jsonschema), and Deployments/Services against Kubernetes' own (kubernetes-validate);
 - defaults a Deployment's ``spec.replicas`` to 1;
 - deletes an object with finalizers only by setting ``deletionTimestamp``, and removes it once
-  the last finalizer is gone.
+  the last finalizer is gone;
+- lists with the latest ``resourceVersion`` and watches from one (kmock replays every object
+  to each watch and can lose a change made while a watch starts).
 
 Not covered (real-API behaviour these tests cannot see): garbage collection by owner
 references, admission webhooks, CEL rules (``x-kubernetes-validations``), server-side apply and
@@ -29,7 +31,7 @@ import copy
 import datetime
 import itertools
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp.web
 import attrs
@@ -75,6 +77,7 @@ class ApiServer(kmock.KubernetesEmulator):
     _status_subresource: set[Any] = attrs.field(factory=set, init=False)
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _failures: list[tuple[str, str, int]] = attrs.field(factory=list, init=False)
+    _log: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -111,9 +114,51 @@ class ApiServer(kmock.KubernetesEmulator):
                                             message=f"injected {status} for a test")
         async with self._lock:
             code, obj, event = self._write(request)
-        if event is not None:
-            await self._buses[request.resource].put({"type": event, "object": obj})
+            if event is not None:  # published under the lock: watches never miss one
+                self._log.append((int(obj["metadata"]["resourceVersion"]), request.resource,
+                                  {"type": event, "object": obj}))
+                await self._buses[request.resource].put({"type": event, "object": obj})
         return aiohttp.web.json_response(obj, status=code)
+
+    async def _serve_list(self, request: kmock.Request) -> dict[str, Any]:
+        listed = await super()._serve_list(request)
+        listed["metadata"]["resourceVersion"] = str(self._latest_version())
+        return listed
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """Like the API server: from ``?resourceVersion=N`` every change after N, else the
+        current objects as ADDED; then live changes. (kmock's own subscribes after its
+        snapshot, so a change in between is lost.)"""
+        yield b""
+        bus = self._buses[request.resource]
+        since = request.params.get("resourceVersion")
+        async with self._lock:
+            marker = await bus.mark()
+            if since and since != "0":
+                replay = [event for rv, res, event in self._log
+                          if res == request.resource and rv > int(since)]
+            else:
+                replay = [{"type": "ADDED", "object": obj.raw}
+                          for (res, _, _), obj in self.objects.items()
+                          if res == request.resource and not obj.deleted]
+        try:
+            for event in replay:
+                if self._watched(request, event):
+                    yield event
+            async for event in bus.stream(since=marker):
+                if self._watched(request, event):
+                    yield event
+        finally:
+            await bus.unmark(marker)
+
+    @staticmethod
+    def _watched(request: kmock.Request, event: dict[str, Any]) -> bool:
+        meta = event["object"].get("metadata", {})
+        return (request.namespace in (None, meta.get("namespace"))
+                and request.name in (None, meta.get("name")))
+
+    def _latest_version(self) -> int:
+        return self._log[-1][0] if self._log else 0
 
     # One write, under the lock: returns (HTTP code, object to answer with, watch event type).
     def _write(self, request: kmock.Request) -> tuple[int, dict[str, Any], str | None]:

@@ -9,7 +9,7 @@ import kubernetes.config.kube_config
 import pytest
 import yaml
 
-from conftest import EXAMPLES, ROOT
+from operator_helpers import EXAMPLES, ROOT
 from slipstream.operator.cli import build_parser, main
 from slipstream.operator.handlers import ensure_peering
 from slipstream.operator.kube import CLUSTER_PEERINGS, INFERENCESERVICES, PEERINGS, ApiError, \

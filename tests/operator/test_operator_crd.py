@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import EXAMPLES
+from operator_helpers import EXAMPLES
 from kube_emulator import KUBERNETES_VERSION, schema_defaults
 from slipstream.operator import spec as spec_module
 from slipstream.operator.resources import render_children

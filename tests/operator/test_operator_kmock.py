@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import NAMESPACE, eventually
+from operator_helpers import NAMESPACE, eventually
 from kube_emulator import ApiServer
 from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, SERVICES, Kube
 from slipstream.operator.resources import SPEC_HASH_ANNOTATION
@@ -136,6 +136,7 @@ async def test_change_outside_the_pods_leaves_the_deployment_alone(kube, operato
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
 
 
+@pytest.mark.resync(600)  # no resync within the test: the watch on the children acts
 async def test_hand_deleted_service_and_hand_edited_deployment_come_back(api, kube, operator):
     await kube.create(INFERENCESERVICES, inference_service())
     svc = await eventually(lambda: kube.get(SERVICES, NAMESPACE, "chat"), what="Service")

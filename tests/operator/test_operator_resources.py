@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import EXAMPLES
+from operator_helpers import EXAMPLES
 from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNOTATION,
                                            pod_selector, render_children, render_deployment,
                                            render_service, spec_hash)
