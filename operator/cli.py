@@ -108,23 +108,29 @@ def render(path: str, namespace: str | None, out: TextIO) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def operator_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``kopf.operator`` for parsed ``run`` arguments: a registry
+    with our handlers, the namespaces (none: cluster-wide), peering and liveness."""
     registry = kopf.OperatorRegistry()
     register(registry, OperatorConfig(resync_seconds=args.resync_seconds,
                                       cluster_domain=args.cluster_domain,
                                       namespaces=tuple(args.namespaces)))
-    priority = args.priority if args.priority is not None else random.randint(1, 2 ** 30)
-    asyncio.run(kopf.operator(
-        registry=registry,
-        clusterwide=args.all_namespaces or not args.namespaces,
-        namespaces=[] if args.all_namespaces else args.namespaces,
-        standalone=args.standalone,
-        peering_name=None if args.standalone else args.peering,
-        priority=priority,
-        liveness_endpoint=args.liveness,
-    ))
+    clusterwide = args.all_namespaces or not args.namespaces
+    return {
+        "registry": registry,
+        "clusterwide": clusterwide,
+        "namespaces": [] if clusterwide else list(args.namespaces),
+        "standalone": args.standalone,
+        "peering_name": None if args.standalone else args.peering,
+        "priority": args.priority if args.priority is not None else random.randint(1, 2 ** 30),
+        "liveness_endpoint": args.liveness,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(kopf.operator(**operator_arguments(args)))
     return 0
 
 

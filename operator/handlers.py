@@ -27,12 +27,15 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 @dataclass(frozen=True, slots=True)
 class OperatorConfig:
     """resync_seconds: period of the level-based check of every InferenceService.
-    cluster_domain: for ``status.url``. kube: makes the API client (tests pass their own)."""
+    cluster_domain: for ``status.url``. namespaces: the served ones (empty: all), for the
+    peering objects. login: kopf's credentials (a kopf login handler). kube: makes our API
+    client. Tests pass their own login and kube."""
 
     resync_seconds: float = 60.0
     cluster_domain: str = "cluster.local"
-    kube: Callable[[], Kube] = Kube.from_environment
     namespaces: tuple[str, ...] = ()
+    login: Callable[..., kopf.ConnectionInfo | None] = kopf.login_via_client
+    kube: Callable[[], Kube] = Kube.from_environment
 
 
 async def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...] | None,
@@ -74,6 +77,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         async with locks[namespace, name]:
             await reconcile(memo.kube, namespace, name, retry=retry,
                             cluster_domain=config.cluster_domain)
+
+    # A registry of our own has none of kopf's default login handlers.
+    kopf.on.login(id="login", registry=registry)(config.login)
 
     @kopf.on.startup(registry=registry)
     async def start(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger,

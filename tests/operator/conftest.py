@@ -1,8 +1,6 @@
 """Fixtures for the operator tests: the CRD, an emulated API server, a running operator."""
 from __future__ import annotations
 
-import asyncio
-import threading
 from typing import Any, AsyncIterator
 
 import kmock
@@ -11,7 +9,7 @@ import pytest
 import yaml
 
 from kube_emulator import ApiServer
-from operator_helpers import CRD_PATH, eventually
+from operator_helpers import CRD_PATH, running_operator
 from slipstream.operator.handlers import OperatorConfig, register
 from slipstream.operator.kube import Kube
 
@@ -45,35 +43,20 @@ async def kube(api: ApiServer) -> AsyncIterator[Kube]:
 async def operator(api: ApiServer, request: pytest.FixtureRequest,
                    ) -> AsyncIterator[kopf.OperatorRegistry]:
     """The real operator (kopf) serving all namespaces of ``api``, with a 1-second resync so
-    level-based repairs show quickly (``@pytest.mark.resync(seconds)`` sets another).
-
-    It runs in a thread with its own event loop, as in production: on exit kopf cancels every
-    task it did not start in its loop, which would include the test's own. Cluster-wide because
-    kmock 0.8 cannot parse ``GET /api/v1/namespaces``, which kopf's namespaced mode lists.
-    """
+    level-based repairs show quickly (``@pytest.mark.resync(seconds)`` sets another)."""
     registry = kopf.OperatorRegistry()
     url = str(api.url)
-
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=url, insecure=True)
-
     marker = request.node.get_closest_marker("resync")
-    resync = marker.args[0] if marker else 1.0
-    register(registry, OperatorConfig(resync_seconds=resync, kube=lambda: Kube(url)))
+    register(registry, OperatorConfig(
+        resync_seconds=marker.args[0] if marker else 1.0,
+        login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
+        kube=lambda: Kube(url)))
     settings = kopf.OperatorSettings()
     settings.watching.server_timeout = 10
     settings.networking.request_timeout = 10
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(name="kopf", daemon=True, target=asyncio.run, args=(kopf.operator(
-        registry=registry, settings=settings, clusterwide=True, standalone=True,
-        stop_flag=stop, ready_flag=ready),))
-    thread.start()
-    await eventually(ready.is_set, what="the operator to start")
-    yield registry
-    stop.set()
-    await asyncio.to_thread(thread.join, 15)
-    assert not thread.is_alive(), "the operator did not stop within 15 s"
+    async with running_operator(registry=registry, settings=settings, clusterwide=True,
+                                standalone=True):
+        yield registry
 
 
 def pytest_configure(config: pytest.Config) -> None:

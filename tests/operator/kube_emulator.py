@@ -27,6 +27,7 @@ Deployment pods and status (tests write that status by hand), Service IP allocat
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import itertools
@@ -78,6 +79,7 @@ class ApiServer(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _failures: list[tuple[str, str, int]] = attrs.field(factory=list, init=False)
     _log: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)
+    namespaces: set[str] = attrs.field(factory=lambda: {"default"})
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -102,6 +104,27 @@ class ApiServer(kmock.KubernetesEmulator):
     def fail_next(self, method: str, plural: str, status: int) -> None:
         """The next ``method`` (POST, PUT, PATCH, DELETE) on ``plural`` answers ``status``."""
         self._failures.append((method.upper(), plural, status))
+
+    async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw.path.rstrip("/") == "/api/v1/namespaces":  # kmock 0.8 cannot parse this path
+            return await self._serve_namespaces(raw)
+        return await super().__call__(raw)
+
+    async def _serve_namespaces(self, raw: aiohttp.web.BaseRequest,
+                                ) -> aiohttp.web.StreamResponse:
+        """The namespaces in ``self.namespaces`` (they never change during a test: a watch
+        stays silent until the client leaves)."""
+        if raw.query.get("watch") != "true":
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "NamespaceList",
+                "metadata": {"resourceVersion": str(self._latest_version())},
+                "items": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+                          for ns in sorted(self.namespaces)]})
+        response = aiohttp.web.StreamResponse()
+        await response.prepare(raw)
+        while raw.transport is not None and not raw.transport.is_closing():
+            await asyncio.sleep(0.2)
+        return response
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         write = request.method in ("POST", "PUT", "PATCH", "DELETE")

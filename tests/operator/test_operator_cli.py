@@ -1,19 +1,21 @@
 """``slipstream operator`` command line, the REST client's credentials, and leader election."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
 
+import aiohttp
 import kubernetes.config.kube_config
 import pytest
 import yaml
 
-from operator_helpers import EXAMPLES, ROOT
-from slipstream.operator.cli import build_parser, main
+from operator_helpers import EXAMPLES, ROOT, eventually, running_operator
+from slipstream.operator.cli import build_parser, main, operator_arguments
 from slipstream.operator.handlers import ensure_peering
-from slipstream.operator.kube import CLUSTER_PEERINGS, INFERENCESERVICES, PEERINGS, ApiError, \
-    Kube
+from slipstream.operator.kube import CLUSTER_PEERINGS, DEPLOYMENTS, INFERENCESERVICES, PEERINGS, \
+    ApiError, Kube
 
 BUILTIN = ROOT / "examples" / "inferenceservice-builtin.yaml"
 
@@ -72,7 +74,8 @@ def test_run_arguments():
         parser.parse_args(["run", "--standalone", "--peering", "p"])
 
 
-async def test_client_finds_credentials_in_kubeconfig(api, tmp_path, monkeypatch):
+def use_kubeconfig(api, tmp_path, monkeypatch) -> None:
+    """Point the kubernetes client (and so kopf and Kube.from_environment) at ``api``."""
     config = tmp_path / "kubeconfig"
     config.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "test",
@@ -83,6 +86,10 @@ async def test_client_finds_credentials_in_kubeconfig(api, tmp_path, monkeypatch
     monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION",
                         str(config))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+
+async def test_client_finds_credentials_in_kubeconfig(api, tmp_path, monkeypatch):
+    use_kubeconfig(api, tmp_path, monkeypatch)
     kube = Kube.from_environment()
     try:
         assert await kube.get(INFERENCESERVICES, "ml", "nothing") is None
@@ -108,3 +115,36 @@ async def test_peering_objects_are_created_once(api, kube):
 class _Quiet:
     def info(self, *_: object) -> None:
         pass
+
+
+@pytest.mark.timeout(60)
+async def test_operator_command_serves_its_namespace_with_peering_and_liveness(
+        api, kube, tmp_path, monkeypatch):
+    for doc in yaml.safe_load_all((ROOT / "crds" / "kopf-peering.yaml").read_text()):
+        api.add_crd(doc)
+    use_kubeconfig(api, tmp_path, monkeypatch)
+    api.namespaces |= {"ml", "elsewhere"}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = build_parser().parse_args(["run", "--namespace", "ml", "--liveness",
+                                      f"http://127.0.0.1:{port}/healthz"])
+    body = yaml.safe_load(BUILTIN.read_text())
+    async with running_operator(**operator_arguments(args)):
+        for namespace in ("ml", "elsewhere"):
+            await kube.create(INFERENCESERVICES, {**body, "metadata": {
+                "name": "smollm2", "namespace": namespace}})
+        await eventually(lambda: kube.get(DEPLOYMENTS, "ml", "smollm2"), what="Deployment")
+        peering = await eventually(lambda: _with_status(kube.get(PEERINGS, "ml",
+                                                                 "slipstream-operator")),
+                                   what="a keep-alive in the peering object")
+        assert len(peering["status"]) == 1  # this operator, alone: it acts
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/healthz") as answer:
+                assert answer.status == 200
+        assert await kube.get(DEPLOYMENTS, "elsewhere", "smollm2") is None
+
+
+async def _with_status(get):
+    obj = await get
+    return obj if obj and obj.get("status") else None
