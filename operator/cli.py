@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import random
 import sys
 from typing import Any, TextIO
@@ -104,7 +105,11 @@ def render(path: str, namespace: str | None, out: TextIO) -> int:
     if not children:
         print(f"slipstream operator render: no {KIND} in {path}", file=sys.stderr)
         return 1
-    yaml.safe_dump_all(children, out, sort_keys=False, explicit_start=True)
+    try:
+        yaml.safe_dump_all(children, out, sort_keys=False, explicit_start=True)
+        out.flush()
+    except BrokenPipeError:  # `… | head`: the reader has gone; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
     return 0
 
 

@@ -53,11 +53,16 @@ def test_render_explains_an_invalid_spec(tmp_path, capsys):
     assert main(["render", "-f", str(tmp_path / "missing.yaml")]) == 1
 
 
-def test_python_dash_m_renders_without_a_cluster():
-    done = subprocess.run([sys.executable, "-m", "slipstream.operator", "render", "-f",
-                           str(BUILTIN)], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("command", [
+    [sys.executable, "-m", "slipstream.operator"],
+    [sys.executable, "-c", "import sys; from slipstream.server.cli import main; sys.exit(main())",
+     "operator"],  # what the `slipstream` script runs
+], ids=["python-m", "slipstream"])
+def test_render_from_the_command_line(command):
+    done = subprocess.run(command + ["render", "-f", str(BUILTIN)], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "kind: Deployment" in done.stdout
+    assert [d["kind"] for d in yaml.safe_load_all(done.stdout)] == ["Deployment", "Service"]
 
 
 def test_run_arguments():

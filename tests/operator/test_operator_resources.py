@@ -167,3 +167,17 @@ def test_children_are_adopted_only_when_the_owner_has_a_uid():
 def test_rendering_is_a_pure_function_of_the_spec():
     spec = parse_spec({"replicas": 2})
     assert render_deployment(isvc(replicas=2)) == render_deployment(isvc(), spec)
+
+
+@pytest.mark.parametrize("body", CASES)
+def test_server_accepts_the_rendered_arguments(body):
+    """The contract with `slipstream serve`: its own parser takes what the pods run."""
+    from slipstream.server.cli import serve_parser  # imports the engine's defaults: slow
+    spec = parse_spec(body["spec"], name=body["metadata"]["name"])
+    args = serve_parser().parse_args(container(render_deployment(body))["args"][1:])
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory_bytes,
+            args.block_size, args.port, args.host) == (
+        spec.engine.max_num_seqs, spec.engine.max_num_batched_tokens,
+        spec.engine.kv_cache_memory_bytes, spec.engine.block_size, spec.port, "0.0.0.0")
+    assert args.max_model_len == spec.engine.max_model_len
+    assert args.shutdown_timeout == spec.shutdown_timeout_seconds
