@@ -175,7 +175,7 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object
         except NotImplementedError:
             raise ModelLoadError(f"{path}: tensor {t.name} uses quantization {t.tensor_type.name}, "
                                  "which the gguf package cannot dequantize") from None
-        array = np.ascontiguousarray(array, dtype=np.float32)
+        array = np.array(array, dtype=np.float32, copy=True)  # torch wants a writable array
         name = _hf_name(t.name)
         if name.endswith("q_proj.weight"):
             array = _unpermute_rope(array, num_heads)

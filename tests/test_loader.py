@@ -1,0 +1,103 @@
+"""Loading Hugging Face checkpoint directories of the Llama family, and clear errors otherwise.
+
+Tiny random checkpoints are made with transformers itself and saved as safetensors; the oracle
+is transformers' own greedy generate on the same files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slipstream.server.engine import LLM, SamplingParams
+from slipstream.server.models.loader import ModelLoadError, load_model
+
+
+def _save_tiny(tmp_path, loaded, arch: str, **overrides):
+    import transformers
+
+    tok = loaded.tokenizer
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.2, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common)).eval()
+    if arch == "qwen2":  # random biases, so a loader that dropped them would be caught
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path / arch
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return model, path
+
+
+CASES = {
+    "llama-tied-llama3-rope": ("llama", dict(tie_word_embeddings=True, rope_theta=50000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})),
+    "qwen2-bias-untied": ("qwen2", dict(tie_word_embeddings=False)),
+    "mistral-head-dim": ("mistral", dict(head_dim=32, sliding_window=None)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_directory_matches_transformers(tmp_path, loaded, case):
+    arch, overrides = CASES[case]
+    hf, path = _save_tiny(tmp_path, loaded, arch, **overrides)
+    prompts = [loaded.tokenizer.encode(t) for t in ("Hello, my name is", "The list of colours: red, green,")]
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+            expected.append(ids[0, len(p):].tolist())
+    llm = LLM(model=str(path), max_num_batched_tokens=16)  # chunked, and a context crossing blocks
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in got] == expected
+
+
+def test_missing_path_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nope"), torch.device("cpu"), torch.float32)
+
+
+def test_pickle_checkpoint_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    torch.save({"x": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match="pickle"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*not supported"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_directory_without_config_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        load_model(str(bad), torch.device("cpu"), torch.float32)
+
+
+def test_checkpoint_missing_a_tensor_is_named(tmp_path, loaded):
+    from safetensors.torch import load_file, save_file
+    _, path = _save_tiny(tmp_path, loaded, "llama", tie_word_embeddings=True)
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="layers.1.mlp.up_proj.weight"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
