@@ -73,10 +73,13 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = \
         collections.defaultdict(asyncio.Lock)
 
-    async def run(memo: Any, namespace: str, name: str, retry: int = 0) -> None:
+    async def run(memo: Any, namespace: str, name: str, logger: kopf.Logger,
+                  retry: int = 0) -> None:
         async with locks[namespace, name]:
-            await reconcile(memo.kube, namespace, name, retry=retry,
-                            cluster_domain=config.cluster_domain)
+            outcome = await reconcile(memo.kube, namespace, name, retry=retry,
+                                      cluster_domain=config.cluster_domain)
+        for action in outcome.actions if outcome else ():
+            logger.info(action)
 
     # A registry of our own has none of kopf's default login handlers.
     kopf.on.login(id="login", registry=registry)(config.login)
@@ -101,13 +104,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.create(**resource, id="reconcile", registry=registry)
     @kopf.on.update(**resource, id="reconcile", registry=registry)
     async def reconcile_on_change(namespace: str, name: str, memo: Any, retry: int,
-                                  **_: Any) -> None:
-        await run(memo, namespace, name, retry)
+                                  logger: kopf.Logger, **_: Any) -> None:
+        await run(memo, namespace, name, logger, retry)
 
     @kopf.timer(**resource, id="resync", interval=config.resync_seconds,
                 initial_delay=config.resync_seconds, registry=registry)
-    async def resync(namespace: str, name: str, memo: Any, retry: int, **_: Any) -> None:
-        await run(memo, namespace, name, retry)
+    async def resync(namespace: str, name: str, memo: Any, retry: int, logger: kopf.Logger,
+                     **_: Any) -> None:
+        await run(memo, namespace, name, logger, retry)
 
     @kopf.on.event("apps", "v1", "deployments", id="child", labels=CHILD_LABELS,
                    registry=registry)
@@ -118,7 +122,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                   if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP)]
         for owner in owners:
             try:
-                await run(memo, namespace, owner)
+                await run(memo, namespace, owner, logger)
             except (kopf.TemporaryError, kopf.PermanentError) as exc:
                 # The owner's own handlers and the resync retry; this trigger only hurries.
                 logger.debug(f"reconcile of {owner} after a child changed: {exc}")

@@ -115,8 +115,9 @@ def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": {
-            # Model load and warm-up: liveness checks start only after this succeeds.
-            "httpGet": {"path": "/health", "port": PORT_NAME},
+            # /health answers at once, /ready after load and warm-up: a load that takes longer
+            # than startupTimeoutSeconds restarts the pod; liveness checks start after it.
+            "httpGet": {"path": "/ready", "port": PORT_NAME},
             "periodSeconds": PROBE_PERIOD_SECONDS,
             "timeoutSeconds": 2,
             "failureThreshold": math.ceil(spec.startup_timeout_seconds / PROBE_PERIOD_SECONDS),

@@ -230,6 +230,9 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     _check_int(spec.shutdown_timeout_seconds, "spec.shutdownTimeoutSeconds", 0, 3600)
     _check_int(spec.startup_timeout_seconds, "spec.startupTimeoutSeconds", 10, 7200)
 
+    if not isinstance(scaling.enabled, bool):
+        raise SpecError("InvalidSpec", f"spec.autoscaling.enabled must be true or false, "
+                                       f"got {scaling.enabled!r}")
     _check_int(scaling.min_replicas, "spec.autoscaling.minReplicas", 1)
     _check_int(scaling.max_replicas, "spec.autoscaling.maxReplicas", 1)
     if scaling.min_replicas > scaling.max_replicas:

@@ -108,6 +108,7 @@ def test_probes_give_the_model_time_to_load_and_the_server_time_to_drain():
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     startup = c["startupProbe"]
+    assert startup["httpGet"]["path"] == "/ready"  # /health answers before the model loads
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_SLEEP_SECONDS)]
     grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
