@@ -16,7 +16,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 NAMESPACE = "ml"
 
 
-async def eventually(check: Callable[[], Awaitable[Any] | Any], timeout: float = 10.0,
+async def eventually(check: Callable[[], Awaitable[Any] | Any], timeout: float = 20.0,
                      what: str = "condition") -> Any:
     """Poll ``check`` (sync or async) until it returns a truthy value; fail after ``timeout`` s."""
     deadline = asyncio.get_running_loop().time() + timeout
