@@ -54,6 +54,10 @@ async def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...] | No
                                          "metadata": meta})
             logger.info(f"created {kind} {name} for leader election")
         except ApiError as exc:
+            if exc.status == 404:
+                raise kopf.PermanentError(
+                    f"{kind} is not a known resource: apply crds/kopf-peering.yaml, or run "
+                    f"with --standalone (a single replica, no leader election)") from exc
             if exc.status != 409:  # 409: another replica created it first
                 raise
 

@@ -8,7 +8,8 @@ subclass takes over the writes (POST, PUT, PATCH, DELETE) and does what the API 
 - stamps ``uid``, ``creationTimestamp``, ``resourceVersion`` (bumped on each real change) and
   ``generation`` (bumped when anything but metadata and status changes);
 - answers 409 to a create of an existing name and to a stale ``resourceVersion`` (PUT, merge
-  patch), 422 to a failed JSON-patch test or invalid body, 404 to a missing object;
+  patch), 422 to a failed JSON-patch test or invalid body, 404 to a missing object or an
+  unknown resource;
 - serves merge, JSON and (as merge) strategic-merge patches, and PUT as a replace;
 - makes ``status`` a subresource where the CRD says so (the main resource ignores status
   writes, ``/status`` writes only status);
@@ -130,6 +131,8 @@ class ApiServer(kmock.KubernetesEmulator):
         write = request.method in ("POST", "PUT", "PATCH", "DELETE")
         if request.resource is None or not write:
             return await super()._handle(request)  # reads: kmock serves the stored objects
+        if request.resource not in self.resources:
+            raise kmock.KubernetesResourceNotFoundError()
         for i, (method, plural, status) in enumerate(self._failures):
             if method == request.method and plural == request.resource.plural:
                 del self._failures[i]

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import aiohttp
+import kopf
 import kubernetes.config.kube_config
 import pytest
 import yaml
@@ -115,6 +116,11 @@ async def test_peering_objects_are_created_once(api, kube):
     assert await kube.get(CLUSTER_PEERINGS, None, "slipstream-operator") is not None
     assert await kube.get(PEERINGS, "ml", "slipstream-operator") is not None
     assert await kube.list(PEERINGS, "team-x") == []  # globs are not created
+
+
+async def test_missing_peering_crds_are_named(kube):
+    with pytest.raises(kopf.PermanentError, match="kopf-peering.yaml"):
+        await ensure_peering(kube, "slipstream-operator", None, _Quiet())
 
 
 class _Quiet:
