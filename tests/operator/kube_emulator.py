@@ -19,7 +19,8 @@ subclass takes over the writes (POST, PUT, PATCH, DELETE) and does what the API 
 - deletes an object with finalizers only by setting ``deletionTimestamp``, and removes it once
   the last finalizer is gone;
 - lists with the latest ``resourceVersion`` and watches from one (kmock replays every object
-  to each watch and can lose a change made while a watch starts).
+  to each watch and can lose a change made while a watch starts);
+- lists ``self.namespaces`` at ``/api/v1/namespaces`` (a path kmock 0.8 cannot parse).
 
 Not covered (real-API behaviour these tests cannot see): garbage collection by owner
 references, admission webhooks, CEL rules (``x-kubernetes-validations``), server-side apply and
