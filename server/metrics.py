@@ -92,6 +92,14 @@ class ServerMetrics:
                                           ITERATION_BUCKETS)
         r.register(_EngineCollector(model_name, stats, vllm_compatible))
 
+    def start(self) -> None:
+        """Export every series at zero from the start (once the model name is known), so rates work."""
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
+                       self.iteration_tokens):
+            self.label(metric)
+        for reason in ("stop", "length", "abort"):
+            self.label(self.request_success, reason)
+
     def label(self, metric: Any, *extra: str) -> Any:
         return metric.labels(self._model_name(), *extra)
 
@@ -118,6 +126,7 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     client_gone: bool = False
     _seen: set = field(default_factory=set)
+    _first_token: set = field(default_factory=set)
     _last_token_time: dict = field(default_factory=dict)
 
     def observe(self, prompt_index: int, out: Any) -> None:
@@ -128,23 +137,25 @@ class RequestRecord:
             self._seen.add(prompt_index)
             self.prompt_tokens += len(out.prompt_token_ids)
             m.label(m.prompt_tokens).inc(len(out.prompt_token_ids))
-        new_tokens = [len(co.token_ids) for co in out.outputs]
-        if sum(new_tokens):
-            self.output_tokens += sum(new_tokens)
-            m.label(m.generation_tokens).inc(sum(new_tokens))
-            token_time = (metrics.last_token_time if metrics and metrics.last_token_time else now)
-            previous = self._last_token_time.get(prompt_index)
-            if previous is None:
+        token_time = metrics.last_token_time if metrics and metrics.last_token_time else now
+        for co in out.outputs:
+            if not co.token_ids:
+                continue
+            self.output_tokens += len(co.token_ids)
+            m.label(m.generation_tokens).inc(len(co.token_ids))
+            if prompt_index not in self._first_token:  # time to the request's first token
+                self._first_token.add(prompt_index)
                 arrival = metrics.arrival_time if metrics else self.start
                 first = metrics.first_token_time if metrics and metrics.first_token_time else token_time
                 ttft = max(0.0, first - arrival)
                 m.label(m.ttft).observe(ttft)
                 self.ttft = ttft if self.ttft is None else min(self.ttft, ttft)
-            else:
-                steps = max(new_tokens)  # choices advance together, one token per step each
-                for _ in range(steps):
-                    m.label(m.itl).observe(max(0.0, token_time - previous) / steps)
-            self._last_token_time[prompt_index] = token_time
+            key = (prompt_index, co.index)
+            previous = self._last_token_time.get(key)
+            gaps = len(co.token_ids) if previous is not None else len(co.token_ids) - 1
+            for _ in range(gaps):  # one gap per token after each choice's first
+                m.label(m.itl).observe(max(0.0, token_time - (previous or token_time)) / max(gaps, 1))
+            self._last_token_time[key] = token_time
         for co in out.outputs:
             if co.finish_reason is not None:
                 reason = getattr(co.finish_reason, "value", co.finish_reason)
@@ -159,8 +170,6 @@ class RequestRecord:
     def log_line(self) -> str:
         total = time.monotonic() - self.start
         ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
-        reasons = ",".join(sorted(set(self.finish_reasons))) or ("client_gone" if self.client_gone else "-")
-        if self.client_gone:
-            reasons = "client_gone"
+        reasons = "client_gone" if self.client_gone else (",".join(sorted(set(self.finish_reasons))) or "-")
         return (f"{self.request_id}: prompt_tokens={self.prompt_tokens} output_tokens={self.output_tokens} "
                 f"ttft={ttft} total={total:.3f}s finish={reasons}")

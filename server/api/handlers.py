@@ -73,7 +73,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             try:
                 await group.start()
             except ValueError as exc:  # RequestRejected carries code and param
-                raise APIError(400, str(exc), param=getattr(exc, "param", None),
+                raise APIError(400, str(exc), param=_prompt_param(exc, chat),
                                code=getattr(exc, "code", None)) from None
             call = _Call(state, req, request_id, chat, record)
             if req.stream:
@@ -81,14 +81,23 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             return await call.collect(group)
 
 
-def _failure(out: RequestOutput) -> APIError | None:
-    """The error a finished-by-abort output stands for: a failed step (500) or a drain that ran out (503)."""
-    if out.error:
-        return APIError(500, f"The request failed inside the engine: {out.error}", code="engine_error")
-    if any(c.finish_reason == FinishReason.ABORT for c in out.outputs):
+def _prompt_param(exc: ValueError, chat: bool) -> str | None:
+    """The field an engine refusal names, in this endpoint's terms (``messages`` or ``prompt``)."""
+    param = getattr(exc, "param", None) or ("prompt" if str(exc).startswith("prompt") else None)
+    if param in ("messages", "prompt"):
+        return "messages" if chat else "prompt"
+    return param
+
+
+def _failure(state: ServerState, out: RequestOutput) -> APIError | None:
+    """The error a finished-by-abort output stands for: a drain that ran out (503) or a failed step (500)."""
+    aborted = out.error or any(c.finish_reason == FinishReason.ABORT for c in out.outputs)
+    if not aborted:
+        return None
+    if state.drain_expired:
         return APIError(503, "The request was aborted: the server is shutting down. Retry it.",
-                        code="aborted")
-    return None
+                        code="server_shutting_down")
+    return APIError(500, f"The request failed inside the engine: {out.error or 'aborted'}", code="engine_error")
 
 
 class _Call:
@@ -127,7 +136,7 @@ class _Call:
     async def collect(self, group: GenerationGroup) -> web.Response:
         async for prompt_index, out in group:
             self._absorb(prompt_index, out)
-            failure = _failure(out) if out.finished or out.error else None
+            failure = _failure(self.state, out) if out.finished or out.error else None
             if failure is not None:
                 raise failure
         build = render.chat_response if self.chat else render.completion_response
@@ -171,7 +180,7 @@ class _Call:
                 for choice, co in self._absorb(prompt_index, out):
                     for delta in self._deltas(choice, co):
                         await sse.send(self._chunk([delta]))
-                failure = _failure(out) if out.finished or out.error else None
+                failure = _failure(self.state, out) if out.finished or out.error else None
                 if failure is not None:
                     logger.warning("request %s failed mid-stream: %s", self.request_id, failure.message)
                     await sse.send(failure.body())

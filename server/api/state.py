@@ -46,6 +46,7 @@ class ServerState:
         self.llm: Any = None
         self.ready = False
         self.draining = False
+        self.drain_expired = False  # the drain ran out of time and aborted what was left
         self.model_name = options.served_model_name or ""
         self.vocab_size: int | None = None
         self.in_flight: dict[str, list[str]] = {}  # API call id -> its engine request ids
@@ -59,6 +60,7 @@ class ServerState:
         self.model_name = self.options.served_model_name or llm.model_name
         self.vocab_size = len(llm.tokenizer)
         llm.add_step_listener(self.metrics.on_step)
+        self.metrics.start()
         decode = llm.tokenizer.decode
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: decode([token_id]))
 
@@ -113,9 +115,9 @@ class ServerState:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
         except asyncio.TimeoutError:
-            for ids in list(self.in_flight.values()):
-                for engine_id in ids:
-                    await self.llm.abort(engine_id)
+            # Stopping the engine ends every open stream with an abort, which the handlers answer as 503.
+            self.drain_expired = True
+            await self.llm.shutdown()
             try:
                 await asyncio.wait_for(self._idle.wait(), 5.0)
             except asyncio.TimeoutError:

@@ -1,0 +1,158 @@
+"""Bad input, unsupported fields, auth, overload and drain: OpenAI error bodies with the right status,
+and after each one the engine still serves the next request with every KV block back in the pool."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from .harness import Http, assert_engine_idle, assert_error, serve_app
+
+CHAT = [{"role": "user", "content": "Hi"}]
+LONG_PROMPT = "hello " * 600  # over max_model_len=512 of the test engine
+
+
+@pytest.fixture(scope="module")
+def server(loop_thread, engine):
+    with serve_app(loop_thread, engine, max_request_bytes=64 << 10) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with Http(server.url) as client:
+        yield client
+
+
+def still_serves(http, server):
+    """The next good request succeeds, and nothing leaked."""
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert_engine_idle(server.llm)
+
+
+def chat(**fields):
+    return ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **fields})
+
+
+def completion(**fields):
+    return ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, **fields})
+
+
+BAD_REQUESTS = {
+    # name: ((path, body), status, param, code)
+    "temperature below 0": (chat(temperature=-0.5), 400, "temperature", None),
+    "temperature of wrong type": (chat(temperature="hot"), 400, "temperature", None),
+    "top_p above 1": (chat(top_p=1.5), 400, "top_p", None),
+    "top_p below 0": (completion(top_p=-0.1), 400, "top_p", None),
+    "n below 1": (chat(n=0), 400, "n", None),
+    "n not an integer": (completion(n=1.5), 400, "n", None),
+    "max_tokens below 1": (completion(max_tokens=0), 400, "max_tokens", None),
+    "max_completion_tokens below 1": (chat(max_completion_tokens=0), 400, "max_completion_tokens", None),
+    "max_tokens as a string": (chat(max_tokens="5"), 400, "max_tokens", None),
+    "presence_penalty out of range": (chat(presence_penalty=3), 400, "presence_penalty", None),
+    "stream not a boolean": (chat(stream="yes"), 400, "stream", None),
+    "stop not strings": (completion(stop=[1, 2]), 400, "stop", None),
+    "messages missing": (("/v1/chat/completions", {"max_tokens": 2}), 400, "messages", None),
+    "messages empty": (chat(messages=[]), 400, "messages", None),
+    "unknown role": (chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role", None),
+    "image content part": (chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]), 400, "messages[0].content[0].type", None),
+    "prompt missing": (("/v1/completions", {"max_tokens": 2}), 400, "prompt", None),
+    "prompt empty": (completion(prompt=""), 400, "prompt", None),
+    "prompt of mixed types": (completion(prompt=["a", 1]), 400, "prompt", None),
+    "token id outside the vocabulary": (completion(prompt=[1, 10**9]), 400, "prompt", None),
+    "prompt longer than the context": (completion(prompt=LONG_PROMPT), 400, "prompt", "context_length_exceeded"),
+    "chat longer than the context": (chat(messages=[{"role": "user", "content": LONG_PROMPT}]), 400, "messages",
+                                     "context_length_exceeded"),
+    "max_tokens beyond the context": (completion(max_tokens=600), 400, "max_tokens", "context_length_exceeded"),
+    "unknown model": (chat(model="gpt-17"), 404, "model", "model_not_found"),
+    "tools": (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", None),
+    "tool_choice required": (chat(tool_choice="required"), 400, "tool_choice", None),
+    "response_format json": (chat(response_format={"type": "json_object"}), 400, "response_format", None),
+    "non-empty logit_bias": (completion(logit_bias={"50256": -100}), 400, "logit_bias", None),
+    "best_of above n": (completion(best_of=3), 400, "best_of", None),
+    "echo": (completion(echo=True), 400, "echo", None),
+    "suffix": (completion(suffix="!"), 400, "suffix", None),
+    "top_logprobs without logprobs": (chat(top_logprobs=2), 400, "top_logprobs", None),
+    "too many logprobs": (completion(logprobs=50), 400, "logprobs", None),
+    "unknown field": (chat(frobnicate=1), 400, "frobnicate", None),
+    "audio output": (chat(modalities=["text", "audio"]), 400, "modalities", None),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_request_gets_an_openai_error_and_the_engine_keeps_serving(case, http, server):
+    (path, body), status, param, code = BAD_REQUESTS[case]
+    assert_error(http.post(path, json=body), status, param=param, code=code)
+    still_serves(http, server)
+
+
+@pytest.mark.parametrize("case", ["temperature below 0", "prompt longer than the context", "unknown model",
+                                  "max_tokens beyond the context"])
+def test_streaming_request_that_fails_gets_the_status_before_any_stream(case, http, server):
+    (path, body), status, param, code = BAD_REQUESTS[case]
+    r = http.post(path, json={**body, "stream": True}, stream=True)
+    assert_error(r, status, param=param, code=code)
+    still_serves(http, server)
+
+
+def test_invalid_json_is_a_400(http, server):
+    r = http.post("/v1/chat/completions", data=b'{"messages": [', headers={"Content-Type": "application/json"})
+    assert "JSON" in assert_error(r, 400)["message"]
+    assert_error(http.post("/v1/completions", json=[1, 2]), 400)
+    still_serves(http, server)
+
+
+def test_body_over_the_size_limit_is_a_413(http, server):
+    r = http.post("/v1/completions", json={"prompt": "x" * (100 << 10), "max_tokens": 1})
+    assert_error(r, 413, code="request_too_large")
+    still_serves(http, server)
+
+
+def test_unknown_path_and_wrong_method_are_json(http):
+    assert_error(http.get("/v1/nothing-here"), 404, code="not_found")
+    assert_error(http.post("/health"), 405, code="method_not_allowed")
+    r = http.get("/v1/chat/completions")
+    assert_error(r, 405, code="method_not_allowed")
+    assert "POST" in r.headers["Allow"]
+
+
+def test_more_than_max_waiting_queued_requests_get_429_at_once(loop_thread, engine):
+    # The test engine runs 8 at once; with --max-waiting 2, at most 10 of 16 are admitted.
+    with serve_app(loop_thread, engine, max_waiting=2) as served:
+        body = {"prompt": "Count: 1, 2,", "max_tokens": 24, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            responses = list(pool.map(lambda _: Http(served.url).post("/v1/completions", json=body), range(16)))
+        rejected = [r for r in responses if r.status_code == 429]
+        assert len(rejected) >= 6, [r.status_code for r in responses]
+        assert all(r.status_code == 200 for r in responses if r not in rejected)
+        for r in rejected:
+            assert_error(r, 429, code="rate_limit_exceeded")
+            assert r.headers["Retry-After"] == "1"
+            assert r.elapsed.total_seconds() < 5  # refused at once, not after queueing
+        assert_engine_idle(engine)
+
+
+def test_api_key_guards_v1_but_not_probes_or_metrics(loop_thread, engine):
+    with serve_app(loop_thread, engine, api_key="s3cret") as served:
+        url = served.url
+        assert_error(Http(url).get("/v1/models"), 401, code="invalid_api_key")
+        assert_error(Http(url).get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(Http(url).post("/v1/completions", json={"prompt": "x"}), 401)
+        ok = Http(url).get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        for path in ("/health", "/ready", "/metrics"):
+            assert Http(url).get(path).status_code == 200, path
+
+
+def test_draining_server_is_unready_and_refuses_new_requests(loop_thread, engine):
+    with serve_app(loop_thread, engine) as served:
+        assert Http(served.url).get("/ready").status_code == 200
+        served.state.draining = True
+        assert Http(served.url).get("/ready").status_code == 503
+        assert Http(served.url).get("/health").status_code == 200
+        r = Http(served.url).post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert_error(r, 503, code="server_shutting_down")
+        assert_engine_idle(engine)
