@@ -9,6 +9,7 @@ between ``num_heads // num_kv_heads`` query heads.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
 
@@ -57,13 +58,11 @@ def _attend_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     k_pos = torch.arange(num_ctx_blocks * block_size, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, ctx]
 
-    qg = q.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).float()
-    kg = keys.permute(0, 2, 1, 3).float()[:, :, None]  # [B, kvh, 1, ctx, d]
-    vg = values.permute(0, 2, 1, 3).float()[:, :, None]
-    scores = (qg @ kg.transpose(-1, -2)) * scale  # [B, kvh, g, max_q, ctx]
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows see no key
-    o = (probs @ vg).permute(0, 3, 1, 2, 4).reshape(batch, max_q, num_heads, head_dim)
+    # torch's fused SDPA (flash-style on CPU); GQA by broadcasting KV heads to their query group.
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
+        attn_mask=mask[:, None], scale=scale, enable_gqa=group > 1)
+    o = o.transpose(1, 2)  # [B, max_q, h, d]; fully masked (padding) rows are never read
     out[rows[q_valid]] = o[q_valid].to(out.dtype)
 
 

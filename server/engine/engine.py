@@ -54,6 +54,9 @@ class LLMEngine:
         config: engine settings (see :class:`EngineConfig`).
         loaded: an already loaded model to reuse (tests and benchmarks build several engines
             over one model); ``config.model`` is then only a name.
+        runner: something with ModelRunner's ``run(batch, sample_rows) -> logits`` to use instead
+            of the model's forward pass (a fake in tests, a cost model in the simulator);
+            ``loaded.model`` may then be None.
 
     Raises:
         ModelLoadError: the model could not be loaded.
@@ -61,7 +64,7 @@ class LLMEngine:
             ``max_model_len`` beyond the model's context).
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, runner=None):
         self.config = config
         self.device, self.dtype = resolve_device(config)
         torch.manual_seed(config.seed)
@@ -80,7 +83,7 @@ class LLMEngine:
                              f"(one block of {config.block_size} tokens needs {block_bytes} bytes)")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, self.device, self.dtype)
+        self.runner = runner or ModelRunner(loaded.model, num_blocks, config.block_size, self.device, self.dtype)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.groups: dict[str, list[Request]] = {}
