@@ -39,6 +39,11 @@ class GenerationGroup:
     def request_ids(self) -> list[str]:
         return self._ids
 
+    @property
+    def first_outputs(self) -> list[RequestOutput]:
+        """Each request's first output, once :meth:`start` returned."""
+        return self._first
+
     async def start(self) -> None:
         """Submit every request and wait for its first output.
 

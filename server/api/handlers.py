@@ -75,6 +75,10 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             except ValueError as exc:  # RequestRejected carries code and param
                 raise APIError(400, str(exc), param=_prompt_param(exc, chat),
                                code=getattr(exc, "code", None)) from None
+            for out in group.first_outputs:  # failed at its first step: a real status, not a 200 stream
+                failure = _failure(state, out)
+                if failure is not None:
+                    raise failure
             call = _Call(state, req, request_id, chat, record)
             if req.stream:
                 return await call.stream(request, group)

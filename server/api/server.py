@@ -21,11 +21,14 @@ from slipstream.server.api.state import STATE, ServerOptions, ServerState
 logger = logging.getLogger("slipstream.server")
 
 
-async def _load_engine(state: ServerState, engine_config) -> None:
-    from slipstream.server.engine.async_llm import AsyncLLM  # heavy: torch, transformers
+def _build_engine(engine_config):
+    from slipstream.server.engine.async_llm import AsyncLLM  # heavy (torch, transformers): off the event loop
 
-    loop = asyncio.get_running_loop()
-    llm = await loop.run_in_executor(None, AsyncLLM, engine_config)
+    return AsyncLLM(engine_config)
+
+
+async def _load_engine(state: ServerState, engine_config) -> None:
+    llm = await asyncio.get_running_loop().run_in_executor(None, _build_engine, engine_config)
     state.attach(llm)
     await llm.start()
     await llm.warmup()

@@ -1,0 +1,150 @@
+"""Request validation as pure functions: what is accepted, what is refused, and how fields map to
+SamplingParams. No engine needed."""
+from __future__ import annotations
+
+import pytest
+
+from slipstream.server.api.errors import APIError
+from slipstream.server.api.protocol import check_model, parse_chat_request, parse_completion_request
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def refused(parse, body, **kwargs) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse(body, **kwargs)
+    return info.value
+
+
+def test_chat_defaults_follow_openai():
+    req = parse_chat_request({"messages": MESSAGES})
+    p = req.params
+    assert (p.n, p.temperature, p.top_p, p.max_tokens, p.logprobs) == (1, 1.0, 1.0, None, None)
+    assert not req.stream and not req.include_usage and req.model is None
+
+
+def test_completion_default_max_tokens_is_16():
+    assert parse_completion_request({"prompt": "x"}).params.max_tokens == 16
+
+
+def test_every_sampling_field_reaches_the_sampling_params():
+    p = parse_completion_request({
+        "prompt": "x", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "n": 3,
+        "best_of": 3, "stop": "END", "stop_token_ids": [5], "seed": 11, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 2, "logprobs": 2,
+        "skip_special_tokens": False}).params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.n) == (7, 0.5, 0.9, 40, 0.1, 3)
+    assert (p.stop, p.stop_token_ids, p.seed, p.presence_penalty, p.frequency_penalty) == (["END"], [5], 11, 0.5, -0.5)
+    assert (p.repetition_penalty, p.ignore_eos, p.min_tokens, p.logprobs) == (1.2, True, 2, 2)
+    assert p.skip_special_tokens is False
+
+
+def test_max_completion_tokens_is_max_tokens_and_both_must_agree():
+    assert parse_chat_request({"messages": MESSAGES, "max_completion_tokens": 9}).params.max_tokens == 9
+    assert parse_chat_request({"messages": MESSAGES, "max_completion_tokens": 9, "max_tokens": 9}).params.max_tokens == 9
+    assert refused(parse_chat_request, {"messages": MESSAGES, "max_completion_tokens": 9, "max_tokens": 8}).status == 400
+
+
+def test_chat_logprobs_map_to_top_n():
+    assert parse_chat_request({"messages": MESSAGES, "logprobs": True}).params.logprobs == 0
+    assert parse_chat_request({"messages": MESSAGES, "logprobs": True, "top_logprobs": 4}).params.logprobs == 4
+    assert parse_chat_request({"messages": MESSAGES, "logprobs": False}).params.logprobs is None
+
+
+def test_top_p_zero_is_greedy():
+    p = parse_chat_request({"messages": MESSAGES, "top_p": 0}).params
+    assert p.temperature == 0 and p.top_p == 1
+
+
+def test_include_usage_only_counts_when_streaming():
+    body = {"messages": MESSAGES, "stream_options": {"include_usage": True}}
+    assert not parse_chat_request(body).include_usage
+    assert parse_chat_request({**body, "stream": True}).include_usage
+
+
+def test_explicit_nulls_take_the_defaults():
+    fields = ["model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "logit_bias",
+              "user", "stream", "stream_options", "tools", "tool_choice", "response_format", "logprobs",
+              "top_logprobs", "max_completion_tokens", "metadata", "store"]
+    req = parse_chat_request({"messages": MESSAGES, **{f: None for f in fields}})
+    assert req.params.n == 1 and req.params.temperature == 1.0 and not req.stream
+
+
+def test_noop_values_clients_send_by_default_are_accepted():
+    parse_chat_request({"messages": MESSAGES, "user": "u", "store": False, "metadata": {"a": "b"},
+                        "parallel_tool_calls": True, "logit_bias": {}, "tools": [], "tool_choice": "none",
+                        "response_format": {"type": "text"}, "modalities": ["text"], "service_tier": "auto"})
+    parse_completion_request({"prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logit_bias": {}})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function"}]), ("functions", [{"name": "f"}]), ("tool_choice", "required"),
+    ("tool_choice", {"type": "function"}), ("response_format", {"type": "json_schema"}),
+    ("logit_bias", {"1": 1}), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
+    ("reasoning_effort", "high"), ("web_search_options", {}), ("unknown_knob", 1),
+])
+def test_fields_that_would_change_the_output_are_refused_by_name(field, value):
+    error = refused(parse_chat_request, {"messages": MESSAGES, field: value})
+    assert error.status == 400 and error.param == field
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("top_p", 1.01), ("top_p", -1), ("n", 0), ("n", 129), ("max_tokens", 0),
+    ("min_p", 2), ("presence_penalty", -2.5), ("frequency_penalty", 2.5), ("repetition_penalty", 0),
+    ("top_k", -2), ("min_tokens", -1), ("logprobs", 21), ("temperature", float("nan")),
+    ("temperature", True), ("n", "2"), ("seed", 1.5), ("stop", [""]), ("stop_token_ids", ["a"]),
+])
+def test_out_of_range_or_mistyped_values_name_the_field(field, value):
+    error = refused(parse_completion_request, {"prompt": "x", field: value})
+    assert error.status == 400 and error.param == field, error.message
+    assert field in error.message
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    assert refused(parse_completion_request, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}).status == 400
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("abc", ["abc"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_prompt_forms(prompt, expected):
+    assert parse_completion_request({"prompt": prompt}).prompts == expected
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", 1], [1.5], {"text": "x"}, [[1], "a"]])
+def test_bad_prompts_are_refused(prompt):
+    assert refused(parse_completion_request, {"prompt": prompt}).param == "prompt"
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    assert refused(parse_completion_request, {"prompt": [1, 100]}, vocab_size=100).param == "prompt"
+
+
+def test_messages_normalized_for_the_chat_template():
+    req = parse_chat_request({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": []},
+    ]})
+    assert req.messages == [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "a\nb", "name": "ann"},
+                            {"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "tool", "content": "x"}, "messages[0].role"),
+    ({"role": "user"}, "messages[0].content"),
+    ({"role": "user", "content": 5}, "messages[0].content"),
+    ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+    ("hello", "messages[0]"),
+])
+def test_bad_messages_name_the_message(message, param):
+    assert refused(parse_chat_request, {"messages": [message]}).param == param
+
+
+def test_unknown_model_is_404_model_not_found():
+    check_model(None, "m")
+    check_model("m", "m")
+    with pytest.raises(APIError) as info:
+        check_model("other", "m")
+    assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
