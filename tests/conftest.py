@@ -36,3 +36,9 @@ def make_llm(loaded):
     yield make
     for llm in made:
         assert_no_leaks(llm.engine)
+
+
+@pytest.fixture
+def no_leaks():
+    """The leak check as a function, for tests that drive an engine directly."""
+    return assert_no_leaks

@@ -305,6 +305,7 @@ class LLMEngine:
 
     def _publish(self, record: StepRecord) -> None:
         if self.config.trace:
+            record.kv_utilization = self.kv.utilization(self.scheduler.running)
             self.trace.append(record)
         for fn in self.step_listeners:
             fn(record)
