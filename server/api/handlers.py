@@ -195,3 +195,13 @@ class _Call:
         except ConnectionError:  # the client went away; leaving aborts the engine requests
             self.record.client_gone = True
             return sse.response
+        except Exception:  # once the stream is open, the only way to report is an error event
+            if not sse.response.prepared:
+                raise
+            logger.exception("request %s failed mid-stream", self.request_id)
+            try:
+                await sse.send(APIError(500, "Internal server error; see the server log.",
+                                        code="internal_error").body())
+                return await sse.done()
+            except ConnectionError:
+                return sse.response

