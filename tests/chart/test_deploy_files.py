@@ -217,3 +217,13 @@ def test_run_sh_fails_when_the_story_breaks(tmp_path, fault, message):
     result, calls = run_e2e(tmp_path, tools, E2E_SCALE_TIMEOUT="0", **{fault: "1"})
     assert result.returncode != 0 and message in result.stderr
     assert "FAILED" in result.stdout and calls[-1] == "kind delete cluster --name slipstream-e2e"
+
+
+def test_docs_name_only_files_that_exist():
+    """The README's "Deploy on Kubernetes" section and the chart's NOTES.txt point at files."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Deploy on Kubernetes", 1)[1].split("\n## ", 1)[0]
+    notes = (ROOT / "charts" / "slipstream" / "templates" / "NOTES.txt").read_text()
+    paths = set(re.findall(r"\b((?:examples|docker|charts|crds|e2e)/[\w./-]*\w)", section + notes))
+    assert len(paths) >= 8
+    assert [p for p in sorted(paths) if not (ROOT / p).exists()] == []
