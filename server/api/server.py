@@ -24,6 +24,9 @@ logger = logging.getLogger("slipstream.server")
 def _build_engine(engine_config):
     from slipstream.server.engine.async_llm import AsyncLLM  # heavy (torch, transformers): off the event loop
 
+    if engine_config.model.startswith("sim:"):  # a cost model in place of the forward pass
+        from slipstream.server.sim.backend import build_engine
+        return AsyncLLM(engine=build_engine(engine_config))
     return AsyncLLM(engine_config)
 
 

@@ -235,6 +235,19 @@ def _gguf_tokenizer(path: Path):
     return tokenizer
 
 
+def load_tokenizer(model: str = "builtin"):
+    """The tokenizer of ``model`` (``"builtin"`` or a GGUF file) without loading its weights;
+    the GGUF conversion is cached on disk as in :func:`load_model`.
+
+    Raises:
+        ModelLoadError: the model is missing or not a GGUF file.
+    """
+    path = resolve_model_path(model)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ModelLoadError(f"{path}: load_tokenizer reads GGUF files only")
+    return _gguf_tokenizer(path)
+
+
 def _eos_ids(tokenizer) -> set[int]:
     ids = set()
     if getattr(tokenizer, "eos_token_id", None) is not None:
