@@ -9,7 +9,8 @@ FROM python:${PYTHON_VERSION}-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/slipstream
 ENV PATH=/opt/slipstream/bin:$PATH
-# What operator/*.py imports (tests/chart/test_images_e2e.py keeps this list complete).
+# What the operator imports (tests/chart/test_deploy_files.py keeps this list complete);
+# prometheus-client parses the pods' /metrics for the autoscaler.
 RUN pip install "kopf>=1.37" kubernetes aiohttp pyyaml prometheus-client
 WORKDIR /src
 COPY pyproject.toml README.md ./
