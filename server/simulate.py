@@ -1,0 +1,205 @@
+"""``slipstream simulate``: what-if runs of the autoscaler in virtual time, and the batching example.
+
+Given arrivals (a rate schedule or a trace file), a cost-model profile and an autoscaling spec,
+it plays the arrivals against simulated replicas (the engine's scheduler and KV cache, steps
+timed by the cost model, pods ready ``--startup-delay`` seconds after they are asked for) with
+the operator's own policy deciding the replica count every ``--tick`` seconds; it prints
+replicas, queue depth, KV utilization and TTFT p50/p99 over time and plots them to a PNG.
+Nothing sleeps: an hour of traffic takes seconds. ``--example head-of-line`` prints static vs
+continuous batching on the textbook case instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slipstream.operator.autoscaler import AutoscalingSpec
+
+from .sim.cluster import ROUTING, Cluster, ReplicaConfig, SimResult
+from .sim.cost_model import PROFILES, get_profile
+from .sim.head_of_line import report as head_of_line_report
+from .sim.trace import parse_length, parse_rate_schedule, poisson_arrivals, read_trace
+
+DEFAULT_RATE = "10rps for 60s, 40rps for 120s, 5rps for 600s"
+# flag -> AutoscalingSpec field (the CRD's camelCase names are in --autoscaling files)
+_SPEC_FLAGS = {
+    "min_replicas": int, "max_replicas": int, "target_queue_depth": float,
+    "target_kv_cache_utilization": float, "stable_window_seconds": float, "panic_window_seconds": float,
+    "panic_threshold": float, "scale_down_delay_seconds": float, "tolerance": float,
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slipstream simulate",
+        description="Replay arrivals against simulated replicas with the operator's autoscaling policy, "
+                    "in virtual time; print and plot replicas, queue depth, KV use and TTFT.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--example", choices=["head-of-line"],
+                   help="print a textbook example instead (head-of-line: static vs continuous batching)")
+    p.add_argument("--list-profiles", action="store_true", help="list the cost-model profiles and exit")
+    load = p.add_argument_group("load")
+    load.add_argument("--rate", default=None, help=f"rate schedule, e.g. '{DEFAULT_RATE}' (the default)")
+    load.add_argument("--trace", type=Path, help="trace file: one 'TIME [PROMPT_TOKENS [OUTPUT_TOKENS]]' per line")
+    load.add_argument("--prompt-tokens", type=parse_length, default="512", help="prompt length, N or A-B (uniform)")
+    load.add_argument("--output-tokens", type=parse_length, default="256", help="output length, N or A-B (uniform)")
+    load.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths")
+    pod = p.add_argument_group("replicas")
+    pod.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES), help="cost-model profile")
+    pod.add_argument("--max-num-seqs", type=int, help="per replica (default: the profile's)")
+    pod.add_argument("--max-num-batched-tokens", type=int, help="per replica (default: the profile's)")
+    pod.add_argument("--kv-cache-memory-bytes", type=int, help="per replica (default: the profile's memory "
+                                                                 "× 0.9 − weights)")
+    pod.add_argument("--startup-delay", type=float, default=60.0,
+                     help="seconds from scale-up to a new replica taking requests")
+    pod.add_argument("--routing", choices=ROUTING, default="round-robin",
+                     help="round-robin (a ClusterIP Service) or least-loaded (an inference-aware gateway)")
+    auto = p.add_argument_group("autoscaling (defaults: the CRD's, with maxReplicas 8)")
+    auto.add_argument("--autoscaling", type=Path,
+                      help="YAML: an InferenceService or its spec.autoscaling (camelCase keys); flags override it")
+    auto.add_argument("--no-autoscaling", action="store_true", help="keep --initial-replicas throughout")
+    auto.add_argument("--initial-replicas", type=int, help="replicas ready at time 0 (default: minReplicas)")
+    for name, kind in _SPEC_FLAGS.items():
+        auto.add_argument("--" + name.replace("_", "-").replace("-seconds", ""), dest=name, type=kind,
+                          default=None, help=argparse.SUPPRESS if name == "tolerance" else None)
+    auto.add_argument("--tick", type=float, default=2.0, help="seconds between autoscaler decisions")
+    out = p.add_argument_group("output")
+    out.add_argument("--report-every", type=float, default=10.0, help="seconds per printed row")
+    out.add_argument("--plot", type=Path, default=Path("simulate.png"), help="PNG to write")
+    out.add_argument("--no-plot", action="store_true", help="write no PNG")
+    return p
+
+
+def autoscaling_spec(args: argparse.Namespace) -> AutoscalingSpec:
+    """The policy's spec: the file's ``autoscaling`` (or the file itself), then the flags.
+    Raises ValueError for a bad value or file."""
+    values: dict[str, Any] = {"maxReplicas": 8}
+    if args.autoscaling is not None:
+        data = yaml.safe_load(args.autoscaling.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.autoscaling}: expected a mapping")
+        data = (data.get("spec") or {}).get("autoscaling", data) if "spec" in data else data.get("autoscaling", data)
+        values.update(data)
+    values["enabled"] = not args.no_autoscaling
+    spec = AutoscalingSpec.from_dict(values).to_dict()
+    keys = {name: key for key, name in AutoscalingSpec._KEYS.items()}
+    spec.update({keys[name]: getattr(args, name) for name in _SPEC_FLAGS if getattr(args, name) is not None})
+    return AutoscalingSpec.from_dict(spec)
+
+
+def run(args: argparse.Namespace) -> SimResult:
+    """Build the arrivals and the cluster from ``args`` and play them."""
+    profile = get_profile(args.profile)
+    if args.trace is not None:
+        arrivals = read_trace(args.trace, args.prompt_tokens, args.output_tokens, args.seed)
+        duration = None
+    else:
+        phases = parse_rate_schedule(args.rate or DEFAULT_RATE)
+        arrivals = poisson_arrivals(phases, args.prompt_tokens, args.output_tokens, args.seed)
+        duration = sum(p.duration for p in phases)
+    config = ReplicaConfig.for_profile(profile, max_num_seqs=args.max_num_seqs,
+                                       max_num_batched_tokens=args.max_num_batched_tokens,
+                                       kv_cache_bytes=args.kv_cache_memory_bytes)
+    cluster = Cluster(profile, config, autoscaling_spec(args), startup_delay=args.startup_delay, tick=args.tick,
+                      initial=args.initial_replicas, routing=args.routing)
+    return cluster.run(arrivals, duration)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def table(result: SimResult, every: float) -> str:
+    """One row per ``every`` seconds: the last tick's counts, arrival rate and TTFT over the row."""
+    lines = [f"{'time_s':>7} {'rps':>6} {'desired':>7} {'ready':>5} {'start':>5} {'queue':>6} {'running':>7} "
+             f"{'kv%':>5} {'ttft_p50_ms':>11} {'ttft_p99_ms':>11}"]
+    start, arrivals = 0.0, 0
+    for tick in result.ticks:
+        arrivals += tick.arrivals
+        if tick.time + 1e-9 < start + every and tick is not result.ticks[-1]:
+            continue
+        p50, p99 = result.ttft_percentiles(start, tick.time)
+        lines.append(f"{tick.time:7.0f} {arrivals / max(tick.time - start, 1e-9):6.1f} {tick.desired:7d} "
+                     f"{tick.ready:5d} {tick.starting:5d} {tick.queue_depth:6d} {tick.running:7d} "
+                     f"{100 * tick.kv_cache_utilization:5.1f} {_ms(p50):>11} {_ms(p99):>11}")
+        start, arrivals = tick.time, 0
+    return "\n".join(lines)
+
+
+def summary(result: SimResult) -> str:
+    done = [r for r in result.requests if r.finished is not None]
+    p50, p99 = result.ttft_percentiles()
+    lines = [f"{len(result.requests)} requests, {len(done)} finished by t={result.end_time:.0f}s; "
+             f"TTFT p50 {_ms(p50)} ms, p99 {_ms(p99)} ms; {result.replica_seconds / 3600:.2f} replica-hours",
+             "scaling:"]
+    lines += [f"  t={t:7.1f}s {d.current_replicas} -> {d.desired_replicas}: {d.reason}" for t, d in result.scalings]
+    if not result.scalings:
+        lines.append("  none")
+    return "\n".join(lines)
+
+
+def plot(result: SimResult, path: Path, title: str) -> None:
+    """Four panels over time: replicas and arrival rate, queue depth, KV use, TTFT p50/p99."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [k.time for k in result.ticks]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    axes[0].step(t, [k.desired for k in result.ticks], where="post", label="desired")
+    axes[0].step(t, [k.ready for k in result.ticks], where="post", label="ready")
+    axes[0].set_ylabel("replicas")
+    rate = axes[0].twinx()
+    window = max(1, round(10 / (t[1] - t[0]))) if len(t) > 1 else 1
+    arrivals = [k.arrivals for k in result.ticks]
+    smoothed = [sum(arrivals[max(0, i - window + 1):i + 1]) / (t[i] - t[max(0, i - window)] or 1)
+                for i in range(len(t))]
+    rate.plot(t, smoothed, color="grey", alpha=0.6, label="arrivals/s")
+    rate.set_ylabel("arrivals/s")
+    axes[0].legend(loc="upper left")
+    axes[1].plot(t, [k.queue_depth for k in result.ticks])
+    axes[1].set_ylabel("queue depth")
+    axes[2].plot(t, [100 * k.kv_cache_utilization for k in result.ticks])
+    axes[2].set_ylabel("KV cache % (mean)")
+    for q, label in ((0.5, "p50"), (0.99, "p99")):
+        values = [result.ttft_percentiles(a, b, (q,))[0] for a, b in zip([0.0] + t, t)]
+        axes[3].plot(t, [v if v is not None else float("nan") for v in values], label=label)
+    axes[3].set_ylabel("TTFT (s)")
+    axes[3].set_yscale("log")
+    axes[3].legend(loc="upper left")
+    axes[3].set_xlabel("time (s)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.list_profiles:
+        for profile in PROFILES.values():
+            print(f"{profile.name:16} {profile.description}")
+        return 0
+    if args.example == "head-of-line":
+        print(head_of_line_report())
+        return 0
+    try:
+        result = run(args)
+    except (ValueError, OSError) as exc:
+        print(f"slipstream simulate: {exc}", file=sys.stderr)
+        return 2
+    print(table(result, args.report_every))
+    print()
+    print(summary(result))
+    if not args.no_plot:
+        plot(result, args.plot, f"{args.profile}: {args.rate or (args.trace or DEFAULT_RATE)}")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""``slipstream simulate``: arrival traces, replicas on a virtual clock, the autoscaling policy in
+the loop, the head-of-line example and the command itself."""
+from __future__ import annotations
+
+import pytest
+
+from slipstream.operator.autoscaler import AutoscalingSpec
+from slipstream.server import cli
+from slipstream.server.sim.cluster import Cluster, ReplicaConfig, SimRequest, VirtualReplica
+from slipstream.server.sim.cost_model import PROFILES, batch_shape, step_time
+from slipstream.server.sim.head_of_line import continuous_batching, static_batching
+from slipstream.server.sim.trace import Arrival, Phase, parse_length, parse_rate_schedule, poisson_arrivals, read_trace
+
+H100 = PROFILES["llama3-8b-h100"]
+TINY = PROFILES["tiny"]
+
+
+# --- traces -------------------------------------------------------------------------------------
+
+def test_rate_schedule_reads_phases_with_units():
+    assert parse_rate_schedule("10rps for 60s, 40 rps for 2m,5rps for 1h") == [
+        Phase(10, 60), Phase(40, 120), Phase(5, 3600)]
+
+
+@pytest.mark.parametrize("text", ["10 for 60s", "10rps for 0s", "fast", "10rps for 60s,"])
+def test_bad_rate_schedules_say_how_to_write_one(text):
+    with pytest.raises(ValueError, match="rate schedule"):
+        parse_rate_schedule(text)
+
+
+def test_poisson_arrivals_follow_each_phase_rate_and_the_seed():
+    arrivals = poisson_arrivals([Phase(20, 50), Phase(2, 50)], (10, 20), (5, 5), seed=7)
+    first = [a for a in arrivals if a.time < 50]
+    assert 850 < len(first) < 1150 and 60 < len(arrivals) - len(first) < 140
+    assert all(10 <= a.prompt_tokens <= 20 and a.output_tokens == 5 for a in arrivals)
+    assert arrivals == poisson_arrivals([Phase(20, 50), Phase(2, 50)], (10, 20), (5, 5), seed=7)
+    assert arrivals != poisson_arrivals([Phase(20, 50), Phase(2, 50)], (10, 20), (5, 5), seed=8)
+
+
+def test_trace_file_skips_header_and_comments_and_fills_missing_lengths(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("time,prompt,output\n2.5,100,7\n# a comment\n1.0 30\n\n0.5\n")
+    arrivals = read_trace(path, (64, 64), (9, 9))
+    assert arrivals == [Arrival(0.5, 64, 9), Arrival(1.0, 30, 9), Arrival(2.5, 100, 7)]
+    path.write_text("1.0,10,5\n2.0,ten\n")
+    with pytest.raises(ValueError, match="trace.csv:2"):
+        read_trace(path, (1, 1), (1, 1))
+
+
+def test_lengths_are_a_count_or_a_range():
+    assert parse_length("256") == (256, 256) and parse_length("64-1024") == (64, 1024)
+    with pytest.raises(ValueError, match="A-B"):
+        parse_length("0")
+
+
+# --- one replica --------------------------------------------------------------------------------
+
+def test_a_replica_times_each_step_with_the_cost_model():
+    replica = VirtualReplica("pod-0", H100, ReplicaConfig.for_profile(H100), created=0.0, ready_at=0.0)
+    sim = SimRequest(arrival=1.0, prompt_tokens=100, output_tokens=3)
+    replica.add(sim, 1.0)
+    replica.advance(10.0)
+    prefill = step_time(H100, batch_shape([(0, 100)]))
+    decodes = step_time(H100, batch_shape([(100, 1)])) + step_time(H100, batch_shape([(101, 1)]))
+    assert sim.first_token == pytest.approx(1.0 + prefill)
+    assert sim.finished == pytest.approx(1.0 + prefill + decodes)
+    assert replica.idle and replica.kv.num_free_blocks == replica.kv.num_blocks
+
+
+def test_a_full_replica_queues_and_a_small_kv_cache_preempts():
+    config = ReplicaConfig(max_num_seqs=2, max_num_batched_tokens=512, kv_cache_bytes=12 * 16 * 8192)
+    replica = VirtualReplica("pod-0", TINY, config, created=0.0, ready_at=0.0)
+    requests = [SimRequest(0.0, 40, 60) for _ in range(4)]
+    for r in requests:
+        replica.add(r, 0.0)
+    replica.advance(0.001)
+    assert replica.sample(0.001).num_requests_waiting == 2  # two seats
+    replica.advance(1e6)
+    assert all(r.finished is not None for r in requests)
+    assert replica.scheduler.num_preemptions > 0  # 2 × 100 tokens > 12 blocks × 16
+    with pytest.raises(ValueError, match="does not fit"):
+        replica.add(SimRequest(0.0, 4000, 4000), 0.0)
+
+
+# --- the cluster with the policy in the loop -----------------------------------------------------
+
+def _spec(**overrides) -> AutoscalingSpec:
+    values = dict(enabled=True, min_replicas=1, max_replicas=4, target_queue_depth=4, stable_window_seconds=20,
+                  panic_window_seconds=4, scale_down_delay_seconds=30)
+    return AutoscalingSpec(**{**values, **overrides})
+
+
+def _overload(rate: float = 60.0, seconds: float = 30.0, then: float = 120.0):
+    """A tiny-profile burst far past one replica's capacity, then nothing for ``then`` seconds."""
+    return poisson_arrivals([Phase(rate, seconds), Phase(0.0, then)], (32, 32), (64, 64), seed=1)
+
+
+def test_overload_scales_up_after_the_startup_delay_and_back_down_after_the_delay():
+    cluster = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(), startup_delay=10.0, tick=1.0)
+    result = cluster.run(_overload(), duration=150.0)
+    ups = [(t, d) for t, d in result.scalings if d.desired_replicas > d.current_replicas]
+    downs = [(t, d) for t, d in result.scalings if d.desired_replicas < d.current_replicas]
+    assert ups and ups[0][0] <= 5.0 and max(d.desired_replicas for _, d in ups) == 4
+    ready_at = {tick.time: tick.ready for tick in result.ticks}
+    assert ready_at[ups[0][0] + 9.0] == 1 and ready_at[ups[0][0] + 11.0] > 1  # starting pods take no requests
+    assert downs and downs[0][0] >= 30.0 + 30.0  # no scale-down before the delay after the burst
+    assert result.ticks[-1].desired == 1
+    assert all(r.finished is not None for r in result.requests)
+    # every request went to a replica that was ready when it arrived, and new replicas took some
+    ready_since = {r.name: r.ready_at for r in cluster.replicas + cluster.retired}
+    assert all(ready_since[r.replica] <= r.arrival for r in result.requests)
+    assert len({r.replica for r in result.requests}) == 4
+
+
+def test_without_autoscaling_the_count_stays_and_the_queue_only_grows_during_the_burst():
+    fixed = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(enabled=False), initial=1, tick=1.0)
+    result = fixed.run(_overload(then=0.0), duration=30.0)
+    assert not result.scalings and {t.desired for t in result.ticks} == {1}
+    scaled = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(), startup_delay=5.0, tick=1.0)
+    better = scaled.run(_overload(then=0.0), duration=30.0)
+    assert better.ttft_percentiles(quantiles=(0.99,))[0] < 0.5 * result.ttft_percentiles(quantiles=(0.99,))[0]
+
+
+def test_least_loaded_routing_drains_a_backlog_faster_than_round_robin():
+    arrivals = _overload(rate=40.0, seconds=40.0, then=0.0)
+    p99 = {}
+    for routing in ("round-robin", "least-loaded"):
+        cluster = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(), startup_delay=10.0, tick=1.0,
+                          routing=routing)
+        p99[routing] = cluster.run(arrivals, duration=40.0).ttft_percentiles(20.0, 60.0, (0.99,))[0]
+    assert p99["least-loaded"] < p99["round-robin"]
+
+
+# --- head-of-line blocking ----------------------------------------------------------------------
+
+def test_static_batching_spends_2000_steps_on_2270_useful_tokens():
+    run = static_batching((20, 50, 200, 2000) * 4, slots=4)
+    assert run.first_batch_steps == 2000 and run.total_steps == 8000
+    assert run.utilization == pytest.approx(2270 / 8000)  # 28.4%
+    assert run.finish_steps[:4] == (20, 50, 200, 2000)
+
+
+def test_continuous_batching_makes_the_same_tokens_in_568_steps_while_the_queue_lasts():
+    run = continuous_batching((20, 50, 200, 2000) * 4, slots=4)
+    assert run.steps_to_first_batch_tokens == 568 and run.idle_before == 0  # ceil(2270 / 4)
+    assert run.first_batch_steps == 2000  # the long request still needs its 2000 steps
+    alone = continuous_batching((20, 50, 200, 2000), slots=4)
+    assert alone.steps_to_first_batch_tokens == 2000 and alone.idle_before > 0  # no queue to refill from
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+def test_head_of_line_example_prints_both_totals(capsys):
+    assert cli.main(["simulate", "--example", "head-of-line"]) == 0
+    out = capsys.readouterr().out
+    assert "2,000 steps = 100.0 s" in out and "28.4%" in out
+    assert "568 steps = 28.4 s" in out and "567.5" in out
+
+
+def test_simulate_prints_a_table_and_the_scaling_and_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "run.png"
+    code = cli.main(["simulate", "--profile", "tiny", "--rate", "5rps for 20s, 60rps for 30s, 1rps for 60s",
+                     "--prompt-tokens", "32", "--output-tokens", "32-96", "--startup-delay", "10",
+                     "--max-replicas", "4", "--panic-window", "4", "--stable-window", "20",
+                     "--scale-down-delay", "30", "--report-every", "10", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0
+    header, *rows = out.split("\n\n")[0].splitlines()
+    assert header.split()[:4] == ["time_s", "rps", "desired", "ready"]
+    assert len(rows) >= 10 and max(int(r.split()[2]) for r in rows) == 4
+    assert "scaling 1 -> " in out and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_reads_the_autoscaling_spec_from_an_inference_service(tmp_path, capsys):
+    spec = tmp_path / "isvc.yaml"
+    spec.write_text("apiVersion: slipstream.dev/v1alpha1\nkind: InferenceService\nmetadata: {name: x}\n"
+                    "spec:\n  autoscaling: {enabled: true, minReplicas: 2, maxReplicas: 2}\n")
+    assert cli.main(["simulate", "--profile", "tiny", "--rate", "1rps for 10s", "--autoscaling", str(spec),
+                     "--no-plot"]) == 0
+    rows = capsys.readouterr().out.split("\n\n")[0].splitlines()[1:]
+    assert {int(r.split()[3]) for r in rows} == {2}
+
+
+def test_simulate_reports_bad_input_with_exit_code_2(capsys):
+    assert cli.main(["simulate", "--rate", "lots", "--no-plot"]) == 2
+    assert "rate schedule" in capsys.readouterr().err
+    assert cli.main(["simulate", "--max-replicas", "0", "--no-plot"]) == 2
+    assert "maxReplicas" in capsys.readouterr().err
