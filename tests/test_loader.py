@@ -101,3 +101,18 @@ def test_checkpoint_missing_a_tensor_is_named(tmp_path, loaded):
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="layers.1.mlp.up_proj.weight"):
         load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+def test_gguf_weight_cache_round_trips_exactly(tmp_path, monkeypatch, loaded, caplog):
+    import logging
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="slipstream.loader")
+    first = load_model("builtin", torch.device("cpu"), torch.float32)  # parses, fills the cache
+    assert any((tmp_path / "weights").glob("*/model.safetensors"))
+    caplog.clear()
+    second = load_model("builtin", torch.device("cpu"), torch.float32)
+    assert "cached dequantized" in caplog.text
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert second.config == first.config
+    assert second.model.lm_head.weight is second.model.embed_tokens.weight  # still tied

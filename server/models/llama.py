@@ -158,7 +158,8 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …).
+        """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …),
+        or one already in this module's fused layout.
 
         Raises:
             ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
@@ -170,7 +171,8 @@ class LlamaModel(nn.Module):
                 raise ValueError("checkpoint has no lm_head.weight and does not tie word embeddings")
             w["lm_head.weight"] = w["embed_tokens.weight"]
         fused: dict[str, torch.Tensor] = {}
-        for i in range(cfg.num_layers):
+        already_fused = "layers.0.self_attn.qkv_proj.weight" in w  # e.g. from the weight cache
+        for i in range(0 if already_fused else cfg.num_layers):
             p = f"layers.{i}."
             try:
                 for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):

@@ -101,8 +101,9 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     """
     start = time.perf_counter()
     path = resolve_model_path(model)
+    cache_entry = None
     if path.is_file() and path.suffix == ".gguf":
-        cfg, weights, tokenizer = _read_gguf(path)
+        cfg, weights, tokenizer, cache_entry = _read_gguf(path)
         name = BUILTIN_NAME if model == "builtin" else path.stem
     elif path.is_dir():
         cfg, weights, tokenizer = _read_hf_dir(path)
@@ -118,6 +119,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     net.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint; rebuild off the meta device
+    if cache_entry is not None:
+        _fill_cache(cache_entry, lambda tmp: _write_weight_cache(tmp, cfg, net))
     net.to(device).eval()
     log.info("loaded %s in %.1f s", name, time.perf_counter() - start)
     return LoadedModel(net, cfg, tokenizer, name, str(path))
@@ -125,7 +128,51 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
 
 # --- GGUF ---------------------------------------------------------------------------------
 
-def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object, Path | None]:
+    """Config, fp32 weights and tokenizer of a GGUF file, and the cache folder to fill (or None).
+
+    Parsing and dequantizing take several seconds, so the model's fp32 weights (q/k/v and
+    gate/up already fused) are cached as safetensors (``$SLIPSTREAM_CACHE_DIR/weights``, about
+    4 bytes per parameter; ``SLIPSTREAM_WEIGHT_CACHE=0`` turns it off); later loads memory-map
+    them and copy nothing.
+    """
+    use_cache = os.environ.get("SLIPSTREAM_WEIGHT_CACHE", "1") != "0"
+    entry = _cache_entry(path, "weights")
+    cached = _read_weight_cache(entry) if use_cache else None
+    cfg, weights = cached or _parse_gguf(path)
+    tokenizer = _gguf_tokenizer(path)
+    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | _eos_ids(tokenizer))
+    return cfg, weights, tokenizer, entry if use_cache and cached is None else None
+
+
+def _read_weight_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    from safetensors.torch import load_file
+
+    if not (entry / "config.json").is_file() or not (entry / "model.safetensors").is_file():
+        return None
+    try:
+        t0 = time.perf_counter()
+        cfg = ModelConfig(**json.loads((entry / "config.json").read_text()))
+        weights = load_file(str(entry / "model.safetensors"))
+        log.info("read %d cached dequantized tensors from %s in %.1f s", len(weights), entry,
+                 time.perf_counter() - t0)
+        return cfg, weights
+    except Exception as e:  # a damaged cache is rebuilt, never fatal
+        log.warning("weight cache %s unreadable (%s); rebuilding", entry, e)
+        return None
+
+
+def _write_weight_cache(tmp: Path, cfg: ModelConfig, net: LlamaModel) -> None:
+    from dataclasses import asdict
+    from safetensors.torch import save_file
+
+    weights = {k: v for k, v in net.state_dict().items()
+               if not (cfg.tie_word_embeddings and k == "lm_head.weight")}  # tied: stored once
+    save_file(weights, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(asdict(cfg)))
+
+
+def _parse_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
     from gguf.quants import dequantize
 
@@ -182,10 +229,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object
         elif name.endswith("k_proj.weight"):
             array = _unpermute_rope(array, num_kv_heads)
         weights[name] = torch.from_numpy(array)
-    log.info("read %d GGUF tensors in %.1f s", len(weights), time.perf_counter() - t0)
-    tokenizer = _gguf_tokenizer(path)
-    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | _eos_ids(tokenizer))
-    return cfg, weights, tokenizer
+    log.info("read and dequantized %d GGUF tensors in %.1f s", len(weights), time.perf_counter() - t0)
+    return cfg, weights
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -208,13 +253,30 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def _cache_entry(path: Path, kind: str) -> Path:
+    """A cache folder for what was derived from ``path``; a changed file gets a new one."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _cache_dir() / kind / key
+
+
+def _fill_cache(entry: Path, write) -> None:
+    """Create ``entry`` atomically (``write(tmp_dir)`` then rename); a failure only warns."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent))
+        write(tmp)
+        shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+    except OSError as e:
+        log.warning("could not write the cache %s: %s", entry, e)
+
+
 def _gguf_tokenizer(path: Path):
     """transformers tokenizer converted from the GGUF, cached under ``$SLIPSTREAM_CACHE_DIR``."""
     from transformers import AutoTokenizer
 
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = _cache_dir() / "tokenizers" / key
+    cached = _cache_entry(path, "tokenizers")
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
@@ -223,14 +285,7 @@ def _gguf_tokenizer(path: Path):
     t0 = time.perf_counter()
     log.info("converting the GGUF tokenizer (once; cached in %s)", cached)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
-        tokenizer.save_pretrained(str(tmp))
-        shutil.rmtree(cached, ignore_errors=True)
-        os.replace(tmp, cached)
-    except OSError as e:
-        log.warning("could not cache the tokenizer in %s: %s", cached, e)
+    _fill_cache(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
     log.info("tokenizer converted in %.1f s", time.perf_counter() - t0)
     return tokenizer
 
