@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import kopf
 
+from slipstream.operator import autoscaling_loop
 from slipstream.operator.kube import CLUSTER_PEERINGS, PEERINGS, ApiError, Kube
 from slipstream.operator.reconcile import reconcile
 from slipstream.operator.resources import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
@@ -27,11 +28,13 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 @dataclass(frozen=True, slots=True)
 class OperatorConfig:
     """resync_seconds: period of the level-based check of every InferenceService.
+    autoscale_seconds: period of the autoscaler's tick (objects with autoscaling on).
     cluster_domain: for ``status.url``. namespaces: the served ones (empty: all), for the
     peering objects. login: kopf's credentials (a kopf login handler). kube: makes our API
     client. Tests pass their own login and kube."""
 
     resync_seconds: float = 60.0
+    autoscale_seconds: float = autoscaling_loop.DEFAULT_INTERVAL
     cluster_domain: str = "cluster.local"
     namespaces: tuple[str, ...] = ()
     login: Callable[..., kopf.ConnectionInfo | None] = kopf.login_via_client
@@ -116,6 +119,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def resync(namespace: str, name: str, memo: Any, retry: int, logger: kopf.Logger,
                      **_: Any) -> None:
         await run(memo, namespace, name, logger, retry)
+
+    autoscaling_loop.register(registry, interval=config.autoscale_seconds)
 
     @kopf.on.event("apps", "v1", "deployments", id="child", labels=CHILD_LABELS,
                    registry=registry)

@@ -1,0 +1,186 @@
+"""The autoscaler's tick (issue 6): list the pods, scrape the ready ones, decide, write.
+
+For each InferenceService with ``spec.autoscaling.enabled``, every ``interval`` seconds (2 by
+default) a kopf timer calls :meth:`Autoscaler.tick`:
+
+1. list its pods by the Deployment's selector: ready pods with an IP are scraped, the others
+   count as starting (:func:`scraper.pod_targets`); with no pod at all the tick ends here;
+2. read every ready pod's ``/metrics`` at once, each within ``scrape_timeout`` seconds
+   (:func:`scraper.scrape_pods`); a pod that does not answer is left out and counted;
+3. :func:`autoscaler.decide` with the state kept for this InferenceService (in memory; after an
+   operator restart or a leader change, the copy mirrored in ``status.autoscaler``);
+4. :func:`scaling.apply_scale`: the Deployment's ``spec.replicas``, a ``Scaled`` Event with the
+   reason when the count changes, and the status (desiredReplicas, queueDepth,
+   kvCacheUtilization, lastScaleTime, ScalingActive, autoscaler, scalingHistory,
+   scrapeFailures).
+
+With autoscaling off the timer does not run (its ``when`` filter), so replicas follow
+``spec.replicas`` and the scale subresource. The policy's clock is wall-clock epoch seconds, so
+the mirrored state means the same to whichever operator replica reads it next.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import aiohttp
+import kopf
+
+from slipstream.operator import status as st
+from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, append_scaling_history, \
+    decide
+from slipstream.operator.kube import DEPLOYMENTS, PODS, ApiError, Kube
+from slipstream.operator.resources import GROUP, PLURAL, VERSION, pod_selector, selector_labels
+from slipstream.operator.scaling import apply_scale
+from slipstream.operator.scraper import DEFAULT_TIMEOUT, ScrapeResult, pod_targets, scrape_pods
+from slipstream.operator.spec import SpecError, parse_spec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class TickResult:
+    """One tick of one InferenceService: the policy's decision, the pods it saw, what was written
+    (``replicas`` None when apply_scale found nothing to scale)."""
+
+    decision: Decision
+    ready: int
+    starting: int
+    failures: tuple[str, ...]
+    replicas: int | None
+
+
+def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
+    """kopf ``when`` filter: the timer runs only for objects with autoscaling on."""
+    autoscaling = spec.get("autoscaling") if isinstance(spec, Mapping) else None
+    return isinstance(autoscaling, Mapping) and autoscaling.get("enabled") is True
+
+
+def condition(scrape: ScrapeResult, ready: int, starting: int, decision: Decision) -> tuple[bool, str, str]:
+    """(active, reason, message) of ``ScalingActive`` after a tick (pure)."""
+    failed = "; ".join(f"{f.pod}: {f.error}" for f in scrape.failures)
+    if scrape.samples:
+        note = f"; {len(scrape.failures)} of {ready} ready pods did not answer ({failed})" if failed else ""
+        return True, "MetricsAvailable", decision.reason + note
+    if ready:
+        return False, "MetricsUnavailable", f"none of {ready} ready pods answered /metrics ({failed}); {decision.reason}"
+    return False, "NoReadyPods", f"no ready pod to read ({starting} starting); {decision.reason}"
+
+
+@dataclass
+class Autoscaler:
+    """The operator's autoscaling memory and its scrape session; one per operator process.
+
+    scrape_timeout: seconds each pod has to answer. clock: the policy's clock (epoch seconds).
+    """
+
+    scrape_timeout: float = DEFAULT_TIMEOUT
+    clock: Callable[[], float] = time.time
+    states: dict[tuple[str, str], AutoscalerState] = field(default_factory=dict)
+    histories: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    _session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # limit=0: every pod at once (scraper's note); one session keeps connections to pods warm.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.states.pop((namespace, name), None)
+        self.histories.pop((namespace, name), None)
+
+    async def tick(self, kube: Kube, namespace: str, name: str, body: Mapping[str, Any]) -> TickResult | None:
+        """One autoscaling tick for ``namespace/name`` (``body``: its latest known object).
+
+        Returns None when there is nothing to scale: autoscaling off, an invalid spec (the
+        reconcile loop reports it), no Deployment or no pod yet. Raises kube.ApiError.
+        """
+        key = (namespace, name)
+        try:
+            spec = parse_spec(body.get("spec"), name=name)
+            policy = AutoscalingSpec.from_spec(spec.autoscaling)
+        except (SpecError, ValueError):
+            return None
+        if not policy.enabled:
+            self.forget(namespace, name)
+            return None
+        deployment = await kube.get(DEPLOYMENTS, namespace, name)
+        if deployment is None:
+            return None
+        current = int((deployment.get("spec") or {}).get("replicas", 1))
+        wanted = selector_labels(name)
+        pods = [p for p in await kube.list(PODS, namespace, pod_selector(name))
+                if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in wanted.items())]
+        if not pods:
+            return None  # none created yet: nothing to read, and holding the count needs no write
+        targets, starting = pod_targets(pods, spec.port)
+        scrape = await scrape_pods(targets, self.scrape_timeout, session=self.session(), clock=self.clock)
+
+        status = body.get("status") or {}
+        state = self.states.get(key) or AutoscalerState.from_dict(status.get("autoscaler"))
+        decision = decide(policy, state, scrape.samples, self.clock(), current, len(targets), starting)
+        self.states[key] = decision.state
+        history = self.histories.get(key, status.get("scalingHistory") or [])
+        if decision.scaled:
+            history = append_scaling_history(history, decision, st.timestamp(_utcnow()))
+        self.histories[key] = history
+        active, reason, message = condition(scrape, len(targets), starting, decision)
+        written = await apply_scale(
+            kube, namespace, name, replicas=decision.desired_replicas, queue_depth=decision.queue_depth,
+            kv_cache_utilization=decision.kv_cache_utilization, active=active, reason=reason,
+            message=message, extra_status={"autoscaler": decision.state.to_dict(), "scalingHistory": history,
+                                           "scrapeFailures": len(scrape.failures)})
+        return TickResult(decision, len(targets), starting, tuple(scrape.failed_pods), written)
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def register(registry: kopf.OperatorRegistry, interval: float = DEFAULT_INTERVAL,
+             scrape_timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Put the autoscaler's timer (every ``interval`` seconds, objects with autoscaling on) and
+    its start-up and clean-up on ``registry``; it uses the operator's ``memo.kube``."""
+
+    @kopf.on.startup(registry=registry)
+    async def start_autoscaler(memo: Any, **_: Any) -> None:
+        memo.autoscaler = Autoscaler(scrape_timeout=scrape_timeout)
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop_autoscaler(memo: Any, **_: Any) -> None:
+        autoscaler = getattr(memo, "autoscaler", None)
+        if autoscaler is not None:
+            await autoscaler.close()
+
+    @kopf.timer(GROUP, VERSION, PLURAL, id="autoscale", interval=interval, sharp=True,
+                when=autoscaling_enabled, registry=registry)
+    async def autoscale(namespace: str, name: str, body: kopf.Body, memo: Any, logger: kopf.Logger,
+                        **_: Any) -> None:
+        try:
+            result = await memo.autoscaler.tick(memo.kube, namespace, name, body)
+        except ApiError as exc:
+            # The next tick reads everything again; kopf's backoff would only delay it.
+            logger.warning(f"autoscaler tick failed, retrying next tick: {exc}")
+            return
+        if result is None:
+            return
+        log = logger.info if result.decision.scaled else logger.debug
+        log(f"autoscaler: {result.decision.reason} (ready {result.ready}, starting {result.starting}, "
+            f"unanswered {len(result.failures)})")
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, id="autoscaler-forget", optional=True, registry=registry)
+    async def forget(namespace: str, name: str, memo: Any, **_: Any) -> None:
+        autoscaler = getattr(memo, "autoscaler", None)
+        if autoscaler is not None:
+            autoscaler.forget(namespace, name)

@@ -1,0 +1,280 @@
+"""The autoscaler's tick against the Kubernetes API emulator, with small aiohttp /metrics servers on
+127.0.0.x standing in for pods (published as Pod objects with their ``podIP``): directly with a
+synthetic clock, and as the real operator's kopf timer."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any, AsyncIterator
+
+import kopf
+import pytest
+from aiohttp import web
+
+from kube_emulator import ApiServer
+from operator_helpers import NAMESPACE, eventually, running_operator
+from slipstream.operator.autoscaling_loop import Autoscaler, autoscaling_enabled
+from slipstream.operator.handlers import OperatorConfig, register
+from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube
+from slipstream.operator.reconcile import reconcile
+from slipstream.operator.resources import labels
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakePod:
+    """A pod's /metrics: the three gauges, or a failure (``mode`` ``error``: HTTP 500, ``hang``)."""
+
+    def __init__(self, name: str, ip: str):
+        self.name, self.ip = name, ip
+        self.waiting, self.running, self.kv = 0.0, 0.0, 0.0
+        self.mode = "ok"
+        self.scrapes = 0
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        self.scrapes += 1
+        if self.mode == "error":
+            return web.Response(status=500)
+        if self.mode == "hang":
+            await asyncio.sleep(30)
+        return web.Response(text=(
+            f'slipstream:num_requests_waiting{{model_name="chat"}} {self.waiting}\n'
+            f'slipstream:num_requests_running{{model_name="chat"}} {self.running}\n'
+            f'slipstream:kv_cache_usage_perc{{model_name="chat"}} {self.kv}\n'))
+
+
+@pytest.fixture
+async def pods() -> AsyncIterator[tuple[int, list[FakePod]]]:
+    """Four fake pods on 127.0.0.2-5, all on one port (a pod spec has one port for all pods)."""
+    for _ in range(20):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.2", 0))
+            port = probe.getsockname()[1]
+        fakes = [FakePod(f"chat-{i}", f"127.0.0.{i + 2}") for i in range(4)]
+        runners = []
+        try:
+            for fake in fakes:
+                app = web.Application()
+                app.router.add_get("/metrics", fake.metrics)
+                runner = web.AppRunner(app, shutdown_timeout=0.1)
+                await runner.setup()
+                runners.append(runner)
+                await web.TCPSite(runner, fake.ip, port).start()
+        except OSError:  # the port is taken on one of the addresses: try another
+            for runner in runners:
+                await runner.cleanup()
+            continue
+        try:
+            yield port, fakes
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        return
+    pytest.fail("no port free on 127.0.0.2-5")
+
+
+def inference_service(port: int, **autoscaling: Any) -> dict[str, Any]:
+    return {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "chat", "namespace": NAMESPACE},
+            "spec": {"model": {"source": "builtin"}, "port": port, "autoscaling": {
+                "enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 2,
+                "stableWindowSeconds": 10, "panicWindowSeconds": 2, "scaleDownDelaySeconds": 4,
+                **autoscaling}}}
+
+
+async def publish(kube: Kube, fake: FakePod, ready: bool = True, owner: str = "chat") -> None:
+    """A Pod object for ``fake`` as the kubelet would report it."""
+    await kube.create(PODS, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": fake.name, "namespace": NAMESPACE, "labels": labels(owner)},
+        "spec": {"containers": [{"name": "server", "image": "slipstream"}]},
+        "status": {"phase": "Running", "podIP": fake.ip, "conditions": [
+            {"type": "Ready", "status": "True" if ready else "False"}]}})
+
+
+async def status_of(kube: Kube) -> dict[str, Any]:
+    return (await kube.get(INFERENCESERVICES, NAMESPACE, "chat")).get("status") or {}
+
+
+def scaling_condition(status: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == "ScalingActive")
+
+
+async def replicas(kube: Kube) -> int:
+    return (await kube.get(DEPLOYMENTS, NAMESPACE, "chat"))["spec"]["replicas"]
+
+
+@pytest.fixture
+async def service(kube: Kube, pods) -> tuple[Kube, list[FakePod]]:
+    """The InferenceService ``chat`` (autoscaling on) reconciled once: Deployment at 1 replica."""
+    port, fakes = pods
+    await kube.create(INFERENCESERVICES, inference_service(port))
+    await reconcile(kube, NAMESPACE, "chat")
+    return kube, fakes
+
+
+@pytest.fixture
+async def make_autoscaler() -> AsyncIterator[Any]:
+    """Autoscaler(...) whose scrape sessions are closed after the test."""
+    made: list[Autoscaler] = []
+
+    def make(**kwargs: Any) -> Autoscaler:
+        made.append(Autoscaler(**kwargs))
+        return made[-1]
+
+    yield make
+    for autoscaler in made:
+        await autoscaler.close()
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def tick(autoscaler: Autoscaler, kube: Kube):
+    body = await kube.get(INFERENCESERVICES, NAMESPACE, "chat")
+    return await autoscaler.tick(kube, NAMESPACE, "chat", body)
+
+
+# --- one tick at a time ---------------------------------------------------------------------------
+
+async def test_a_long_queue_scales_up_and_the_status_records_the_tick(service, make_autoscaler):
+    kube, fakes = service
+    await publish(kube, fakes[0])
+    fakes[0].waiting, fakes[0].running, fakes[0].kv = 9, 4, 0.5
+    result = await tick(make_autoscaler(clock=Clock()), kube)
+
+    assert result.decision.panicking and result.replicas == 4  # ceil(9 / 2) = 5 pods, max 4
+    assert await replicas(kube) == 4
+    status = await status_of(kube)
+    assert (status["desiredReplicas"], status["queueDepth"], status["kvCacheUtilization"],
+            status["kvCachePercent"], status["scrapeFailures"]) == (4, 9, 0.5, 50, 0)
+    assert status["lastScaleTime"].endswith("Z")
+    [entry] = status["scalingHistory"]
+    assert (entry["fromReplicas"], entry["toReplicas"]) == (1, 4) and "panic" in entry["reason"]
+    assert status["autoscaler"]["observations"] == [[1_000_000.0, 9.0, 0.5]]
+    assert scaling_condition(status)["status"] == "True"
+    assert scaling_condition(status)["reason"] == "MetricsAvailable"
+
+
+async def test_pods_that_do_not_answer_are_counted_and_named(service, make_autoscaler):
+    kube, fakes = service
+    for fake in fakes[:3]:
+        await publish(kube, fake)
+    await kube.merge_patch(DEPLOYMENTS, NAMESPACE, "chat", {"spec": {"replicas": 3}})
+    fakes[1].mode, fakes[2].mode = "error", "hang"
+    autoscaler = make_autoscaler(clock=Clock(), scrape_timeout=0.5)
+    result = await tick(autoscaler, kube)
+    assert sorted(result.failures) == ["chat-1", "chat-2"]
+    status = await status_of(kube)
+    assert status["scrapeFailures"] == 2
+    assert "2 of 3 ready pods did not answer" in scaling_condition(status)["message"]
+    assert "chat-2: no answer within 0.5s" in scaling_condition(status)["message"]
+
+    fakes[0].mode = "error"  # nobody answers: not active, and the count holds
+    result = await tick(autoscaler, kube)
+    status = await status_of(kube)
+    assert (scaling_condition(status)["status"], scaling_condition(status)["reason"]) == \
+        ("False", "MetricsUnavailable")
+    assert status["scrapeFailures"] == 3 and await replicas(kube) == 3
+
+
+async def test_starting_pods_are_not_scraped_and_other_services_pods_are_ignored(service, make_autoscaler):
+    kube, fakes = service
+    await publish(kube, fakes[0], ready=False)
+    await publish(kube, fakes[1], owner="other")  # the emulator ignores label selectors
+    fakes[1].waiting = 100
+    result = await tick(make_autoscaler(clock=Clock()), kube)
+    assert (result.ready, result.starting) == (0, 1)
+    assert fakes[0].scrapes == 0 and fakes[1].scrapes == 0
+    status = await status_of(kube)
+    assert scaling_condition(status)["reason"] == "NoReadyPods" and await replicas(kube) == 1
+
+
+async def test_without_pods_the_tick_writes_nothing(service, make_autoscaler):
+    kube, _ = service
+    before = await kube.get(INFERENCESERVICES, NAMESPACE, "chat")
+    assert await tick(make_autoscaler(clock=Clock()), kube) is None
+    assert (await kube.get(INFERENCESERVICES, NAMESPACE, "chat"))["metadata"]["resourceVersion"] == \
+        before["metadata"]["resourceVersion"]
+
+
+async def test_scale_down_waits_for_the_delay_and_survives_an_operator_restart(service, make_autoscaler):
+    kube, fakes = service
+    for fake in fakes[:3]:
+        await publish(kube, fake)
+    await kube.merge_patch(DEPLOYMENTS, NAMESPACE, "chat", {"spec": {"replicas": 3}})
+    clock = Clock()
+    first = make_autoscaler(clock=clock)
+    for _ in range(2):  # idle pods, ticks at t and t+2: lower recommendations begin
+        result = await tick(first, kube)
+        assert result.decision.desired_replicas == 3 and "waits for 4s" in result.decision.reason
+        clock.now += 2
+    # A new operator process (no memory) continues from status.autoscaler: 4 s have passed.
+    result = await tick(make_autoscaler(clock=clock), kube)
+    assert result.replicas == 2  # 3 → 1 wanted, at most halved per tick
+    assert await replicas(kube) == 2
+    assert [e["toReplicas"] for e in (await status_of(kube))["scalingHistory"]] == [2]
+
+
+async def test_the_timer_runs_only_for_objects_with_autoscaling_on():
+    assert autoscaling_enabled({"autoscaling": {"enabled": True}})
+    assert not autoscaling_enabled({"autoscaling": {"enabled": False}})
+    assert not autoscaling_enabled({"replicas": 3})
+    assert not autoscaling_enabled({"autoscaling": {"enabled": "true"}})
+
+
+# --- the operator's timer ---------------------------------------------------------------------------
+
+@pytest.fixture
+async def fast_operator(api: ApiServer) -> AsyncIterator[None]:
+    """The real operator with a 0.3-second autoscaler tick."""
+    registry = kopf.OperatorRegistry()
+    url = str(api.url)
+    register(registry, OperatorConfig(
+        resync_seconds=1.0, autoscale_seconds=0.3,
+        login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True), kube=lambda: Kube(url)))
+    settings = kopf.OperatorSettings()
+    settings.watching.server_timeout = 10
+    settings.networking.request_timeout = 10
+    async with running_operator(registry=registry, settings=settings, clusterwide=True, standalone=True):
+        yield
+
+
+def events(api: ApiServer, reason: str) -> list[dict[str, Any]]:
+    return [obj.raw for (res, _, _), obj in api.objects.items()
+            if res.plural == "events" and not obj.deleted and obj.raw.get("reason") == reason]
+
+
+async def test_operator_scales_on_load_posts_an_event_and_lets_go_when_autoscaling_is_off(
+        api, kube, pods, fast_operator):
+    port, fakes = pods
+    await kube.create(INFERENCESERVICES, inference_service(port))
+    await eventually(lambda: kube.get(DEPLOYMENTS, NAMESPACE, "chat"), what="Deployment")
+    await publish(kube, fakes[0])
+    fakes[0].waiting = 7
+    await eventually(lambda: _replicas_are(kube, 4), what="scale-up to 4")
+    scaled = await eventually(lambda: events(api, "Scaled"), what="Scaled event")
+    assert "replicas 1 → 4" in scaled[0]["message"] and "panic" in scaled[0]["message"]
+    assert scaled[0]["involvedObject"]["name"] == "chat"
+
+    # Autoscaling off: replicas follow spec.replicas (kubectl scale), whatever the queue.
+    await kube.merge_patch(INFERENCESERVICES, NAMESPACE, "chat",
+                           {"spec": {"replicas": 2, "autoscaling": {"enabled": False}}})
+    await eventually(lambda: _replicas_are(kube, 2), what="spec.replicas")
+    scrapes = fakes[0].scrapes
+    await asyncio.sleep(1.5)  # five ticks' worth
+    assert await replicas(kube) == 2 and fakes[0].scrapes == scrapes
+    status = await status_of(kube)
+    assert scaling_condition(status)["reason"] == "AutoscalingDisabled"
+
+
+async def _replicas_are(kube: Kube, n: int) -> bool:
+    with contextlib.suppress(TypeError):
+        return await replicas(kube) == n
+    return False
