@@ -145,8 +145,9 @@ class RequestResult:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) -> RequestResult:
+    # usage from the server: a token whose text is held back (part of a UTF-8 character) sends no chunk
     body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last = None

@@ -64,7 +64,7 @@ class GenerationGroup:
         try:
             async for out in gen:
                 await self._queue.put((index, out))
-        except BaseException as exc:  # handed to the consumer, who decides
+        except Exception as exc:  # handed to the consumer, who decides; cancellation is not
             await self._queue.put((index, exc))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
