@@ -63,9 +63,8 @@ def serve_app(loop: LoopThread, llm: Any, **options: Any) -> Iterator[Served]:
         app = build_app(ServerOptions(log_interval=0, **options), llm)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, app, site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, app, runner.addresses[0][1]
 
     runner, app, port = loop.run(start())
     try:
