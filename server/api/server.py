@@ -65,7 +65,12 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:  # port in use, address not on this host, ...
+        logger.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        await runner.cleanup()
+        return 1
     logger.info("listening on http://%s:%d (model %s)", host, port, engine_config.model)
 
     loop = asyncio.get_running_loop()
