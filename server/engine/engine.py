@@ -203,6 +203,7 @@ class LLMEngine:
                       if req.num_computed_tokens + n == req.num_tokens]
         to_sample = [batch.requests[i] for i in sample_idx]
         record = self._record(batch)
+        t_run = time.perf_counter()
         try:
             logits = self.runner.run(batch, sample_idx)
             sampled = self.sampler(logits, to_sample)
@@ -215,7 +216,7 @@ class LLMEngine:
             self.kv.cache_full_blocks(req)
         outputs = self._postprocess(to_sample, sampled.token_ids, sampled.logprobs)
         self.num_steps += 1
-        record.forward_time = t_fwd - t0
+        record.forward_time = t_fwd - t_run
         record.step_time = time.perf_counter() - t0
         self._publish(record)
         return outputs

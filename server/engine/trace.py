@@ -9,8 +9,8 @@ class StepRecord:
     """One engine step.
 
     ``scheduled`` holds ``(request_id, prefill_tokens, decode_tokens)`` per request; times are
-    seconds (``forward_time``: model + sampler; ``step_time``: the whole step, scheduling and
-    detokenization included).
+    seconds (``forward_time``: input layout, model and sampler; ``step_time``: the whole step,
+    so ``step_time - forward_time`` is the scheduler's and postprocessing's share).
     """
 
     step: int
