@@ -25,12 +25,27 @@ from .sim.head_of_line import report as head_of_line_report
 from .sim.trace import parse_length, parse_rate_schedule, poisson_arrivals, read_trace
 
 DEFAULT_RATE = "10rps for 60s, 40rps for 120s, 5rps for 600s"
-# flag -> AutoscalingSpec field (the CRD's camelCase names are in --autoscaling files)
+# AutoscalingSpec field -> (type, help); flags drop "_seconds" (the CRD's names are in --autoscaling files)
 _SPEC_FLAGS = {
-    "min_replicas": int, "max_replicas": int, "target_queue_depth": float,
-    "target_kv_cache_utilization": float, "stable_window_seconds": float, "panic_window_seconds": float,
-    "panic_threshold": float, "scale_down_delay_seconds": float, "tolerance": float,
+    "min_replicas": (int, "fewest replicas (minReplicas, default 1)"),
+    "max_replicas": (int, "most replicas (maxReplicas, default 8 here)"),
+    "target_queue_depth": (float, "waiting requests per ready pod (targetQueueDepth, default 5)"),
+    "target_kv_cache_utilization": (float, "KV-cache use per ready pod, 0..1 (default 0.8)"),
+    "stable_window_seconds": (float, "seconds averaged for the stable decision (default 60)"),
+    "panic_window_seconds": (float, "seconds averaged for the panic decision (default 6)"),
+    "panic_threshold": (float, "panic when the panic window needs this × current capacity (default 2)"),
+    "scale_down_delay_seconds": (float, "seconds of lower recommendations before scaling down (default 300)"),
+    "tolerance": (float, "dead band around the targets (default 0.1)"),
 }
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` only where the help does not already say and there is a value to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default" in (action.help or "") or any(action.default is v for v in (None, False, True, argparse.SUPPRESS)):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
         prog="slipstream simulate",
         description="Replay arrivals against simulated replicas with the operator's autoscaling policy, "
                     "in virtual time; print and plot replicas, queue depth, KV use and TTFT.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--example", choices=["head-of-line"],
                    help="print a textbook example instead (head-of-line: static vs continuous batching)")
     p.add_argument("--list-profiles", action="store_true", help="list the cost-model profiles and exit")
@@ -63,9 +78,9 @@ def parser() -> argparse.ArgumentParser:
                       help="YAML: an InferenceService or its spec.autoscaling (camelCase keys); flags override it")
     auto.add_argument("--no-autoscaling", action="store_true", help="keep --initial-replicas throughout")
     auto.add_argument("--initial-replicas", type=int, help="replicas ready at time 0 (default: minReplicas)")
-    for name, kind in _SPEC_FLAGS.items():
-        auto.add_argument("--" + name.replace("_", "-").replace("-seconds", ""), dest=name, type=kind,
-                          default=None, help=argparse.SUPPRESS if name == "tolerance" else None)
+    for name, (kind, text) in _SPEC_FLAGS.items():
+        flag = "--" + name.replace("_", "-").replace("-seconds", "")
+        auto.add_argument(flag, dest=name, type=kind, default=None, metavar=kind.__name__.upper(), help=text)
     auto.add_argument("--tick", type=float, default=2.0, help="seconds between autoscaler decisions")
     out = p.add_argument_group("output")
     out.add_argument("--report-every", type=float, default=10.0, help="seconds per printed row")
