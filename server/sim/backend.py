@@ -149,6 +149,7 @@ class SimRunner:
         the same for a preempted request when it is recomputed."""
         seed = self._seeds.get(req.request_id)
         if seed is None:
+            # hash() of a tuple of ints is the same in every process (only str/bytes hashing is salted).
             base = req.params.seed if req.params.seed is not None else hash(tuple(req.prompt_token_ids))
             seed = _mix((base ^ (self.options.seed * 0x9E3779B1) ^ (req.index << 48)) & _MASK64)
             if len(self._seeds) >= _SEED_CACHE_LIMIT:  # recomputing is only a hash: drop the oldest
