@@ -7,6 +7,7 @@ Leaving the flow early for any reason — client gone, error — aborts the engi
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -42,6 +43,8 @@ async def read_json(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise bad_request("The request body is not valid JSON: nested too deeply") from None
 
 
 def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -51,6 +54,10 @@ def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
         raise bad_request(f"messages could not be rendered with the model's chat template: {exc}",
                           "messages") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"messages are not valid Unicode text: {exc.reason}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS if any
 
 
@@ -62,7 +69,8 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     if chat:
         req = parse_chat_request(body)
         check_model(req.model, state.model_name)
-        prompts: list = [_chat_prompt(llm.tokenizer, req.messages)]
+        # Off the event loop: a long conversation takes a while to render and tokenize.
+        prompts: list = [await asyncio.to_thread(_chat_prompt, llm.tokenizer, req.messages)]
     else:
         req = parse_completion_request(body, vocab_size=state.vocab_size)
         check_model(req.model, state.model_name)

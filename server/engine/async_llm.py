@@ -84,7 +84,8 @@ class AsyncLLM:
         """
         if self._thread is None or self._stopping:
             raise RuntimeError("engine is not running")
-        reqs = self.engine.make_requests(prompt, params, request_id)
+        # Tokenizing a long prompt takes a while: keep it off the event loop.
+        reqs = await asyncio.to_thread(self.engine.make_requests, prompt, params, request_id)
         rid = reqs[0].group_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -101,6 +101,10 @@ class LLMEngine:
         """Token ids of a prompt: a string is encoded with the tokenizer's special tokens
         (a BOS where the model wants one); a list is taken as token ids and checked."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character {e.start}") from None
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)

@@ -79,6 +79,8 @@ BAD_REQUESTS = {
     "too many logprobs": (completion(logprobs=50), 400, "logprobs", None),
     "unknown field": (chat(frobnicate=1), 400, "frobnicate", None),
     "audio output": (chat(modalities=["text", "audio"]), 400, "modalities", None),
+    "lone surrogate in a prompt": (completion(prompt="a\ud800b"), 400, "any", "any"),
+    "lone surrogate in a message": (chat(messages=[{"role": "user", "content": "\udfff"}]), 400, "any", "any"),
 }
 
 
@@ -102,6 +104,9 @@ def test_invalid_json_is_a_400(http, server):
     r = http.post("/v1/chat/completions", data=b'{"messages": [', headers={"Content-Type": "application/json"})
     assert "JSON" in assert_error(r, 400)["message"]
     assert_error(http.post("/v1/completions", json=[1, 2]), 400)
+    nested = b'{"prompt": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
+    assert "JSON" in assert_error(http.post("/v1/completions", data=nested,
+                                            headers={"Content-Type": "application/json"}), 400)["message"]
     still_serves(http, server)
 
 
