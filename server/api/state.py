@@ -102,6 +102,8 @@ class ServerState:
             del self.in_flight[request_id]
             if not self.in_flight:
                 self._idle.set()
+            if record.client_gone:  # counted once per abandoned call, with the engine's reason
+                record.metrics.label(record.metrics.request_success, "abort").inc()
             if record.prompt_tokens or record.client_gone:  # a call refused before it started logs as an error
                 logger.info("%s", record.log_line())
 

@@ -50,6 +50,9 @@ async def test_32_streaming_clients_a_third_leaving_midway_free_every_block(serv
     metrics = (await asyncio.to_thread(Http(server.url).get, "/metrics")).text
     assert 'slipstream:num_requests_running{model_name="%s"} 0.0' % server.state.model_name in metrics
     assert 'slipstream:kv_cache_usage_perc{model_name="%s"} 0.0' % server.state.model_name in metrics
+    aborted = [line for line in metrics.splitlines()
+               if line.startswith("slipstream:request_success_total") and 'finished_reason="abort"' in line]
+    assert aborted and float(aborted[0].split()[-1]) >= 11, aborted  # every client that left is counted
 
 
 async def test_client_leaving_a_long_stream_aborts_it_at_once(server):
