@@ -80,8 +80,18 @@ class StepTimers:
     def __init__(self, engine):
         self.times = {"schedule": 0.0, "model": 0.0, "sample": 0.0}
         self.per_step: list[dict[str, float]] = []
+        self.ctx = 0.0  # mean context (tokens) the step's requests attend over
         model = engine.runner.model
-        engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)
+        schedule = self._wrap("schedule", engine.scheduler.schedule)
+
+        def schedule_and_note_context():
+            batch = schedule()
+            if batch:
+                self.ctx = sum(r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)) \
+                    / len(batch.requests)
+            return batch
+
+        engine.scheduler.schedule = schedule_and_note_context
         model.forward = self._wrap("model", model.forward)
         model.logits = self._wrap("model", model.logits)
         engine.sampler = self._wrap("sample", engine.sampler)
@@ -97,7 +107,7 @@ class StepTimers:
         return timed
 
     def _on_step(self, record) -> None:
-        self.per_step.append(dict(self.times))
+        self.per_step.append(dict(self.times, ctx=self.ctx))
         for k in self.times:
             self.times[k] = 0.0
 
@@ -110,15 +120,13 @@ class KVSampler:
         self.engine = engine
         self.reserve_len = reserve_len
         self.samples: list[dict] = []
-        self.ctx: list[float] = []  # mean tokens held per running request after each step
         engine.step_listeners.append(self._on_step)
 
     def _on_step(self, record) -> None:
         running = self.engine.scheduler.running
-        held = sum(r.num_computed_tokens for r in running)
-        self.ctx.append(held / len(running) if running else 0.0)
         if not running:
             return
+        held = sum(r.num_computed_tokens for r in running)
         self.samples.append({
             "step": record.step, "waiting": self.engine.scheduler.num_waiting, "running": len(running),
             "paged": self.engine.kv.utilization(running),
@@ -144,7 +152,7 @@ def run_slipstream(workload, loaded, args) -> Result:
         return [len(o.outputs[0].token_ids) for o in llm.generate([r.prompt for r in workload], params)]
 
     res = measured("slipstream", workload, run)
-    res.extra = {"trace": list(engine.trace), "timers": timers.per_step, "kv": kv.samples, "ctx": kv.ctx,
+    res.extra = {"trace": list(engine.trace), "timers": timers.per_step, "kv": kv.samples,
                  "max_model_len": engine.max_model_len}
     return res
 
@@ -334,17 +342,17 @@ def report_slipstream(res: Result, max_num_seqs: int) -> None:
     overhead([(i, r) for i, r in full if r.num_prefill_tokens == 0], f"≥{max_num_seqs} running, decode only")
     overhead([(i, r) for i, r in steps if r.num_prefill_tokens == 0], "all decode-only steps")
     overhead(steps, "all steps")
-    print("\nDecode-only steps by batch size:")
-    print("| running | steps | ms/step | ms per token | mean context tokens |")
+    print()
+    print("| decode steps with this many running | steps | ms/step | ms per token | mean context tokens |")
     print("|---|---:|---:|---:|---:|")
     lo = 1
     while lo <= max_num_seqs:
-        hi = lo * 2 - 1
+        hi = min(lo * 2 - 1, max_num_seqs)
         sel = [(i, r) for i, r in steps if r.num_prefill_tokens == 0 and lo <= r.num_running <= hi]
         if sel:
             ms = sum(r.step_time for _, r in sel) / len(sel) * 1e3
-            ctx = [res.extra["ctx"][i] for i, _ in sel]
-            print(f"| {lo}–{hi} | {len(sel)} | {ms:.1f} | {ms * len(sel) / sum(r.num_running for _, r in sel):.1f} "
+            ctx = [timers[i]["ctx"] for i, _ in sel]
+            print(f"| {lo if lo == hi else f'{lo}–{hi}'} | {len(sel)} | {ms:.1f} | {ms * len(sel) / sum(r.num_running for _, r in sel):.1f} "
                   f"| {sum(ctx) / len(ctx):.0f} |")
         lo *= 2
     if full:
