@@ -74,6 +74,8 @@ def serve_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     m.add_argument("--seed", type=int, default=d["seed"], help="engine random seed; requests without a 'seed' of their own sample from it")
+    m.add_argument("--num-threads", type=_positive_int, default=d["num_threads"],
+                   help="torch threads for the forward pass (default: torch's own; on a busy CPU 1 can be faster)")
     e = p.add_argument_group("engine (continuous batching, paged KV cache)")
     e.add_argument("--max-num-seqs", type=_positive_int, default=d["max_num_seqs"],
                    help="most sequences running in one batch")

@@ -79,3 +79,21 @@ async def test_failed_step_fails_its_requests_and_the_engine_goes_on(allm):
     ok = [o async for o in allm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]
     assert ok[-1].outputs[0].finish_reason == "length" and ok[-1].error is None
     runner.run = real
+
+
+async def test_num_threads_applies_on_the_engine_thread(make_llm):
+    import torch
+    before = torch.get_num_threads()
+    try:
+        engine = make_llm(num_threads=1).engine
+        torch.set_num_threads(before + 1)  # the engine thread must not inherit this
+        seen = []
+        engine.step_listeners.append(lambda rec: seen.append(torch.get_num_threads()))
+        a = AsyncLLM(engine=engine)
+        await a.start()
+        async for _ in a.generate("Hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)):
+            pass
+        await a.shutdown()
+        assert seen and set(seen) == {1}
+    finally:
+        torch.set_num_threads(before)

@@ -134,6 +134,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         engine = self.engine
+        engine.apply_threads()  # torch's thread setting does not follow a new thread
         while not self._stopping:
             self._apply_commands()
             if not engine.has_unfinished():

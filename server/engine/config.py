@@ -20,6 +20,8 @@ class EngineConfig:
     device: ``"cpu"`` or ``"cuda"``; None picks CUDA when present.
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; None picks fp32 on CPU, bf16 on GPU.
     trace: record a :class:`~slipstream.server.engine.trace.StepRecord` per step.
+    num_threads: torch intra-op threads for the forward pass; None keeps torch's default. On a
+        shared CPU fewer threads can be much faster (OpenMP threads spin while waiting).
     """
 
     model: str = "builtin"
@@ -33,11 +35,14 @@ class EngineConfig:
     dtype: str | None = None
     trace: bool = False
     seed: int = 0
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -68,6 +68,7 @@ class LLMEngine:
         self.config = config
         self.device, self.dtype = resolve_device(config)
         torch.manual_seed(config.seed)
+        self.apply_threads()
         loaded = loaded or load_model(config.model, self.device, self.dtype)
         self.model_name = loaded.name
         self.model_config = cfg = loaded.config
@@ -95,6 +96,11 @@ class LLMEngine:
         self.step_listeners: list = []
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d", num_blocks, config.block_size,
                  num_blocks * block_bytes / 2**20, self.max_model_len)
+
+    def apply_threads(self) -> None:
+        """Set torch's thread count for the calling thread (the one that will run :meth:`step`)."""
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
 
     # --- requests in ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
