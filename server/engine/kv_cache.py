@@ -156,11 +156,6 @@ class KVCacheManager:
         req.block_table = []
         req.num_computed_tokens = 0
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after the weights change)."""
-        self.cached.clear()
-        self.hash_of = [None] * self.num_blocks
-
     # --- internals ----------------------------------------------------------------------------
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:

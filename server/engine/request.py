@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .outputs import Logprob, RequestMetrics
+from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
 
 
@@ -42,7 +42,6 @@ class Request:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    logprobs: list[Logprob] | None = None
     detokenizer: object = None
 
     def __post_init__(self) -> None:
