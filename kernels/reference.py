@@ -30,28 +30,33 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def _gather(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[B, num_blocks * block_size, num_kv_heads, head_dim]``: each request's first
+    ``num_blocks`` blocks, in order. ``index_select`` copies whole blocks (2-5× faster on CPU
+    than advanced indexing, which copies element by element)."""
+    batch = tables.shape[0]
+    flat = cache.index_select(0, tables[:, :num_blocks].reshape(-1).long())
+    return flat.view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+
+
 def _attend_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor,
                   block_tables: torch.Tensor, max_q: int, max_ctx: int, scale: float,
                   out: torch.Tensor) -> None:
     """Attention for a group of requests, padded to ``max_q`` queries and ``max_ctx`` keys."""
-    batch = seq_lens.shape[0]
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     device = query.device
 
-    # Gather each request's context through its block table: [B, ctx, kvh, d].
     num_ctx_blocks = (max_ctx + block_size - 1) // block_size
-    tables = block_tables[:, :num_ctx_blocks].long()
-    keys = k_cache[tables].reshape(batch, num_ctx_blocks * block_size, num_kv_heads, head_dim)
-    values = v_cache[tables].reshape(batch, num_ctx_blocks * block_size, num_kv_heads, head_dim)
+    keys = _gather(k_cache, block_tables, num_ctx_blocks)
+    values = _gather(v_cache, block_tables, num_ctx_blocks)
 
     # Padded queries [B, max_q, h, d]; row i of request b is token starts[b] + i.
     q_idx = torch.arange(max_q, device=device)
+    rows = starts[:, None] + q_idx[None, :]
     q_valid = q_idx[None, :] < q_lens[:, None]
-    rows = (starts[:, None] + q_idx[None, :]).clamp(max=query.shape[0] - 1)
-    q = query[rows]
+    q = query.index_select(0, rows.clamp(max=query.shape[0] - 1).reshape(-1)).view(*rows.shape, *query.shape[1:])
 
     # Query i of request b sits at position seq_len - q_len + i and sees keys 0..that position.
     q_pos = (seq_lens - q_lens)[:, None] + q_idx[None, :]
@@ -61,9 +66,35 @@ def _attend_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # torch's fused SDPA (flash-style on CPU); GQA by broadcasting KV heads to their query group.
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2).float(), keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=group > 1)
-    o = o.transpose(1, 2)  # [B, max_q, h, d]; fully masked (padding) rows are never read
-    out[rows[q_valid]] = o[q_valid].to(out.dtype)
+        attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads > num_kv_heads)
+    o = o.transpose(1, 2).to(out.dtype)  # [B, max_q, h, d]; fully masked (padding) rows are never read
+    if max_q == 1:
+        out.index_copy_(0, starts, o[:, 0])
+    else:
+        out[rows[q_valid]] = o[q_valid]
+
+
+def context_groups(requests: list[int], seq_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
+    """Split decode requests into groups, longest context first, each holding the requests
+    whose context is at least ``1 / ratio`` of its longest one's.
+
+    Each group is padded to its own longest context, so padding wastes under half of a group's
+    gathered K/V, where one group would pad a 20-token context to the batch's 2,000.
+
+    Args:
+        requests: indices into ``seq_lens``.
+        seq_lens: context length per request (tokens).
+
+    Returns:
+        Lists of request indices, each sorted by descending context.
+    """
+    groups: list[list[int]] = []
+    for b in sorted(requests, key=seq_lens.__getitem__, reverse=True):
+        if groups and seq_lens[b] * ratio >= seq_lens[groups[-1][0]]:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -72,8 +103,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     One op for prefill, chunked prefill, prefix-cache hits and decode: a request is just
     ``q_len`` new tokens at the end of a ``seq_len`` context. Decode rows (``q_len == 1``) are
-    attended together in one batched matmul; multi-token chunks are padded as a second group so
-    a long chunk does not pad every decode row. Softmax in fp32.
+    attended in batched matmuls, grouped by context length (:func:`context_groups`);
+    multi-token chunks are padded as one more group so a long chunk does not pad every decode
+    row. Softmax in fp32.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]``.
@@ -86,15 +118,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
     out = torch.zeros_like(query)
-    starts = meta.query_start_loc[:-1].long()
-    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
-    seq_lens = meta.seq_lens.long()
-    decode = q_lens == 1
-    for sel, max_q in ((decode, 1), (~decode & (q_lens > 0), meta.max_query_len)):
-        if not bool(sel.any()):
-            continue
-        sel_seq = seq_lens[sel]
-        max_ctx = meta.max_seq_len if max_q > 1 else int(sel_seq.max())
-        _attend_group(query, k_cache, v_cache, starts[sel], q_lens[sel], sel_seq,
-                      meta.block_tables[sel], max_q, max_ctx, scale, out)
+    bounds, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    q_lens = [end - start for start, end in zip(bounds, bounds[1:])]
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
+    chunks = [b for b, n in enumerate(q_lens) if n > 1]
+    groups = [(g, 1) for g in context_groups(decode, lens)]
+    if chunks:
+        groups.append((chunks, max(q_lens[b] for b in chunks)))
+    device = query.device
+    for members, max_q in groups:
+        idx = torch.tensor(members, device=device)
+        _attend_group(query, k_cache, v_cache, torch.tensor([bounds[b] for b in members], device=device),
+                      torch.tensor([q_lens[b] for b in members], device=device),
+                      torch.tensor([lens[b] for b in members], device=device),
+                      meta.block_tables.index_select(0, idx), max_q, max(lens[b] for b in members),
+                      scale, out)
     return out

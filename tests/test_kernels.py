@@ -108,10 +108,19 @@ def dense_causal_attention(q, k, v, scale):
     return out
 
 
+# Chunks mixed with one decode row; then decode rows whose contexts (1 to 40 blocks, out of
+# order) fall into several context groups, next to two chunks.
+BATCHES = {
+    "mixed": lambda bs: ([1, 7, bs, 3], [1, 7, 3 * bs, 2 * bs + 1]),
+    "decode-groups": lambda bs: ([1, 5, 1, 1, 3, 1, 1], [9 * bs, 5, 1, 40 * bs + 3, 2 * bs, bs + 1, 20 * bs]),
+}
+
+
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_reference_equals_dense_causal_attention_per_request(block_size, group):
-    q_lens, seq_lens = [1, 7, block_size, 3], [1, 7, 3 * block_size, 2 * block_size + 1]
+def test_reference_equals_dense_causal_attention_per_request(block_size, group, batch):
+    q_lens, seq_lens = BATCHES[batch](block_size)
     num_kv_heads, head_dim, scale = 2, 8, 0.3
     gen = torch.Generator().manual_seed(1)
     keys = [torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=torch.float64) for s in seq_lens]
@@ -130,6 +139,14 @@ def test_reference_equals_dense_causal_attention_per_request(block_size, group):
 
     expected = torch.cat([dense_causal_attention(q, k, v, scale) for q, k, v in zip(queries, keys, values)])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)  # the reference computes in fp32
+
+
+def test_context_groups_keep_each_group_within_twice_its_shortest():
+    seq_lens = [100, 7, 1, 400, 60, 210, 51, 8]
+    groups = reference.context_groups([0, 1, 2, 3, 4, 5, 6, 7], seq_lens)
+    assert groups == [[3, 5], [0, 4, 6], [7, 1], [2]]
+    assert reference.context_groups([4, 0], seq_lens) == [[0, 4]]  # only the given requests
+    assert reference.context_groups([], seq_lens) == []
 
 
 # --- Triton KV write ---------------------------------------------------------------------------

@@ -62,6 +62,30 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+# At most this many rows, a CPU linear runs as ``W @ x.T``. MKL's fp32 GEMM for ``x @ W.T`` with
+# 1-4 rows re-streams the weight per row or two (one core, SmolLM2 shapes: 57 ms for the 30
+# layers at 2 rows, 24 ms as ``W @ x.T``; the LM head 25 ms vs 6 ms), and small batches are
+# the long tail of every decode workload. One row is padded to two: MKL's GEMV path is slower.
+SMALL_BATCH_ROWS = 4
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose small CPU batches stream the weight once (see ``SMALL_BATCH_ROWS``).
+
+    ``x`` ``[..., in_features]`` → ``[..., out_features]``, same parameters and result as
+    ``nn.Linear`` up to summation order. Only 2-D CPU inputs of 1 to ``SMALL_BATCH_ROWS`` rows
+    take the ``W @ x.T`` path; GPUs and larger batches call ``F.linear``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.device.type != "cpu" or x.dim() != 2 or rows > SMALL_BATCH_ROWS or rows == 0:
+            return F.linear(x, self.weight, self.bias)
+        padded = x if rows > 1 else torch.cat((x, x))
+        y = torch.mm(self.weight, padded.t()).t()[:rows].contiguous()
+        return y if self.bias is None else y + self.bias
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -73,8 +97,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -96,8 +120,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -127,7 +151,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
