@@ -1,6 +1,6 @@
 """Offline throughput: slipstream vs transformers static batching vs transformers continuous batching.
 
-One seeded workload (``benchmarks/workload.py``: random prompts of 32–256 tokens, forced output
+One seeded workload (``slipstream.server.bench.workload``: random prompts of 32–256 tokens, forced output
 lengths from {16, …, 512} with a heavy tail, EOS ignored so every system does the same work),
 the built-in model's weights (SmolLM2-135M-Instruct GGUF, dequantized to fp32) in all three,
 greedy decoding, run one system after the other in this process:
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workload import WorkloadRequest, describe, make_workload
+from slipstream.server.bench.workload import WorkloadRequest, describe, make_workload
 
 SYSTEMS = ("slipstream", "hf-static", "hf-cb")
 

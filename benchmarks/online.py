@@ -1,6 +1,6 @@
 """Online serving: slipstream vs llama.cpp's llama-server under Poisson load, side by side.
 
-One seeded workload (``benchmarks/workload.py``: random prompts of 32–256 tokens, forced output
+One seeded workload (``slipstream.server.bench.workload``: random prompts of 32–256 tokens, forced output
 lengths from {16, …, 512} with a heavy tail, EOS ignored), sent as streaming
 ``POST /v1/completions`` with token-id prompts by an aiohttp client, with Poisson arrivals
 (exponential gaps, seeded) at each request rate. Both servers serve the same GGUF file (the
@@ -16,28 +16,27 @@ in its own venv under ``benchmarks/out/llama-venv`` the first time this runs, ne
 project venv. Only loopback addresses are used. Not part of ``make test``.
 
 Usage: ``python benchmarks/online.py [--rates 0.5,1,2] [--num-requests 24] [--max-output 128]
-[--max-num-seqs 8] [--seed 0] [--systems slipstream,llama.cpp]``.
+[--max-num-seqs 8] [--llama-threads N] [--slipstream-threads N] [--seed 0]
+[--systems slipstream,llama.cpp]``.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
-import random
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-from workload import WorkloadRequest, describe, make_workload
+from slipstream.server.bench.client import run_rate
+from slipstream.server.bench.workload import WorkloadRequest, describe, make_workload
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"  # also the working directory of every subprocess: the repository root has a folder
@@ -124,103 +123,13 @@ def make_server(system: str, args: argparse.Namespace, model: str) -> tuple[Serv
         cmd = [sys.executable, "-m", "slipstream.server", "serve", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
                str(args.max_model_len), "--max-waiting", "100000", "--log-interval", "5"]
+        if args.slipstream_threads:
+            cmd += ["--num-threads", str(args.slipstream_threads)]
         return Server(system, cmd, url, log), "/ready"
     cmd = [llama_server_binary(), "-m", model, "--host", "127.0.0.1", "--port", str(port),
            "--parallel", str(args.max_num_seqs), "--ctx-size", str(args.max_num_seqs * args.max_model_len),
            "--threads", str(args.llama_threads or os.cpu_count() or 2), "--cont-batching"]
     return Server(system, cmd, url, log), "/health"
-
-
-# --- the load generator -------------------------------------------------------------------------
-
-@dataclass
-class RequestResult:
-    ok: bool
-    output_tokens: int = 0
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    e2e: float = 0.0
-    end: float = 0.0
-    error: str = ""
-
-
-async def one_request(session: aiohttp.ClientSession, url: str, req: WorkloadRequest) -> RequestResult:
-    # usage from the server: a token whose text is held back (part of a UTF-8 character) sends no chunk
-    body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    result = RequestResult(ok=False)
-    last = None
-    usage_tokens = None
-    try:
-        async with session.post(url + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                result.error = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return result
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if payload.get("usage"):
-                    usage_tokens = payload["usage"].get("completion_tokens")
-                choices = payload.get("choices") or []
-                if not choices or not choices[0].get("text"):
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                result.output_tokens += 1
-    except aiohttp.ClientError as exc:
-        result.error = repr(exc)
-        return result
-    result.end = time.perf_counter()
-    result.e2e = result.end - start
-    if usage_tokens is not None:
-        result.output_tokens = usage_tokens
-    result.ok = True
-    return result
-
-
-async def run_rate(url: str, workload: list[WorkloadRequest], rate: float, seed: int) -> dict:
-    """Send the workload with Poisson arrivals at ``rate`` requests/s; returns the rate's summary."""
-    rng = random.Random(f"{seed}-{rate}")
-    offsets, t = [], 0.0
-    for _ in workload:
-        offsets.append(t)
-        t += rng.expovariate(rate)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        begin = time.perf_counter()
-
-        async def scheduled(offset: float, req: WorkloadRequest) -> RequestResult:
-            await asyncio.sleep(max(0.0, begin + offset - time.perf_counter()))
-            return await one_request(session, url, req)
-
-        results = await asyncio.gather(*(scheduled(o, r) for o, r in zip(offsets, workload)))
-    done = [r for r in results if r.ok]
-    span = max(r.end for r in done) - begin if done else float("nan")
-    ttfts = [r.ttft for r in done if r.ttft is not None]
-    itls = [g for r in done for g in r.itl]
-    expected = sum(r.max_tokens for r in workload)
-    produced = sum(r.output_tokens for r in done)
-    return {
-        "rate": rate, "completed": len(done), "requests": len(workload), "output_tokens": produced,
-        "expected_tokens": expected, "tok_s": produced / span if done else 0.0,
-        "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99), "itl_p50": pct(itls, 50), "itl_p99": pct(itls, 99),
-        "e2e_p50": pct([r.e2e for r in done], 50),
-        "errors": sorted({r.error for r in results if not r.ok})[:3],
-    }
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))]
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -282,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=8, help="slipstream's batch = llama-server's slots")
     p.add_argument("--max-model-len", type=int, default=1024, help="context per request (both servers)")
     p.add_argument("--llama-threads", type=int, default=None, help="llama-server --threads (default: all CPUs)")
+    p.add_argument("--slipstream-threads", type=int, default=None,
+                   help="slipstream serve --num-threads (default: torch's, one per core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file (default: the built-in model's)")
     p.add_argument("--systems", default=",".join(SYSTEMS))

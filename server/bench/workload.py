@@ -4,7 +4,8 @@ Every request is a prompt of random token ids (32–256 tokens) and an output le
 {16, 32, 64, 128, 256, 512} with a heavy tail: most requests are short, but the few long ones
 produce most of the tokens (as in chat traces, where a handful of long answers dominate). Every
 system under test must generate exactly ``max_tokens`` tokens per request (EOS ignored), so they
-all do the same work. Pure Python and deterministic in ``seed``: the online benchmark reuses it.
+all do the same work. Pure Python and deterministic in ``seed``: ``slipstream bench`` and the
+side-by-side runs in the repository's ``benchmarks/`` all draw from it.
 """
 from __future__ import annotations
 
@@ -57,6 +58,22 @@ def make_workload(num_requests: int = 32, seed: int = 0, vocab_size: int = 49152
         n_out = rng.choices(OUTPUT_LENGTHS, OUTPUT_WEIGHTS)[0]
         out.append(WorkloadRequest(prompt, min(n_out, max_output)))
     return out
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"32-256"`` → ``(32, 256)``; ``"128"`` → ``(128, 128)``.
+
+    Raises:
+        ValueError: not one or two positive integers, or the low bound above the high one.
+    """
+    low, _, high = text.partition("-")
+    try:
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise ValueError(f"not a length or a range of lengths: {text!r} (e.g. 128 or 32-256)") from None
+    if bounds[0] < 1 or bounds[0] > bounds[1]:
+        raise ValueError(f"lengths must be >= 1 and low <= high, got {text!r}")
+    return bounds
 
 
 def describe(workload: list[WorkloadRequest]) -> str:

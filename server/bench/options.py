@@ -1,0 +1,44 @@
+"""Options and output shared by the ``slipstream bench`` subcommands."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from .workload import parse_range
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        return parse_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """``--num-requests``, ``--workload-seed``, ``--prompt-len``, ``--max-output`` and
+    ``--output-json``: the arguments of :func:`.workload.make_workload` plus where to save."""
+    w = p.add_argument_group("workload (random token-id prompts, heavy-tailed forced output lengths)")
+    w.add_argument("--num-requests", type=_positive, default=32, help="how many requests")
+    w.add_argument("--workload-seed", type=int, default=0, help="the same seed draws the same workload")
+    w.add_argument("--prompt-len", type=_range, default=(32, 256), metavar="MIN-MAX",
+                   help="prompt length in tokens, uniform in MIN-MAX, or one length (default: 32-256)")
+    w.add_argument("--max-output", type=_positive, default=512,
+                   help="cap on the output lengths drawn from 16, 32, …, 512 tokens (EOS ignored)")
+    p.add_argument("--output-json", metavar="FILE", help="also write the results to FILE as JSON")
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Write ``result`` to ``path`` (NaN as null); nothing when ``path`` is None."""
+    if path:
+        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}
+        with open(path, "w") as f:
+            json.dump(clean, f, indent=2)
+            f.write("\n")
