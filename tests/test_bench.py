@@ -80,3 +80,27 @@ def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["throughput", "--prompt-len", "9-3"])
     assert "low <= high" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["throughput", "--model", "/nonexistent.gguf"], "/nonexistent.gguf"),
+    (["throughput", "--num-requests", "2", "--prompt-len", "9000"], "maximum context length"),
+    (["throughput", "--kv-cache-memory-bytes", "1KiB"], "holds no KV block"),
+])
+def test_bench_throughput_reports_what_cannot_run_in_one_line(argv, message, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_bench_checks_the_output_path_and_arguments_before_running(tmp_path, capsys):
+    for argv in (["serve", "--output-json", str(tmp_path)],
+                 ["throughput", "--output-json", str(tmp_path / "missing" / "x.json")],
+                 ["serve", "--vocab-size", "0"],
+                 ["throughput", "--bogus"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot write --output-json" in err and "must be > 17" in err
+    assert "usage: slipstream bench throughput" in err and "unrecognized arguments: --bogus" in err

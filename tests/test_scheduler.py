@@ -123,6 +123,16 @@ def test_request_that_can_never_fit_is_rejected_at_once(engine):
     assert not eng.has_unfinished()
 
 
+def test_max_model_len_defaults_to_what_the_cache_holds(engine):
+    small = engine(kv_cache_memory_bytes=4 * 16 * 46080)  # 64 token slots; the model's context is 8192
+    assert small.max_model_len == 64
+    # No max_tokens: the rest of the context, which then fits (a chat would otherwise ask for 8192 - prompt).
+    assert small.make_requests([1] * 10, SamplingParams(max_tokens=None))[0].params.max_tokens == 54
+    asked = engine(kv_cache_memory_bytes=4 * 16 * 46080, max_model_len=1024)
+    assert asked.max_model_len == 1024  # kept; what needs more than the cache is refused per request
+    assert asked.make_requests([1] * 10, SamplingParams(max_tokens=None))[0].params.max_tokens == 54
+
+
 def test_abort_frees_blocks_at_once(engine):
     eng = engine()
     eng.add_request(list(range(1, 40)), params(100), request_id="a")

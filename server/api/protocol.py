@@ -147,11 +147,13 @@ def _stream_options(body: dict, stream: bool) -> bool:
     options = _typed(body, "stream_options", "object")
     if options is None:
         return False
+    if not stream:  # as OpenAI and vLLM: options for a stream that will not be sent
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     for key in options:
         if key != "include_usage":
             raise bad_request(f"stream_options.{key} is not supported", f"stream_options.{key}")
     include_usage = _typed(options, "include_usage", "boolean", False)
-    return bool(include_usage and stream)
+    return bool(include_usage)
 
 
 def _sampling_params(body: dict, *, max_tokens: int | None, default_max_tokens: int | None,

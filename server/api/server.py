@@ -94,7 +94,11 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if loader.done() and loader.exception() is not None:
-        logger.error("loading the model failed", exc_info=loader.exception())
+        exc = loader.exception()
+        if isinstance(exc, ValueError):  # ModelLoadError or a bad setting: the message says which
+            logger.error("loading the model failed: %s", exc)
+        else:
+            logger.error("loading the model failed", exc_info=exc)
         code = 1
     else:
         await stopper

@@ -76,17 +76,25 @@ class ServerState:
                            code="model_loading", headers={"Retry-After": "5"})
 
     def would_wait(self, num_prompts: int) -> int:
-        """Requests that would wait for a batch slot once ``num_prompts`` more arrive: the engine's queue,
-        or what would be in flight beyond its batch, whichever is larger."""
+        """Requests that would wait for a batch slot once ``num_prompts`` more arrive: the engine's
+        queue plus the new prompts beyond its free slots, or what would be in flight beyond its
+        batch, whichever is larger."""
         stats = self.stats()
-        in_engine = sum(len(ids) for ids in self.in_flight.values()) + num_prompts
-        waiting = (stats.num_waiting if stats else 0) + num_prompts
-        return max(min(waiting, in_engine), in_engine - self.llm.config.max_num_seqs)
+        max_num_seqs = self.llm.config.max_num_seqs
+        in_flight = sum(len(ids) for ids in self.in_flight.values()) + num_prompts
+        running, waiting = (stats.num_running, stats.num_waiting) if stats else (0, 0)
+        free = max(0, max_num_seqs - running) if waiting == 0 else 0  # FCFS: none overtakes the queue
+        return max(waiting + max(0, num_prompts - free), in_flight - max_num_seqs)
 
     @contextmanager
     def admit(self, request_id: str, num_prompts: int) -> Iterator[RequestRecord]:
         """Count one API call in flight (429 when the queue is full); log its line when it leaves."""
         self.check_accepting()
+        limit = self.llm.config.max_num_seqs + self.options.max_waiting
+        if num_prompts > limit:  # would be refused forever, not "retry shortly"
+            raise APIError(400, f"The request has {num_prompts} prompts; at most {limit} (--max-num-seqs plus "
+                           "--max-waiting) can be queued at once. Split it into smaller requests.",
+                           param="prompt", code="too_many_prompts")
         if self.would_wait(num_prompts) > self.options.max_waiting:
             raise APIError(429, f"Too many requests queued (limit --max-waiting={self.options.max_waiting}); "
                            "retry shortly.", code="rate_limit_exceeded", headers={"Retry-After": "1"})

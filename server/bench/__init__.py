@@ -18,13 +18,24 @@ from ..cli import HelpFormatter
 
 def main(argv: list[str] | None = None) -> int:
     from . import serve, throughput
+    from .options import check_writable
 
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="slipstream bench", description="Measure slipstream on its own: offline engine throughput, or a running "
-                                            "server's latency and throughput under load.",
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="slipstream bench", formatter_class=HelpFormatter,
+                                description="Measure slipstream on its own: offline engine throughput, or a running "
+                                            "server's latency and throughput under load.")
     sub = p.add_subparsers(dest="command", metavar="{throughput,serve}", required=True)
     throughput.add_parser(sub)
     serve.add_parser(sub)
-    args = p.parse_args(argv)
-    return args.run(args)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # reported by the subcommand's parser, with its usage
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        check_writable(args.output_json)
+    except OSError as exc:
+        args.parser.error(f"cannot write --output-json {args.output_json}: {exc.strerror or exc}")
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"slipstream bench {args.command}: interrupted", file=sys.stderr)
+        return 130

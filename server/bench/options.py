@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 
 from .workload import parse_range
 
@@ -33,6 +35,16 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-output", type=_positive, default=512,
                    help="cap on the output lengths drawn from 16, 32, …, 512 tokens (EOS ignored)")
     p.add_argument("--output-json", metavar="FILE", help="also write the results to FILE as JSON")
+
+
+def check_writable(path: str | None) -> None:
+    """Raise OSError now, not after a long run, when ``path`` cannot be written; None passes."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    with open(path, "a"):
+        pass
 
 
 def write_json(path: str | None, result: dict) -> None:

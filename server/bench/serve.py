@@ -13,7 +13,7 @@ import os
 from ..cli import HelpFormatter
 from .client import run_rate
 from .options import add_workload_arguments, write_json
-from .workload import describe, make_workload
+from .workload import FIRST_ORDINARY_ID, describe, make_workload
 
 BUILTIN_VOCAB = 49152  # SmolLM2's
 
@@ -25,19 +25,27 @@ def _rate(text: str) -> float:
     return value
 
 
+def _vocab(text: str) -> int:
+    value = int(text)
+    if value <= FIRST_ORDINARY_ID:
+        raise argparse.ArgumentTypeError(f"must be > {FIRST_ORDINARY_ID} (ids below it are special tokens), got {value}")
+    return value
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="load a running server and measure latency and throughput",
-                       description=__doc__.split("\n\n")[1].replace("\n", " "), formatter_class=HelpFormatter)
+                       description=__doc__.split("\n\n")[1].replace("\n", " ").replace("``", ""),
+                       formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     p.add_argument("--model", default=None, help="'model' sent with each request (default: none, the server's own)")
     p.add_argument("--api-key", default=os.environ.get("SLIPSTREAM_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $SLIPSTREAM_API_KEY)")
     p.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
-    p.add_argument("--vocab-size", type=int, default=BUILTIN_VOCAB,
+    p.add_argument("--vocab-size", type=_vocab, default=BUILTIN_VOCAB,
                    help="prompt token ids are drawn below this: the served model's vocabulary size")
     add_workload_arguments(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, parser=p)
 
 
 def run(args: argparse.Namespace) -> int:

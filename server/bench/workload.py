@@ -44,12 +44,14 @@ def make_workload(num_requests: int = 32, seed: int = 0, vocab_size: int = 49152
         ``num_requests`` requests in arrival order.
 
     Raises:
-        ValueError: ``num_requests`` < 1 or ``max_output`` < 1.
+        ValueError: ``num_requests`` < 1, ``max_output`` < 1 or ``vocab_size`` <= ``FIRST_ORDINARY_ID``.
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if max_output < 1:
         raise ValueError(f"max_output must be >= 1, got {max_output}")
+    if vocab_size <= FIRST_ORDINARY_ID:
+        raise ValueError(f"vocab_size must be > {FIRST_ORDINARY_ID}, got {vocab_size}")
     rng = random.Random(seed)
     out = []
     for _ in range(num_requests):

@@ -15,7 +15,7 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one step: decode tokens plus prefill chunk tokens.
     kv_cache_memory_bytes: bytes given to the KV block pool; it sets ``num_blocks``.
     max_model_len: most tokens (prompt + output) one request may hold; None takes the
-        model's context length.
+        model's context length, or the KV cache's token slots if those are fewer.
     enable_prefix_caching: share full blocks of equal prefixes between requests.
     device: ``"cpu"`` or ``"cuda"``; None picks CUDA when present.
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; None picks fp32 on CPU, bf16 on GPU.

@@ -83,6 +83,16 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
                              f"(one block of {config.block_size} tokens needs {block_bytes} bytes)")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            if config.max_model_len:  # asked for: kept, longer requests are refused with the cache's size
+                log.warning("max_model_len %d exceeds the KV cache's %d tokens: requests needing more are rejected",
+                            self.max_model_len, capacity)
+            else:  # the model's own context: advertise what the cache can hold instead
+                log.warning("the KV cache holds %d tokens, fewer than the model's context of %d: max_model_len "
+                            "is %d (give more --kv-cache-memory-bytes to raise it)", capacity, self.max_model_len,
+                            capacity)
+                self.max_model_len = capacity
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = runner or ModelRunner(loaded.model, num_blocks, config.block_size, self.device, self.dtype)
         self.eos_token_ids = list(cfg.eos_token_ids)
@@ -139,7 +149,10 @@ class LLMEngine:
             raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens; "
                                   f"the prompt has {n_prompt} tokens. Shorten the prompt.",
                                   "context_length_exceeded", "messages")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if params.max_tokens is None:  # the rest of the context, as far as the whole cache reaches
+            max_tokens = max(1, min(self.max_model_len, self.kv.num_blocks * self.kv.block_size) - n_prompt)
+        else:
+            max_tokens = params.max_tokens
         if n_prompt + max_tokens > self.max_model_len:
             raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                   f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "

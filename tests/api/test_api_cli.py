@@ -97,3 +97,14 @@ def test_unknown_command_and_no_command(capsys):
     assert info.value.code == 2
     assert cli.main([]) == 2
     assert "serve" in capsys.readouterr().out
+
+
+async def test_a_model_that_cannot_load_is_one_error_line_and_exit_1(caplog):
+    from slipstream.server.api.server import serve
+    from slipstream.server.api.state import ServerOptions
+
+    code = await serve(EngineConfig(model="/nonexistent/model.gguf"), ServerOptions(log_interval=0), "127.0.0.1", 0)
+    assert code == 1
+    failed = [r for r in caplog.records if r.getMessage().startswith("loading the model failed")]
+    assert len(failed) == 1 and "/nonexistent/model.gguf" in failed[0].getMessage()
+    assert failed[0].exc_info is None  # the message names the problem; no traceback

@@ -151,7 +151,7 @@ def test_prompt_as_token_ids(client, model, server):
 
 def test_default_noop_fields_and_nulls_are_accepted(server, model):
     body = {"model": model, "messages": CHAT, "max_tokens": 2, "user": "u1", "store": False, "metadata": {},
-            "parallel_tool_calls": True, "logit_bias": {}, "stream_options": {"include_usage": True},
+            "parallel_tool_calls": True, "logit_bias": {}, "stream_options": None,
             "temperature": None, "top_p": None, "stop": None, "seed": None, "tools": None, "response_format":
             {"type": "text"}, "n": None, "presence_penalty": None, "frequency_penalty": None}
     r = Http(server.url).post("/v1/chat/completions", json=body)

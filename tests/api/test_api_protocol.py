@@ -56,10 +56,14 @@ def test_top_p_zero_is_greedy():
     assert p.temperature == 0 and p.top_p == 1
 
 
-def test_include_usage_only_counts_when_streaming():
+def test_stream_options_need_a_stream():
     body = {"messages": MESSAGES, "stream_options": {"include_usage": True}}
-    assert not parse_chat_request(body).include_usage
     assert parse_chat_request({**body, "stream": True}).include_usage
+    assert not parse_chat_request({**body, "stream": True, "stream_options": {}}).include_usage
+    for stream in (False, None):
+        with pytest.raises(APIError, match="only allowed when stream is true") as exc:
+            parse_chat_request({**body, "stream": stream})
+        assert exc.value.param == "stream_options"
 
 
 def test_explicit_nulls_take_the_defaults():
