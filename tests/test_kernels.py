@@ -108,11 +108,12 @@ def dense_causal_attention(q, k, v, scale):
     return out
 
 
-# Chunks mixed with one decode row; then decode rows whose contexts (1 to 40 blocks, out of
-# order) fall into several context groups, next to two chunks.
+# Chunks mixed with one decode row; then decode rows whose contexts (1 token to 40 blocks, out of
+# order) fall into three context groups of two different lengths each, next to two chunks.
 BATCHES = {
     "mixed": lambda bs: ([1, 7, bs, 3], [1, 7, 3 * bs, 2 * bs + 1]),
-    "decode-groups": lambda bs: ([1, 5, 1, 1, 3, 1, 1], [9 * bs, 5, 1, 40 * bs + 3, 2 * bs, bs + 1, 20 * bs]),
+    "decode-groups": lambda bs: ([1, 5, 1, 1, 3, 1, 1, 1],
+                                 [9 * bs, 5, 1, 40 * bs + 3, 2 * bs, 6 * bs + 2, 30 * bs, 2]),
 }
 
 
@@ -121,6 +122,9 @@ BATCHES = {
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_reference_equals_dense_causal_attention_per_request(block_size, group, batch):
     q_lens, seq_lens = BATCHES[batch](block_size)
+    if batch == "decode-groups":
+        decode = [b for b, q in enumerate(q_lens) if q == 1]
+        assert reference.context_groups(decode, seq_lens) == [[3, 6], [0, 5], [7, 2]]
     num_kv_heads, head_dim, scale = 2, 8, 0.3
     gen = torch.Generator().manual_seed(1)
     keys = [torch.randn(s, num_kv_heads, head_dim, generator=gen, dtype=torch.float64) for s in seq_lens]
