@@ -40,7 +40,11 @@ class AutoscalingSpec:
 
     Targets are per ready pod: waiting requests (``targetQueueDepth``) and KV-cache utilization
     0..1 (``targetKVCacheUtilization``). Windows and delays are seconds. ``tolerance`` is the
-    dead band around the target (Kubernetes HPA's default 0.1).
+    dead band around the target (Kubernetes HPA's default 0.1; not a CRD field).
+
+    Raises ValueError naming the CRD field when a value is out of range or of the wrong type;
+    ``slipstream.operator.spec`` turns that into the InvalidSpec condition and further wants the
+    CRD's whole seconds.
     """
 
     enabled: bool = False
@@ -48,10 +52,10 @@ class AutoscalingSpec:
     max_replicas: int = 4
     target_queue_depth: float = 5.0
     target_kv_cache_utilization: float = 0.8
-    stable_window_seconds: float = 60.0
-    panic_window_seconds: float = 6.0
+    stable_window_seconds: float = 60  # whole seconds, as the CRD wants them
+    panic_window_seconds: float = 6
     panic_threshold: float = 2.0
-    scale_down_delay_seconds: float = 300.0
+    scale_down_delay_seconds: float = 300
     tolerance: float = 0.1
 
     _KEYS = {
@@ -68,26 +72,35 @@ class AutoscalingSpec:
     }
 
     def __post_init__(self) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(f"spec.autoscaling: {message}")
+        # The messages name the CRD's fields; the operator shows them in the InvalidSpec condition.
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-        check(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
-              f"minReplicas must be an integer >= 1 (no scale to zero), got {self.min_replicas!r}")
-        check(isinstance(self.max_replicas, int) and self.max_replicas >= self.min_replicas,
-              f"maxReplicas must be an integer >= minReplicas ({self.min_replicas}), got {self.max_replicas!r}")
-        check(self.target_queue_depth > 0,
-              f"targetQueueDepth must be > 0 waiting requests per pod, got {self.target_queue_depth}")
-        check(0 < self.target_kv_cache_utilization <= 1,
-              f"targetKVCacheUtilization must be in (0, 1], got {self.target_kv_cache_utilization}")
-        check(self.stable_window_seconds > 0,
-              f"stableWindowSeconds must be > 0, got {self.stable_window_seconds}")
-        check(0 < self.panic_window_seconds <= self.stable_window_seconds,
-              f"panicWindowSeconds must be in (0, stableWindowSeconds], got {self.panic_window_seconds}")
-        check(self.panic_threshold >= 1, f"panicThreshold must be >= 1, got {self.panic_threshold}")
-        check(self.scale_down_delay_seconds >= 0,
-              f"scaleDownDelaySeconds must be >= 0, got {self.scale_down_delay_seconds}")
-        check(0 <= self.tolerance < 1, f"tolerance must be in [0, 1), got {self.tolerance}")
+        def check(ok: bool, key: str, rule: str, value: Any) -> None:
+            if not ok:
+                raise ValueError(f"spec.autoscaling.{key} must be {rule}, got {value!r}")
+
+        check(isinstance(self.enabled, bool), "enabled", "true or false", self.enabled)
+        for key, value in (("minReplicas", self.min_replicas), ("maxReplicas", self.max_replicas)):
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key,
+                  "an integer ≥ 1 (no scale to zero)", value)
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"spec.autoscaling.minReplicas ({self.min_replicas}) must be ≤ maxReplicas "
+                             f"({self.max_replicas})")
+        q, kv = self.target_queue_depth, self.target_kv_cache_utilization
+        check(number(q) and q > 0, "targetQueueDepth", "a number > 0 (waiting requests per pod)", q)
+        check(number(kv) and 0 < kv <= 1, "targetKVCacheUtilization", "a number in (0, 1]", kv)
+        stable, panic = self.stable_window_seconds, self.panic_window_seconds
+        check(number(stable) and stable > 0, "stableWindowSeconds", "a number > 0", stable)
+        check(number(panic) and panic > 0, "panicWindowSeconds", "a number > 0", panic)
+        if panic > stable:
+            raise ValueError(f"spec.autoscaling.panicWindowSeconds ({panic}) must be ≤ stableWindowSeconds "
+                             f"({stable})")
+        check(number(self.panic_threshold) and self.panic_threshold >= 1, "panicThreshold", "a number ≥ 1",
+              self.panic_threshold)
+        check(number(self.scale_down_delay_seconds) and self.scale_down_delay_seconds >= 0,
+              "scaleDownDelaySeconds", "a number ≥ 0", self.scale_down_delay_seconds)
+        check(number(self.tolerance) and 0 <= self.tolerance < 1, "tolerance", "a number in [0, 1)", self.tolerance)
 
     @classmethod
     def from_dict(cls, autoscaling: Mapping[str, Any] | None) -> AutoscalingSpec:
@@ -101,12 +114,6 @@ class AutoscalingSpec:
         if autoscaling is None:
             return cls(enabled=False)
         return cls(**{name: autoscaling[key] for key, name in cls._KEYS.items() if key in autoscaling})
-
-    @classmethod
-    def from_spec(cls, spec: Any) -> AutoscalingSpec:
-        """Copy the same-named attributes of another spec object (``slipstream.operator.spec``'s
-        parsed ``AutoscalingSpec``); missing ones keep their defaults."""
-        return cls(**{name: getattr(spec, name) for name in cls._KEYS.values() if hasattr(spec, name)})
 
     def to_dict(self) -> dict[str, Any]:
         """The camelCase form :meth:`from_dict` reads."""

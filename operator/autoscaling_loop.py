@@ -30,7 +30,7 @@ import aiohttp
 import kopf
 
 from slipstream.operator import status as st
-from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, append_scaling_history, \
+from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, \
     decide
 from slipstream.operator.kube import DEPLOYMENTS, PODS, ApiError, Kube
 from slipstream.operator.resources import GROUP, PLURAL, VERSION, pod_selector, selector_labels
@@ -109,9 +109,9 @@ class Autoscaler:
         key = (namespace, name)
         try:
             spec = parse_spec(body.get("spec"), name=name)
-            policy = AutoscalingSpec.from_spec(spec.autoscaling)
-        except (SpecError, ValueError):
+        except SpecError:
             return None
+        policy = spec.autoscaling
         if not policy.enabled:
             self.forget(namespace, name)
             return None

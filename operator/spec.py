@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 from kubernetes.utils.quantity import parse_quantity
 
+from .autoscaler import AutoscalingSpec
+
 DEFAULT_IMAGE = "ghcr.io/slipstream-dev/slipstream:0.1.0"
 MODEL_SOURCES = ("builtin", "image", "pvc")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -45,21 +47,6 @@ class ModelSpec:
     path: str | None = None
     claim_name: str | None = None
     served_model_name: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AutoscalingSpec:
-    """Bounds and targets of the autoscaler (issue 6 reads them; times in seconds)."""
-
-    enabled: bool = False
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_queue_depth: float = 5.0
-    target_kv_cache_utilization: float = 0.8
-    stable_window_seconds: int = 60
-    panic_window_seconds: int = 6
-    panic_threshold: float = 2.0
-    scale_down_delay_seconds: int = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +143,10 @@ def _build(cls: type, raw: Mapping[str, Any] | None, where: str) -> Any:
         elif crd_name in ("kvCacheMemory", "cpu", "memory"):
             value = str(value)
         kwargs[names[crd_name]] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # AutoscalingSpec checks its own values
+        raise SpecError("InvalidSpec", str(exc)) from None
 
 
 def _quantity(value: str, where: str) -> Decimal:
@@ -172,15 +162,6 @@ def _check_int(value: Any, where: str, low: int, high: int | None = None) -> Non
             high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"≥ {low}"
         raise SpecError("InvalidSpec", f"{where} must be an integer {bound}, got {value!r}")
-
-
-def _check_number(value: Any, where: str, low: float, high: float | None = None,
-                  low_open: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
-    if not ok:
-        bound = f"in ({low}, {high}]" if high is not None else f"> {low}"
-        raise SpecError("InvalidSpec", f"{where} must be a number {bound}, got {value!r}")
 
 
 def validate_name(name: str) -> None:
@@ -230,24 +211,9 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     _check_int(spec.shutdown_timeout_seconds, "spec.shutdownTimeoutSeconds", 0, 3600)
     _check_int(spec.startup_timeout_seconds, "spec.startupTimeoutSeconds", 10, 7200)
 
-    if not isinstance(scaling.enabled, bool):
-        raise SpecError("InvalidSpec", f"spec.autoscaling.enabled must be true or false, "
-                                       f"got {scaling.enabled!r}")
-    _check_int(scaling.min_replicas, "spec.autoscaling.minReplicas", 1)
-    _check_int(scaling.max_replicas, "spec.autoscaling.maxReplicas", 1)
-    if scaling.min_replicas > scaling.max_replicas:
-        raise SpecError("InvalidSpec", f"spec.autoscaling.minReplicas ({scaling.min_replicas}) "
-                                       f"must be ≤ maxReplicas ({scaling.max_replicas})")
-    _check_number(scaling.target_queue_depth, "spec.autoscaling.targetQueueDepth", 0)
-    _check_number(scaling.target_kv_cache_utilization,
-                  "spec.autoscaling.targetKVCacheUtilization", 0, 1)
+    # AutoscalingSpec checked its ranges when it was built; the CRD also wants whole seconds.
     _check_int(scaling.stable_window_seconds, "spec.autoscaling.stableWindowSeconds", 1)
     _check_int(scaling.panic_window_seconds, "spec.autoscaling.panicWindowSeconds", 1)
-    if scaling.panic_window_seconds > scaling.stable_window_seconds:
-        raise SpecError("InvalidSpec", f"spec.autoscaling.panicWindowSeconds "
-                                       f"({scaling.panic_window_seconds}) must be ≤ "
-                                       f"stableWindowSeconds ({scaling.stable_window_seconds})")
-    _check_number(scaling.panic_threshold, "spec.autoscaling.panicThreshold", 1)
     _check_int(scaling.scale_down_delay_seconds, "spec.autoscaling.scaleDownDelaySeconds", 0)
 
     _check_int(engine.max_num_seqs, "spec.engine.maxNumSeqs", 1)
