@@ -81,7 +81,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--kv-cache-memory-bytes", type=byte_size, default=d["kv_cache_memory_bytes"],
                    help="memory of the KV block pool (e.g. 512MiB, 2GiB); sets the number of blocks")
     e.add_argument("--max-model-len", type=_positive_int, default=d["max_model_len"],
-                   help="most tokens (prompt + output) per request (default: the model's context length)")
+                   help="most tokens (prompt + output) per request (default: the model's context length, "
+                        "or what the KV cache holds if that is less)")
     e.add_argument("--block-size", type=_positive_int, default=d["block_size"], help="tokens per KV-cache block")
     e.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=d["enable_prefix_caching"], help="do not share KV blocks of equal prompt prefixes (sharing is on by default)")
@@ -154,6 +155,14 @@ def _dispatch(command: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # e.g. Ctrl-C while torch is still importing: no traceback
+        print("slipstream: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     top = argparse.ArgumentParser(
         prog="slipstream", description="Kubernetes-native LLM serving.",

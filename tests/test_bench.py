@@ -70,6 +70,7 @@ def test_bench_throughput_generates_every_requested_token(tmp_path, capsys):
     assert result["prompt_tokens"] == sum(len(r.prompt) for r in wanted)
     assert result["peak_running"] == 4 and result["steps"] >= max(r.max_tokens for r in wanted)
     assert 0 < result["kv_utilization_min"] <= result["kv_utilization_mean"] <= 1
+    assert result["engine"]["max_num_seqs"] == 4 and result["prompt_len"] == [8, 40]
     assert "output tokens/s" in capsys.readouterr().out
 
 

@@ -106,6 +106,23 @@ def test_out_of_blocks_preempts_newest_and_recomputes(engine):
     assert all(rec.num_blocks_used <= 6 for rec in eng.trace)
 
 
+def test_waiting_forked_choices_give_back_their_blocks_when_nothing_else_can_run(engine):
+    """A forked choice waits holding its parent's prompt blocks. When a preempted request at the
+    head of the queue needs the whole cache, nothing runs, so those blocks must be given back or
+    the engine stalls for good (seen with chats whose default max_tokens fills the cache)."""
+    eng = engine(kv_cache_memory_bytes=9 * 16 * 46080, max_num_seqs=32)  # 9 blocks, max_model_len 144
+    for i in range(5):
+        n = 4 if i == 3 else 1
+        eng.add_request([1] * (20 + i % 3), SamplingParams(max_tokens=None, ignore_eos=True, n=n, seed=i),
+                        request_id=f"r{i}")
+    for _ in range(5000):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert not eng.has_unfinished(), (eng.scheduler.num_running, eng.scheduler.num_waiting)
+    assert eng.scheduler.num_preemptions > 0
+
+
 def test_request_that_can_never_fit_is_rejected_at_once(engine):
     from slipstream.server.engine import RequestRejected
     eng = engine(kv_cache_memory_bytes=4 * 16 * 46080, max_model_len=1024)
@@ -124,6 +141,7 @@ def test_request_that_can_never_fit_is_rejected_at_once(engine):
 
 
 def test_max_model_len_defaults_to_what_the_cache_holds(engine):
+    from slipstream.server.engine import RequestRejected
     small = engine(kv_cache_memory_bytes=4 * 16 * 46080)  # 64 token slots; the model's context is 8192
     assert small.max_model_len == 64
     # No max_tokens: the rest of the context, which then fits (a chat would otherwise ask for 8192 - prompt).
@@ -131,6 +149,9 @@ def test_max_model_len_defaults_to_what_the_cache_holds(engine):
     asked = engine(kv_cache_memory_bytes=4 * 16 * 46080, max_model_len=1024)
     assert asked.max_model_len == 1024  # kept; what needs more than the cache is refused per request
     assert asked.make_requests([1] * 10, SamplingParams(max_tokens=None))[0].params.max_tokens == 54
+    with pytest.raises(RequestRejected, match="The prompt has 64 tokens but the KV cache holds only 64") as e:
+        asked.make_requests([1] * 64, SamplingParams(max_tokens=None))
+    assert e.value.param == "messages"
 
 
 def test_abort_frees_blocks_at_once(engine):

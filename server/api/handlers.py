@@ -76,7 +76,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         check_model(req.model, state.model_name)
         prompts = req.prompts
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    with state.admit(request_id, len(prompts)) as record:
+    with state.admit(request_id, len(prompts), req.params.n) as record:
         async with GenerationGroup(llm, prompts, req.params, request_id) as group:
             try:
                 await group.start()

@@ -50,6 +50,7 @@ class ServerState:
         self.model_name = options.served_model_name or ""
         self.vocab_size: int | None = None
         self.in_flight: dict[str, list[str]] = {}  # API call id -> its engine request ids
+        self._sequences: dict[str, int] = {}  # API call id -> prompts × n
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics = ServerMetrics(lambda: self.model_name, self.stats, options.vllm_compatible_metrics)
@@ -75,30 +76,34 @@ class ServerState:
             raise APIError(503, "The model is still loading; retry when GET /ready returns 200.",
                            code="model_loading", headers={"Retry-After": "5"})
 
-    def would_wait(self, num_prompts: int) -> int:
-        """Requests that would wait for a batch slot once ``num_prompts`` more arrive: the engine's
-        queue plus the new prompts beyond its free slots, or what would be in flight beyond its
-        batch, whichever is larger."""
+    def would_wait(self, num_seqs: int) -> int:
+        """Sequences that would wait for a batch slot once ``num_seqs`` more arrive (prompts × n):
+        the engine's queue plus the new ones beyond its free slots, or what would be in flight
+        beyond its batch, whichever is larger."""
         stats = self.stats()
         max_num_seqs = self.llm.config.max_num_seqs
-        in_flight = sum(len(ids) for ids in self.in_flight.values()) + num_prompts
+        in_flight = sum(self._sequences.values()) + num_seqs
         running, waiting = (stats.num_running, stats.num_waiting) if stats else (0, 0)
         free = max(0, max_num_seqs - running) if waiting == 0 else 0  # FCFS: none overtakes the queue
-        return max(waiting + max(0, num_prompts - free), in_flight - max_num_seqs)
+        return max(waiting + max(0, num_seqs - free), in_flight - max_num_seqs)
 
     @contextmanager
-    def admit(self, request_id: str, num_prompts: int) -> Iterator[RequestRecord]:
-        """Count one API call in flight (429 when the queue is full); log its line when it leaves."""
+    def admit(self, request_id: str, num_prompts: int, n: int = 1) -> Iterator[RequestRecord]:
+        """Count one API call of ``num_prompts`` prompts × ``n`` choices in flight (429 when the
+        queue is full, 400 when it could never fit); log its line when it leaves."""
         self.check_accepting()
+        num_seqs = num_prompts * n
         limit = self.llm.config.max_num_seqs + self.options.max_waiting
-        if num_prompts > limit:  # would be refused forever, not "retry shortly"
-            raise APIError(400, f"The request has {num_prompts} prompts; at most {limit} (--max-num-seqs plus "
-                           "--max-waiting) can be queued at once. Split it into smaller requests.",
-                           param="prompt", code="too_many_prompts")
-        if self.would_wait(num_prompts) > self.options.max_waiting:
+        if num_seqs > limit:  # would be refused forever, not "retry shortly"
+            asked = f"{num_prompts} prompts × n={n}" if n > 1 else f"{num_prompts} prompts"
+            raise APIError(400, f"The request asks for {num_seqs} sequences ({asked}); at most {limit} "
+                           "(--max-num-seqs plus --max-waiting) can be queued at once. Split it into smaller "
+                           "requests.", param="n" if n > 1 else "prompt", code="too_many_sequences")
+        if self.would_wait(num_seqs) > self.options.max_waiting:
             raise APIError(429, f"Too many requests queued (limit --max-waiting={self.options.max_waiting}); "
                            "retry shortly.", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.in_flight[request_id] = engine_request_ids(request_id, num_prompts)
+        self._sequences[request_id] = num_seqs
         self._idle.clear()
         record = RequestRecord(self.metrics, request_id)
         try:
@@ -107,7 +112,7 @@ class ServerState:
             record.client_gone = True
             raise
         finally:
-            del self.in_flight[request_id]
+            del self.in_flight[request_id], self._sequences[request_id]
             if not self.in_flight:
                 self._idle.set()
             if record.client_gone:  # counted once per abandoned call, with the engine's reason

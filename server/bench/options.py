@@ -37,6 +37,12 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", metavar="FILE", help="also write the results to FILE as JSON")
 
 
+def workload_settings(args: argparse.Namespace) -> dict:
+    """The workload arguments, for the JSON results: enough to draw the same workload again."""
+    return {"num_requests": args.num_requests, "workload_seed": args.workload_seed,
+            "prompt_len": list(args.prompt_len), "max_output": args.max_output}
+
+
 def check_writable(path: str | None) -> None:
     """Raise OSError now, not after a long run, when ``path`` cannot be written; None passes."""
     if not path:

@@ -12,7 +12,7 @@ import os
 
 from ..cli import HelpFormatter
 from .client import run_rate
-from .options import add_workload_arguments, write_json
+from .options import add_workload_arguments, workload_settings, write_json
 from .workload import FIRST_ORDINARY_ID, describe, make_workload
 
 BUILTIN_VOCAB = 49152  # SmolLM2's
@@ -55,7 +55,12 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     r = asyncio.run(run_rate(url, workload, args.request_rate, args.workload_seed, model=args.model,
                              api_key=args.api_key))
-    write_json(args.output_json, {**r, "base_url": url, "workload_seed": args.workload_seed})
+    write_json(args.output_json, {
+        "requests": r["requests"], "completed": r["completed"], "output_tokens": r["output_tokens"],
+        "expected_output_tokens": r["expected_tokens"], "elapsed_s": r["duration"],
+        "output_tokens_per_s": r["tok_s"], "ttft_p50_s": r["ttft_p50"], "ttft_p99_s": r["ttft_p99"],
+        "itl_p50_s": r["itl_p50"], "itl_p99_s": r["itl_p99"], "e2e_p50_s": r["e2e_p50"], "errors": r["errors"],
+        "base_url": url, "request_rate": args.request_rate, **workload_settings(args)})
     print(f"completed: {r['completed']}/{r['requests']} requests, {r['output_tokens']}/{r['expected_tokens']} "
           f"output tokens")
     for error in r["errors"]:

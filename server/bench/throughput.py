@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, replace
 
 from ..cli import HelpFormatter, add_engine_arguments, engine_config
-from .options import add_workload_arguments, write_json
+from .options import add_workload_arguments, workload_settings, write_json
 from .workload import describe, make_workload
 
 
@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
           f"{100 * result['forward_share']:.1f}% of it in the forward pass and sampler")
     print(f"KV-cache utilization (tokens held / slots allocated) after each step with nothing waiting: "
           f"mean {result['kv_utilization_mean']:.3f}, min {result['kv_utilization_min']:.3f}")
-    write_json(args.output_json, {**result, "model": engine.model_name, "workload_seed": args.workload_seed})
+    write_json(args.output_json, {**result, "model": engine.model_name, "engine": asdict(engine.config),
+                                  **workload_settings(args)})
     expected = sum(r.max_tokens for r in workload)
     if produced != expected:
         print(f"error: generated {produced} tokens, the workload asks for {expected}", file=sys.stderr)

@@ -149,10 +149,14 @@ class LLMEngine:
             raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens; "
                                   f"the prompt has {n_prompt} tokens. Shorten the prompt.",
                                   "context_length_exceeded", "messages")
-        if params.max_tokens is None:  # the rest of the context, as far as the whole cache reaches
-            max_tokens = max(1, min(self.max_model_len, self.kv.num_blocks * self.kv.block_size) - n_prompt)
-        else:
-            max_tokens = params.max_tokens
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # the rest of the context, as far as the whole cache reaches
+            capacity = self.kv.num_blocks * self.kv.block_size
+            if n_prompt >= capacity:  # possible when an explicit max_model_len exceeds the cache
+                raise RequestRejected(f"The prompt has {n_prompt} tokens but the KV cache holds only {capacity}, "
+                                      "and at least one more is needed to generate. Shorten the prompt.",
+                                      "context_length_exceeded", "messages")
+            max_tokens = min(self.max_model_len, capacity) - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
             raise RequestRejected(f"This model's maximum context length is {self.max_model_len} tokens. However, "
                                   f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "

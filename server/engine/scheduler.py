@@ -4,8 +4,9 @@ Every step: running requests first (each its next decode token or prefill chunk)
 then waiting requests FCFS while the token budget, the seat limit and free blocks allow. When a
 running request needs a block and none is free, the newest running request is preempted: its
 blocks are freed and it waits at the head of the queue to be recomputed (vLLM's recompute
-preemption, Kwon et al. SOSP '23, §4.5). Finished requests leave at once, so a freed seat is
-filled on the very next step.
+preemption, Kwon et al. SOSP '23, §4.5). If nothing runs and the head of the queue still does not
+fit, waiting requests give back the blocks they hold, so the queue always moves. Finished
+requests leave at once, so a freed seat is filled on the very next step.
 """
 from __future__ import annotations
 
@@ -78,7 +79,9 @@ class Scheduler:
             if not self.kv.allocate(req, n):
                 if fresh:
                     self.kv.free_request(req)  # don't pin cache hits while it waits
-                break
+                if self.running or not self._release_waiting():
+                    break
+                continue  # nothing runs to free blocks: the ones waiting requests held are free now
             if fresh:
                 self.kv.prefix_queries += req.num_tokens
                 self.kv.prefix_hits += hit
@@ -98,6 +101,15 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         self.kv.free_request(req)
+
+    def _release_waiting(self) -> bool:
+        """Free the blocks that waiting requests hold (forked choices keep their parent's prompt
+        blocks): with nothing running, no one else would ever free them. They are recomputed on
+        admission, mostly from the prefix cache. Returns whether any block was released."""
+        holders = [req for req in self.waiting if req.block_table]
+        for req in holders:
+            self.kv.free_request(req)
+        return bool(holders)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free_request(req)

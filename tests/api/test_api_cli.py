@@ -108,3 +108,11 @@ async def test_a_model_that_cannot_load_is_one_error_line_and_exit_1(caplog):
     failed = [r for r in caplog.records if r.getMessage().startswith("loading the model failed")]
     assert len(failed) == 1 and "/nonexistent/model.gguf" in failed[0].getMessage()
     assert failed[0].exc_info is None  # the message names the problem; no traceback
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "run_serve", interrupted)
+    assert cli.main(["serve"]) == 130
+    assert capsys.readouterr().err == "slipstream: interrupted\n"

@@ -140,7 +140,7 @@ def test_more_than_max_waiting_queued_requests_get_429_at_once(loop_thread, engi
         assert_engine_idle(engine)
 
 
-def test_one_call_with_many_prompts_fills_free_slots_first_and_too_many_is_a_400(loop_thread, engine):
+def test_one_call_with_many_sequences_fills_free_slots_first_and_too_many_is_a_400(loop_thread, engine):
     # Idle test engine: 8 slots; with --max-waiting 2 a call of 10 prompts runs 8 and queues 2.
     with serve_app(loop_thread, engine, max_waiting=2) as served:
         http = Http(served.url)
@@ -148,8 +148,14 @@ def test_one_call_with_many_prompts_fills_free_slots_first_and_too_many_is_a_400
         assert ok.status_code == 200, ok.text
         assert len(ok.json()["choices"]) == 10
         too_many = http.post("/v1/completions", json={"prompt": ["Hi"] * 11, "max_tokens": 2})
-        assert_error(too_many, 400, code="too_many_prompts", param="prompt")
+        assert_error(too_many, 400, code="too_many_sequences", param="prompt")
         assert "Split it" in too_many.json()["error"]["message"]
+        ok = http.post("/v1/completions", json={"prompt": ["Hi"] * 2, "n": 5, "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 10
+        choices = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                          "n": 11, "max_tokens": 2})
+        assert_error(choices, 400, code="too_many_sequences", param="n")
+        assert "11 sequences" in choices.json()["error"]["message"]
         assert_engine_idle(engine)
 
 
