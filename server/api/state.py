@@ -14,7 +14,6 @@ from typing import Any
 from aiohttp import web
 
 from slipstream.server.api.errors import APIError
-from slipstream.server.api.generation import engine_request_ids
 from slipstream.server.metrics import RequestRecord, ServerMetrics
 
 logger = logging.getLogger("slipstream.server")
@@ -49,8 +48,7 @@ class ServerState:
         self.drain_expired = False  # the drain ran out of time and aborted what was left
         self.model_name = options.served_model_name or ""
         self.vocab_size: int | None = None
-        self.in_flight: dict[str, list[str]] = {}  # API call id -> its engine request ids
-        self._sequences: dict[str, int] = {}  # API call id -> prompts × n
+        self.in_flight: dict[str, int] = {}  # API call id -> its sequences (prompts × n)
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics = ServerMetrics(lambda: self.model_name, self.stats, options.vllm_compatible_metrics)
@@ -82,7 +80,7 @@ class ServerState:
         beyond its batch, whichever is larger."""
         stats = self.stats()
         max_num_seqs = self.llm.config.max_num_seqs
-        in_flight = sum(self._sequences.values()) + num_seqs
+        in_flight = sum(self.in_flight.values()) + num_seqs
         running, waiting = (stats.num_running, stats.num_waiting) if stats else (0, 0)
         free = max(0, max_num_seqs - running) if waiting == 0 else 0  # FCFS: none overtakes the queue
         return max(waiting + max(0, num_seqs - free), in_flight - max_num_seqs)
@@ -102,8 +100,7 @@ class ServerState:
         if self.would_wait(num_seqs) > self.options.max_waiting:
             raise APIError(429, f"Too many requests queued (limit --max-waiting={self.options.max_waiting}); "
                            "retry shortly.", code="rate_limit_exceeded", headers={"Retry-After": "1"})
-        self.in_flight[request_id] = engine_request_ids(request_id, num_prompts)
-        self._sequences[request_id] = num_seqs
+        self.in_flight[request_id] = num_seqs
         self._idle.clear()
         record = RequestRecord(self.metrics, request_id)
         try:
@@ -112,7 +109,7 @@ class ServerState:
             record.client_gone = True
             raise
         finally:
-            del self.in_flight[request_id], self._sequences[request_id]
+            del self.in_flight[request_id]
             if not self.in_flight:
                 self._idle.set()
             if record.client_gone:  # counted once per abandoned call, with the engine's reason

@@ -95,12 +95,12 @@ def _generate(args: argparse.Namespace):
     workload = make_workload(args.num_requests, args.workload_seed, vocab, args.max_output, args.prompt_len)
     print(f"workload (seed {args.workload_seed}): {describe(workload)}", flush=True)
 
-    def run(batch):
+    def generate(batch):
         return llm.generate([r.prompt for r in batch],
                             [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in batch])
 
-    run(make_workload(2, args.workload_seed + 1, vocab, 2, (1, 4)))  # first-call costs out of the measurement
+    generate(make_workload(2, args.workload_seed + 1, vocab, 2, (1, 4)))  # first-call costs out of the measurement
     engine.trace.clear()
     start = time.perf_counter()
-    outputs = run(workload)
+    outputs = generate(workload)
     return llm, workload, outputs, time.perf_counter() - start
