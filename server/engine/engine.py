@@ -83,7 +83,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
                              f"(one block of {config.block_size} tokens needs {block_bytes} bytes)")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        capacity = num_blocks * config.block_size
+        capacity = self.kv.num_slots
         if capacity < self.max_model_len:
             if config.max_model_len:  # asked for: kept, longer requests are refused with the cache's size
                 log.warning("max_model_len %d exceeds the KV cache's %d tokens: requests needing more are rejected",
@@ -151,7 +151,7 @@ class LLMEngine:
                                   "context_length_exceeded", "messages")
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole cache reaches
-            capacity = self.kv.num_blocks * self.kv.block_size
+            capacity = self.kv.num_slots
             if n_prompt >= capacity:  # possible when an explicit max_model_len exceeds the cache
                 raise RequestRejected(f"The prompt has {n_prompt} tokens but the KV cache holds only {capacity}, "
                                       "and at least one more is needed to generate. Shorten the prompt.",

@@ -46,6 +46,11 @@ class KVCacheManager:
 
     # --- accounting ---------------------------------------------------------------------------
     @property
+    def num_slots(self) -> int:
+        """Tokens the whole pool holds: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks no request references (cached ones included: they can be evicted)."""
         return len(self.free)
