@@ -62,9 +62,12 @@ def service_url(name: str, namespace: str, cluster_domain: str = "cluster.local"
 
 
 def model_argument(spec: InferenceServiceSpec) -> str:
-    """What ``slipstream serve --model`` gets: ``builtin`` or a path inside the container."""
+    """What ``slipstream serve --model`` gets: ``builtin``, ``sim:PROFILE`` or a path inside the
+    container."""
     if spec.model.source == "builtin":
         return "builtin"
+    if spec.model.source == "sim":
+        return f"sim:{spec.model.profile}"
     if spec.model.source == "pvc":
         return f"{MODEL_MOUNT}/{spec.model.path.strip('/')}"
     return spec.model.path

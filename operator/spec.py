@@ -18,7 +18,10 @@ from kubernetes.utils.quantity import parse_quantity
 from .autoscaler import AutoscalingSpec
 
 DEFAULT_IMAGE = "ghcr.io/slipstream-dev/slipstream:0.1.0"
-MODEL_SOURCES = ("builtin", "image", "pvc")
+MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
+# ``sim:PROFILE[,key=value...]`` as slipstream serve takes it (server/sim/backend.py); the server
+# checks the profile's name and the values, this only the shape (a test keeps the two in step).
+SIM_PROFILE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(,(time_scale|output_len|seed)=[-+.0-9eE]+)*$")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A Service name is an RFC 1035 label; the InferenceService's name becomes one.
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -41,11 +44,13 @@ class SpecError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Which weights the pods load. ``source``: builtin | image (``path`` inside the image,
-    absolute) | pvc (``path`` relative to the root of PersistentVolumeClaim ``claim_name``)."""
+    absolute) | pvc (``path`` relative to the root of PersistentVolumeClaim ``claim_name``) |
+    sim (no weights: ``profile``, e.g. ``tiny,time_scale=4``, becomes ``--model sim:PROFILE``)."""
 
     source: str = "builtin"
     path: str | None = None
     claim_name: str | None = None
+    profile: str | None = None
     served_model_name: str | None = None
 
 
@@ -95,7 +100,7 @@ class InferenceServiceSpec:
 # CRD field name → dataclass field name, per object. Anything not listed is an unknown field.
 _FIELDS: dict[type, dict[str, str]] = {
     ModelSpec: {"source": "source", "path": "path", "claimName": "claim_name",
-                "servedModelName": "served_model_name"},
+                "profile": "profile", "servedModelName": "served_model_name"},
     AutoscalingSpec: {
         "enabled": "enabled", "minReplicas": "min_replicas", "maxReplicas": "max_replicas",
         "targetQueueDepth": "target_queue_depth",
@@ -190,11 +195,20 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     if model.source not in MODEL_SOURCES:
         raise SpecError("InvalidSpec", f"spec.model.source must be one of "
                                        f"{', '.join(MODEL_SOURCES)}, got {model.source!r}")
-    if model.source == "builtin" and (model.path or model.claim_name):
-        raise SpecError("InvalidSpec", "spec.model.source builtin takes no path or claimName; "
-                                       "use source image or pvc to load other weights")
-    if model.source != "builtin" and not model.path:
+    if model.source in ("builtin", "sim") and (model.path or model.claim_name):
+        why = ("use source image or pvc to load other weights" if model.source == "builtin"
+               else "it loads no weights, its profile says what to simulate")
+        raise SpecError("InvalidSpec", f"spec.model.source {model.source} takes no path or "
+                                       f"claimName; {why}")
+    if model.source not in ("builtin", "sim") and not model.path:
         raise SpecError("InvalidSpec", f"spec.model.path is required with source {model.source}")
+    if (model.source == "sim") != bool(model.profile):
+        raise SpecError("InvalidSpec", "spec.model.profile is required with source sim and only "
+                                       "allowed with it")
+    if model.source == "sim" and not SIM_PROFILE.match(model.profile):
+        raise SpecError("InvalidSpec", f"spec.model.profile must be a profile name such as tiny or "
+                                       f"llama3-8b-h100, optionally followed by ,time_scale=S "
+                                       f",output_len=N|A-B ,seed=N; got {model.profile!r}")
     if model.source == "image" and not model.path.startswith("/"):
         raise SpecError("InvalidSpec", f"spec.model.path must be absolute with source image, "
                                        f"got {model.path!r}")
@@ -237,8 +251,9 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
         raise SpecError("InvalidSpec", f"spec.resources.cpu must be > 0, got {res.cpu!r}")
     memory = _quantity(res.memory, "spec.resources.memory")
     _check_int(res.gpus, "spec.resources.gpus", 0)
-    if res.gpus == 0 and kv_bytes >= memory:
-        # On CPU the KV cache lives in the pod's memory, beside the weights and the runtime.
+    if res.gpus == 0 and model.source != "sim" and kv_bytes >= memory:
+        # On CPU the KV cache lives in the pod's memory, beside the weights and the runtime
+        # (a simulated one is only counted, never allocated).
         raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory ({engine.kv_cache_memory}) "
                                        f"must be below spec.resources.memory ({res.memory}) on a "
                                        f"CPU pod: the KV cache, the weights and the server share "

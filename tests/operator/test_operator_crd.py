@@ -64,6 +64,47 @@ def walk_schema(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, d
         yield from walk_schema(schema["items"], f"{path}[]")
 
 
+def default_problems(schema: dict[str, Any]) -> list[str]:
+    """What the API server refuses when it admits the CRD: each field's ``default`` exactly as
+    written (its own nested defaults NOT applied first) must pass that field's schema and every
+    CEL rule of it and of the fields the default holds. One line per refusal."""
+    problems = []
+    for path, node in walk_schema(schema):
+        if "default" not in node:
+            continue
+        default = node["default"]
+        problems += [f"{path}.default: {m}" for m in schema_errors(node, default)]
+        for rule, value in cel_rules(node, default):
+            try:
+                verdict = cel.evaluate(rule["rule"], {"self": value})
+            except Exception as exc:  # the server's "no such key" is a KeyError here
+                verdict = f"{type(exc).__name__}: {exc}"
+            if verdict is not True:
+                problems.append(f"{path}.default {default!r}: {verdict} evaluating rule: "
+                                f"{rule['rule']}")
+    return problems
+
+
+def test_every_cel_rule_holds_for_its_fields_default_as_written(crd_schema):
+    """A real kube-apiserver refused the CRD for `default: {}` on objects whose rules read
+    their fields ("no such key")."""
+    assert sum("default" in node for _, node in walk_schema(crd_schema)) >= 25
+    assert default_problems(crd_schema) == []
+
+
+def test_the_default_check_catches_an_empty_default_under_a_rule():
+    node = {"type": "object", "properties": {"spec": {
+        "type": "object", "default": {},
+        "properties": {"a": {"type": "integer", "default": 1}, "b": {"type": "integer"}},
+        "x-kubernetes-validations": [{"rule": "self.a <= self.b", "message": "a ≤ b"}]}}}
+    [problem] = default_problems(node)
+    assert problem.startswith(".spec.default {}: KeyError")
+    node["properties"]["spec"]["x-kubernetes-validations"][0]["rule"] = "has(self.a)"
+    assert "False evaluating rule" in default_problems(node)[0]
+    node["properties"]["spec"]["default"] = {"a": "x"}
+    assert any("is not of type 'integer'" in p for p in default_problems(node))
+
+
 def test_crd_is_a_valid_apiextensions_object(crd):
     kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
     assert crd["spec"]["group"] == "slipstream.dev"

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from operator_helpers import EXAMPLES
+from operator_helpers import CRD_PATH, EXAMPLES
 from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNOTATION,
                                            pod_selector, render_children, render_deployment,
                                            render_service, spec_hash)
@@ -37,6 +37,8 @@ SPECS = {
     "env": {"env": [{"name": "A", "value": "1"}, {"name": "POD", "valueFrom": {
         "fieldRef": {"fieldPath": "metadata.name"}}}]},
     "zero-replicas": {"replicas": 0, "port": 9000, "shutdownTimeoutSeconds": 0},
+    "sim": {"model": {"source": "sim", "profile": "llama3-8b-h100,time_scale=2,seed=3"},
+            "resources": {"cpu": "250m", "memory": "512Mi"}},
 }
 CASES = [pytest.param(isvc(**spec), id=key) for key, spec in SPECS.items()] + [
     pytest.param(yaml.safe_load(path.read_text()), id=path.name) for path in EXAMPLES]
@@ -182,3 +184,29 @@ def test_server_accepts_the_rendered_arguments(body):
         spec.engine.kv_cache_memory_bytes, spec.engine.block_size, spec.port, "0.0.0.0")
     assert args.max_model_len == spec.engine.max_model_len
     assert args.shutdown_timeout == spec.shutdown_timeout_seconds
+
+
+def test_sim_source_runs_the_server_with_a_simulated_model():
+    dep = render_deployment(isvc(model={"source": "sim", "profile": "tiny,output_len=20-200"}))
+    assert arg(dep, "--model") == "sim:tiny,output_len=20-200"
+    assert "volumes" not in dep["spec"]["template"]["spec"]
+    # The KV cache of a simulated GPU is counted, not allocated: pod memory may be below it.
+    parse_spec({"model": {"source": "sim", "profile": "tiny"}, "resources": {"memory": "512Mi"}})
+
+
+def test_every_server_profile_and_option_fits_the_crds_profile_field():
+    """The operator checks only the shape of a profile (it imports nothing of the server);
+    the shape must admit every profile the server knows and what its parser accepts."""
+    from slipstream.operator.spec import SIM_PROFILE
+    from slipstream.server.sim.backend import parse_sim_model
+    from slipstream.server.sim.cost_model import PROFILES
+    crd_pattern = yaml.safe_load(CRD_PATH.read_text())["spec"]["versions"][0]["schema"][
+        "openAPIV3Schema"]["properties"]["spec"]["properties"]["model"]["properties"][
+        "profile"]["pattern"]
+    assert crd_pattern == SIM_PROFILE.pattern
+    for profile in [*PROFILES, "tiny,time_scale=0.25,output_len=20-200,seed=7",
+                    "llama3-8b-l4,time_scale=1e-1"]:
+        assert SIM_PROFILE.match(profile), profile
+        parse_sim_model(f"sim:{profile}")
+    for bad in ("Tiny", "tiny,", "tiny,speed=2", "tiny,seed=x", "sim:tiny", "tiny time_scale=2"):
+        assert not SIM_PROFILE.match(bad), bad
