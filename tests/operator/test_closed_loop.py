@@ -35,13 +35,11 @@ import kopf
 import pytest
 import yaml
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent / "operator"))
-from kube_emulator import ApiServer  # noqa: E402
-from operator_helpers import CRD_PATH, running_operator  # noqa: E402
-
-from slipstream.operator.handlers import OperatorConfig, register  # noqa: E402
-from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube  # noqa: E402
-from slipstream.operator.resources import labels  # noqa: E402
+from kube_emulator import ApiServer
+from operator_helpers import CRD_PATH, running_operator
+from slipstream.operator.handlers import OperatorConfig, register
+from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube
+from slipstream.operator.resources import labels
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
