@@ -111,7 +111,8 @@ def plan_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
 
 def plan_service(desired: Mapping[str, Any], live: Mapping[str, Any],
                  ) -> tuple[dict[str, Any] | None, str]:
-    """The Service to PUT and why, or (None, "") when ``live`` is in sync."""
+    """The Service (or PodDisruptionBudget) to PUT and why, or (None, "") when ``live`` is in
+    sync."""
     if contains(live, desired):
         return None, ""
     return _merged(live, desired), "restored fields that were changed outside the operator"

@@ -1,9 +1,10 @@
 """A small asynchronous Kubernetes REST client: dicts in, dicts out.
 
-The operator needs five verbs on three resources; this is them over aiohttp (which kopf runs on
+The operator needs six verbs on a handful of resources; this is them over aiohttp (which kopf runs on
 too), with the credentials kopf itself would use (in-cluster service account, else kubeconfig,
 loaded by ``kopf.login_via_client``). API errors come back as :class:`ApiError` with the HTTP
 status, so callers tell retryable (409, 429, 5xx) from permanent (400, 403, 422) mistakes.
+Every write carries ``fieldManager=slipstream-operator`` (:data:`FIELD_MANAGER`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ import kopf
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
+# Every write names this manager, so ``metadata.managedFields`` tells the operator's fields from
+# another writer's (the autoscaler's check for a foreign scaler reads it).
+FIELD_MANAGER = "slipstream-operator"
+_WRITES = ("POST", "PUT", "PATCH")
 
 
 class ApiError(Exception):
@@ -57,6 +62,7 @@ class Resource:
 
 
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
+DISRUPTION_BUDGETS = Resource("policy", "v1", "poddisruptionbudgets")
 PODS = Resource("", "v1", "pods")
 SERVICES = Resource("", "v1", "services")
 INFERENCESERVICES = Resource("slipstream.dev", "v1alpha1", "inferenceservices")
@@ -72,7 +78,7 @@ class Kube:
                  ssl_context: ssl.SSLContext | bool = True, timeout: float = 30.0,
                  relogin: Callable[[], "Kube"] | None = None):
         self.server = server.rstrip("/")
-        self._headers = {"Accept": JSON}
+        self._headers = {"Accept": JSON, "User-Agent": f"{FIELD_MANAGER}/python"}
         if token:
             self._headers["Authorization"] = f"{scheme or 'Bearer'} {token}"
         self._ssl = ssl_context
@@ -123,9 +129,11 @@ class Kube:
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
         headers = {"Content-Type": content_type} if body is not None else {}
+        params = {"fieldManager": FIELD_MANAGER} if method in _WRITES else None
         try:
             async with self._session.request(method, self.server + path, json=body,
-                                             headers=headers, ssl=self._ssl) as response:
+                                             params=params, headers=headers,
+                                             ssl=self._ssl) as response:
                 data = await response.json(content_type=None) if response.content_length != 0 \
                     else {}
                 if response.status >= 300:
@@ -161,6 +169,16 @@ class Kube:
         """PUT; ``obj.metadata.resourceVersion`` makes it fail with 409 if the object moved."""
         meta = obj["metadata"]
         return await self.request("PUT", resource.path(meta["namespace"], meta["name"]), obj)
+
+    async def delete(self, resource: Resource, namespace: str | None, name: str) -> bool:
+        """DELETE; False when it was already gone (404)."""
+        try:
+            await self.request("DELETE", resource.path(namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     async def merge_patch(self, resource: Resource, namespace: str, name: str,
                           patch: Mapping[str, Any], subresource: str | None = None,

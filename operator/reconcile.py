@@ -19,9 +19,10 @@ import kopf
 
 from slipstream.operator import status as st
 from slipstream.operator.drift import foreign_owner, plan_deployment, plan_service
-from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, SERVICES, ApiError, Kube, \
-    Resource
-from slipstream.operator.resources import render_deployment, render_service, service_url
+from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, SERVICES, \
+    ApiError, Kube, Resource
+from slipstream.operator.resources import render_deployment, render_disruption_budget, \
+    render_service, service_url
 from slipstream.operator.spec import SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -113,8 +114,9 @@ async def _apply(kube: Kube, resource: Resource, body: Mapping[str, Any],
     live = await kube.get(resource, meta["namespace"], meta["name"])
     if live is None:
         created = await kube.create(resource, desired)
+        # A budget comes and goes with the replica range; the others exist from the first pass.
         was = " (it had been deleted)" if (body.get("status") or {}).get(
-            "observedGeneration") else ""
+            "observedGeneration") and resource is not DISRUPTION_BUDGETS else ""
         return created, f"created {kind} {meta['name']}{was}"
     if live["metadata"].get("deletionTimestamp"):
         raise ApiError(409, "Terminating", f"{kind} {meta['name']} is being deleted; "
@@ -127,6 +129,18 @@ async def _apply(kube: Kube, resource: Resource, body: Mapping[str, Any],
     if new is None:
         return live, None
     return await kube.replace(resource, new), f"updated {kind} {meta['name']}: {why}"
+
+
+async def _remove_budget(kube: Kube, body: Mapping[str, Any]) -> str | None:
+    """Delete the service's PodDisruptionBudget if it has one of its own (it runs at most one
+    pod now). Returns a line saying so, or None."""
+    meta = body["metadata"]
+    live = await kube.get(DISRUPTION_BUDGETS, meta["namespace"], meta["name"])
+    if live is None or foreign_owner(live, meta.get("uid"), meta["name"]):
+        return None
+    if not await kube.delete(DISRUPTION_BUDGETS, meta["namespace"], meta["name"]):
+        return None
+    return f"deleted PodDisruptionBudget {meta['name']}: the service runs at most one pod"
 
 
 async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
@@ -145,17 +159,22 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
             spec = parse_spec(body.get("spec"), name=name)
             deployment = render_deployment(body, spec)
             service = render_service(body)
-            kopf.adopt([deployment, service], owner=body)
+            budget = render_disruption_budget(body, spec)
+            kopf.adopt([deployment, service] + ([budget] if budget else []), owner=body)
             live_dep, dep_action = await _apply(
                 kube, DEPLOYMENTS, body, deployment,
                 lambda d, live: plan_deployment(d, live, spec))
             _, svc_action = await _apply(kube, SERVICES, body, service, plan_service)
+            if budget is not None:
+                _, pdb_action = await _apply(kube, DISRUPTION_BUDGETS, body, budget, plan_service)
+            else:
+                pdb_action = await _remove_budget(kube, body)
         except SpecError as exc:
             return await _fail(kube, body, exc.reason, exc.message)
 
-        actions = tuple(a for a in (dep_action, svc_action) if a)
+        actions = tuple(a for a in (dep_action, svc_action, pdb_action) if a)
         for action in actions:
-            post_event(body, "Normal", "Created" if action.startswith("created") else "Updated",
+            post_event(body, "Normal", action.split()[0].capitalize(),
                        action[0].upper() + action[1:])
         before = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
         url = service_url(name, namespace, cluster_domain)

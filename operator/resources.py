@@ -1,10 +1,13 @@
-"""Pure renderers: an InferenceService (dict) → the Deployment and Service (dicts) it owns.
+"""Pure renderers: an InferenceService (dict) → the Deployment, Service and PodDisruptionBudget
+(dicts) it owns.
 
 Nothing here talks to a cluster; ``slipstream operator render`` prints what these return, and the
-reconcile loop applies it. Shapes follow apps/v1 Deployment and core/v1 Service.
+reconcile loop applies it. Shapes follow apps/v1 Deployment, core/v1 Service and policy/v1
+PodDisruptionBudget.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -32,6 +35,15 @@ MODEL_MOUNT = "/mnt/models"
 # endpoint controllers and kube-proxy take a moment to stop routing to a terminating pod.
 PRESTOP_SLEEP_SECONDS = 5
 PROBE_PERIOD_SECONDS = 5
+# The server image's user (docker/server.Dockerfile: useradd --uid 10001), named explicitly so
+# a cluster can check runAsNonRoot without reading the image.
+POD_UID = 10001
+# PodSecurity "restricted" (GPU pods too): non-root, no privilege escalation, no capabilities,
+# the runtime's default seccomp profile.
+POD_SECURITY_CONTEXT = {"runAsNonRoot": True, "runAsUser": POD_UID, "runAsGroup": POD_UID,
+                        "fsGroup": POD_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False,
+                              "capabilities": {"drop": ["ALL"]}}
 
 
 def labels(name: str) -> dict[str, str]:
@@ -141,6 +153,7 @@ def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
             # Keep serving while the pod leaves the Service's endpoints; SIGTERM then drains.
             "preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}},
         },
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if spec.env:
         container["env"] = [dict(var) for var in spec.env]
@@ -166,6 +179,7 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
         "terminationGracePeriodSeconds": termination_grace_period(spec),
         # A Service named like an env prefix (SLIPSTREAM_…) must not leak variables into pods.
         "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
@@ -220,11 +234,44 @@ def render_service(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def needs_disruption_budget(spec: InferenceServiceSpec) -> bool:
+    """Whether the service can run more than one pod (``spec.replicas`` > 1, or autoscaling
+    with ``maxReplicas`` > 1): only then does "at most one pod down at a time" mean anything.
+    With one pod, a budget of maxUnavailable 1 allows evicting it anyway, and minAvailable 1
+    would block every node drain, so a single-pod service gets none."""
+    if spec.autoscaling.enabled:
+        return spec.autoscaling.max_replicas > 1
+    return spec.replicas > 1
+
+
+def render_disruption_budget(body: Mapping[str, Any], spec: InferenceServiceSpec | None = None,
+                             ) -> dict[str, Any] | None:
+    """The PodDisruptionBudget (policy/v1): voluntary evictions (node drains, cluster
+    autoscalers) take at most one model pod at a time, so the others keep serving while the
+    evicted one's replacement loads its model. None when :func:`needs_disruption_budget` is
+    false. Raises SpecError when the spec cannot be served."""
+    meta = body.get("metadata", {})
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    spec = spec if spec is not None else parse_spec(body.get("spec"), name=name)
+    if not needs_disruption_budget(spec):
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
 def render_children(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """[Deployment, Service] for ``body``. When ``body`` has a uid (it came from a cluster),
-    both carry its owner reference and labels (``kopf.adopt``), so deleting it deletes them.
+    """[Deployment, Service] and, when the service can run more than one pod, its
+    PodDisruptionBudget. When ``body`` has a uid (it came from a cluster), all carry its owner
+    reference and labels (``kopf.adopt``), so deleting it deletes them.
     Raises SpecError when the spec cannot be served."""
-    children = [render_deployment(body), render_service(body)]
+    name = body.get("metadata", {}).get("name")
+    spec = parse_spec(body.get("spec"), name=name)
+    budget = render_disruption_budget(body, spec)
+    children = [render_deployment(body, spec), render_service(body)] + ([budget] if budget else [])
     if body.get("metadata", {}).get("uid"):
         kopf.adopt(children, owner=dict(body))
     return children

@@ -43,6 +43,8 @@ def _load(name: str, path: pathlib.Path) -> Any:
 
 
 api = _load("operator_api", ROOT / "tests" / "chart" / "operator_api.py")
+restricted_violations = _load("pod_security", ROOT / "tests" / "operator" / "pod_security.py"
+                              ).restricted_violations
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +268,7 @@ def test_operator_runs_once_hardened_with_a_liveness_probe(case):
         spec["template"]["metadata"]["labels"].items()
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert restricted_violations(pod) == []  # PodSecurity "restricted" admits it
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
         "runAsNonRoot": True, "privileged": False, "capabilities": {"drop": ["ALL"]}}
@@ -385,7 +388,7 @@ def test_collector_sees_a_new_call(tmp_path):
                      api.Permission("slipstream.dev", "inferenceservices/scale", "patch")}
     for source in ("async def f(kube, r):\n    await kube.get(r, 'ns', 'x')\n",
                    "async def f(kube):\n    await kube.request('DELETE', '/api/v1/pods')\n",
-                   "async def f(memo):\n    await memo.kube.delete(PODS, 'ns', 'x')\n"):
+                   "async def f(memo):\n    await memo.kube.evict(PODS, 'ns', 'x')\n"):
         added.write_text(source)
         with pytest.raises(api.CollectionError):
             list(api.client_calls([added]))

@@ -30,7 +30,7 @@ OPERATOR_DIR = pathlib.Path(kube.__file__).resolve().parent
 
 # kube.Kube's methods → the RBAC verb of the HTTP call each makes.
 METHOD_VERBS = {"get": "get", "list": "list", "create": "create", "replace": "update",
-                "merge_patch": "patch"}
+                "merge_patch": "patch", "delete": "delete"}
 # Kube's methods that make no API call of their own (or are the transport under the others).
 NO_CALL_METHODS = {"close", "request", "from_environment"}
 

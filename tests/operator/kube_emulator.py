@@ -45,7 +45,7 @@ import kubernetes_validate
 from kmock._internal import dicts as kmock_dicts
 
 KUBERNETES_VERSION = "1.37"
-_VALIDATED_KINDS = {("apps", "deployments"), ("", "services")}
+_VALIDATED_KINDS = {("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets")}
 
 
 def schema_defaults(schema: dict[str, Any], value: Any) -> Any:

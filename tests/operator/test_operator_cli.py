@@ -17,6 +17,8 @@ from slipstream.operator.cli import build_parser, main, operator_arguments
 from slipstream.operator.handlers import ensure_peering
 from slipstream.operator.kube import CLUSTER_PEERINGS, DEPLOYMENTS, INFERENCESERVICES, PEERINGS, \
     ApiError, Kube
+from slipstream.operator.resources import needs_disruption_budget
+from slipstream.operator.spec import parse_spec
 
 BUILTIN = ROOT / "examples" / "inferenceservice-builtin.yaml"
 
@@ -35,7 +37,10 @@ def test_render_takes_many_documents_and_skips_other_kinds(tmp_path, capsys):
     path.write_text(text)
     assert main(["render", "-f", str(path), "-n", "team"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert len(docs) == 2 * len(EXAMPLES)
+    # Deployment + Service each, and a PodDisruptionBudget for those that can run several pods.
+    budgets = sum(needs_disruption_budget(parse_spec(yaml.safe_load(p.read_text())["spec"]))
+                  for p in EXAMPLES)
+    assert budgets >= 2 and len(docs) == 2 * len(EXAMPLES) + budgets
     assert {d["metadata"]["namespace"] for d in docs} == {"team"}
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from operator_helpers import NAMESPACE, eventually
 from kube_emulator import ApiServer
-from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, SERVICES, Kube
+from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, SERVICES, \
+    Kube
 from slipstream.operator.resources import SPEC_HASH_ANNOTATION
 from slipstream.operator.scaling import apply_scale
 
@@ -121,6 +122,26 @@ async def test_spec_change_rolls_pods_and_replica_change_does_not(kube, operator
     isvc = await eventually(lambda: _where(kube, lambda o: o["status"].get(
         "observedGeneration") == o["metadata"]["generation"]), what="observedGeneration")
     assert isvc["metadata"]["generation"] == 4
+
+
+async def test_disruption_budget_follows_the_replica_range(api, kube, operator):
+    await kube.create(INFERENCESERVICES, inference_service(replicas=3))
+    pdb = await eventually(lambda: kube.get(DISRUPTION_BUDGETS, NAMESPACE, "chat"),
+                           what="PodDisruptionBudget")
+    isvc = await kube.get(INFERENCESERVICES, NAMESPACE, "chat")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+
+    await kube.merge_patch(INFERENCESERVICES, NAMESPACE, "chat", {"spec": {"replicas": 1}})
+    await eventually(lambda: _no_budget(kube), what="budget deleted")
+    assert any("PodDisruptionBudget chat" in e["message"] for e in events(api, "Deleted"))
+    await kube.merge_patch(INFERENCESERVICES, NAMESPACE, "chat", {"spec": {"autoscaling": {
+        "enabled": True, "maxReplicas": 3}}})
+    await eventually(lambda: kube.get(DISRUPTION_BUDGETS, NAMESPACE, "chat"), what="budget back")
+
+
+async def _no_budget(kube: Kube) -> bool:
+    return await kube.get(DISRUPTION_BUDGETS, NAMESPACE, "chat") is None
 
 
 async def test_change_outside_the_pods_leaves_the_deployment_alone(kube, operator):

@@ -10,9 +10,11 @@ import pytest
 import yaml
 
 from operator_helpers import CRD_PATH, EXAMPLES
+from pod_security import restricted_violations
 from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNOTATION,
-                                           pod_selector, render_children, render_deployment,
-                                           render_service, spec_hash)
+                                           needs_disruption_budget, pod_selector,
+                                           render_children, render_deployment,
+                                           render_disruption_budget, render_service, spec_hash)
 from slipstream.operator.spec import parse_spec
 
 # The newest Kubernetes kubernetes-validate knows, and the oldest this CRD supports (CEL rules
@@ -59,7 +61,9 @@ def test_rendered_objects_pass_kubernetes_validate_strict(body, version):
     body = copy.deepcopy(body)
     body["metadata"]["uid"] = "0d9d8a4e-7b6a-4b7e-9a64-0e0b8f3c2a11"  # as from a cluster
     children = render_children(body)
-    assert [c["kind"] for c in children] == ["Deployment", "Service"]
+    spec = parse_spec(body["spec"], name=body["metadata"]["name"])
+    assert [c["kind"] for c in children] == ["Deployment", "Service"] + (
+        ["PodDisruptionBudget"] if needs_disruption_budget(spec) else [])
     for child in children:
         kubernetes_validate.validate(child, version, strict=True)
 
@@ -210,3 +214,49 @@ def test_every_server_profile_and_option_fits_the_crds_profile_field():
         parse_sim_model(f"sim:{profile}")
     for bad in ("Tiny", "tiny,", "tiny,speed=2", "tiny,seed=x", "sim:tiny", "tiny time_scale=2"):
         assert not SIM_PROFILE.match(bad), bad
+
+
+@pytest.mark.parametrize("body", CASES)
+def test_model_pods_pass_pod_security_restricted(body):
+    """GPU, PVC and sim pods too: a namespace enforcing `restricted` admits them."""
+    pod = render_deployment(body)["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"}}
+    assert container({"spec": {"template": {"spec": pod}}})["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_the_restricted_check_refuses_what_the_admission_plugin_refuses():
+    pod = render_deployment(isvc())["spec"]["template"]["spec"]
+    del pod["securityContext"]["seccompProfile"]
+    pod["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    pod["volumes"] = [{"name": "host", "hostPath": {"path": "/"}}]
+    pod["securityContext"]["runAsUser"] = 0
+    assert restricted_violations(pod) == [
+        "volume host has type ['hostPath']", "runAsUser must not be 0",
+        "container server: allowPrivilegeEscalation must be false",
+        "container server: capabilities must drop ALL",
+        "container server: adds capabilities ['SYS_ADMIN']",
+        "container server: seccompProfile must be RuntimeDefault or Localhost"]
+
+
+@pytest.mark.parametrize("spec,wanted", [
+    ({}, False), ({"replicas": 2}, True), ({"replicas": 0}, False),
+    ({"replicas": 5, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1}}, False),
+    ({"autoscaling": {"enabled": True}}, True),
+], ids=["one-pod", "two-pods", "zero", "autoscaled-to-one", "autoscaled"])
+def test_a_disruption_budget_exists_while_more_than_one_pod_can_run(spec, wanted):
+    assert needs_disruption_budget(parse_spec(spec)) is wanted
+    assert (render_disruption_budget(isvc(**spec)) is not None) is wanted
+
+
+def test_disruption_budget_lets_one_pod_go_at_a_time_and_is_owned():
+    body = isvc(replicas=3)
+    body["metadata"]["uid"] = "u-1"
+    dep, _, pdb = render_children(body)
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": dep["spec"]["selector"]}
+    assert pdb["metadata"]["labels"] == dep["metadata"]["labels"]
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "u-1"
