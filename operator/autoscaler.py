@@ -324,7 +324,9 @@ def decide(
             if panic_time == now:
                 trigger = f"{panic_need} pods needed >= {spec.panic_threshold:g}x capacity {capacity}"
             else:
-                trigger = f"held a stable window after the last trigger at {panic_time:g}"
+                # A duration, not the clock's reading: epoch seconds mean nothing in a message.
+                trigger = (f"held for a stable window after the last trigger "
+                           f"{now - panic_time:.0f}s ago")
             why = (f"panic ({trigger}): {_describe(spec, recent, ready_replicas)} "
                    f"over {spec.panic_window_seconds:g}s")
         elif panic_time is not None:

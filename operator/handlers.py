@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import kopf
@@ -26,12 +28,30 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 
 
 @dataclass(frozen=True, slots=True)
+class WatchTimeouts:
+    """Bounds on kopf's watch streams, in seconds, so a half-open connection (the server gone
+    without a FIN: the kopf default waits 70 s, or forever without a server timeout) is noticed.
+
+    server: ``timeoutSeconds`` of each watch: the API server ends it, kopf re-watches from the
+    last resourceVersion (nothing is lost). client: the client gives up on a stream the server
+    did not end, and on one that sent nothing (not even a bookmark) for this long; then kopf
+    re-watches, or re-lists if that resourceVersion is too old. connect: to open a stream.
+    backoff: the pause between two streams (no API flood when each fails at once).
+    """
+
+    server: float = 30.0
+    client: float = 40.0
+    connect: float = 10.0
+    backoff: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class OperatorConfig:
     """resync_seconds: period of the level-based check of every InferenceService.
     autoscale_seconds: period of the autoscaler's tick (objects with autoscaling on).
     cluster_domain: for ``status.url``. namespaces: the served ones (empty: all), for the
     peering objects. login: kopf's credentials (a kopf login handler). kube: makes our API
-    client. Tests pass their own login and kube."""
+    client. watch: the watch streams' timeouts. Tests pass their own login, kube and watch."""
 
     resync_seconds: float = 60.0
     autoscale_seconds: float = autoscaling_loop.DEFAULT_INTERVAL
@@ -39,6 +59,7 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()
     login: Callable[..., kopf.ConnectionInfo | None] = kopf.login_via_client
     kube: Callable[[], Kube] = Kube.from_environment
+    watch: WatchTimeouts = field(default_factory=WatchTimeouts)
 
 
 async def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...] | None,
@@ -65,13 +86,23 @@ async def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...] | No
                 raise
 
 
-def configure(settings: kopf.OperatorSettings) -> None:
-    """kopf's storage under our own names, and Events only for our own messages + warnings."""
+def configure(settings: kopf.OperatorSettings, watch: WatchTimeouts = WatchTimeouts()) -> None:
+    """kopf's storage under our own names; Events only for our own messages + warnings, posted
+    as ``slipstream-operator`` (``kubectl describe``'s "From"; kopf would say ``kopf``) by this
+    pod; bounded watch streams (:class:`WatchTimeouts`)."""
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = MANAGED_BY
+    settings.posting.reporting_instance = os.environ.get("POD_NAME") or socket.gethostname()
+    settings.posting.event_name_prefix = f"{MANAGED_BY}-"
+    settings.watching.server_timeout = watch.server
+    settings.watching.client_timeout = watch.client
+    settings.watching.inactivity_timeout = watch.client
+    settings.watching.connect_timeout = watch.connect
+    settings.watching.reconnect_backoff = watch.backoff
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
@@ -94,7 +125,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.startup(registry=registry)
     async def start(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger,
                     **_: Any) -> None:
-        configure(settings)
+        configure(settings, config.watch)
         memo.kube = config.kube()
         if not settings.peering.standalone and settings.peering.name:
             await ensure_peering(memo.kube, settings.peering.name,

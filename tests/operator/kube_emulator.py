@@ -19,7 +19,9 @@ subclass takes over the writes (POST, PUT, PATCH, DELETE) and does what the API 
 - deletes an object with finalizers only by setting ``deletionTimestamp``, and removes it once
   the last finalizer is gone;
 - lists with the latest ``resourceVersion`` and watches from one (kmock replays every object
-  to each watch and can lose a change made while a watch starts);
+  to each watch and can lose a change made while a watch starts), and ends a watch after its
+  ``timeoutSeconds`` as the API server does; ``stall_watches(plural)`` makes the next watch of a
+  resource half-open (accepted, then silent and never ended), as after a lost connection;
 - lists ``self.namespaces`` at ``/api/v1/namespaces`` (a path kmock 0.8 cannot parse).
 
 Not covered (real-API behaviour these tests cannot see): garbage collection by owner
@@ -81,6 +83,8 @@ class ApiServer(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _failures: list[tuple[str, str, int]] = attrs.field(factory=list, init=False)
     _log: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)
+    _stalls: list[str] = attrs.field(factory=list, init=False)
+    watches: list[str] = attrs.field(factory=list, init=False)  # plural of each watch served
     namespaces: set[str] = attrs.field(factory=lambda: {"default"})
 
     def __attrs_post_init__(self) -> None:
@@ -102,6 +106,11 @@ class ApiServer(kmock.KubernetesEmulator):
         if "status" in subresources:
             self._status_subresource.add(res)
         return res
+
+    def stall_watches(self, plural: str, count: int = 1) -> None:
+        """The next ``count`` watches of ``plural`` are accepted and then send nothing, never
+        ending (a half-open connection), until the client gives up."""
+        self._stalls += [plural] * count
 
     def fail_next(self, method: str, plural: str, status: int) -> None:
         """The next ``method`` (POST, PUT, PATCH, DELETE) on ``plural`` answers ``status``."""
@@ -154,11 +163,17 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
         """Like the API server: from ``?resourceVersion=N`` every change after N, else the
-        current objects as ADDED; then live changes. (kmock's own subscribes after its
-        snapshot, so a change in between is lost.)"""
+        current objects as ADDED; then live changes, until ``?timeoutSeconds`` (kmock's own
+        subscribes after its snapshot, so a change in between is lost, and never ends)."""
         yield b""
+        self.watches.append(request.resource.plural)
+        if request.resource.plural in self._stalls:
+            self._stalls.remove(request.resource.plural)
+            await asyncio.sleep(3600)  # cancelled when the client goes or the server stops
         bus = self._buses[request.resource]
         since = request.params.get("resourceVersion")
+        timeout = request.params.get("timeoutSeconds")
+        deadline = asyncio.get_running_loop().time() + float(timeout) if timeout else None
         async with self._lock:
             marker = await bus.mark()
             if since and since != "0":
@@ -172,7 +187,15 @@ class ApiServer(kmock.KubernetesEmulator):
             for event in replay:
                 if self._watched(request, event):
                     yield event
-            async for event in bus.stream(since=marker):
+            stream = aiter(bus.stream(since=marker))
+            while True:
+                left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+                if left is not None and left <= 0:
+                    return
+                try:
+                    event = await asyncio.wait_for(anext(stream), left)
+                except (TimeoutError, StopAsyncIteration):
+                    return
                 if self._watched(request, event):
                     yield event
         finally:

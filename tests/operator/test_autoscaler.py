@@ -131,6 +131,17 @@ def test_panic_lasts_a_stable_window_after_the_condition_last_held():
     assert c.replicas == 2
 
 
+def test_reasons_say_durations_not_clock_readings():
+    """The operator's clock is epoch seconds: a reason that printed it read `at 1.79608e+09`."""
+    start = 1_796_080_000.0
+    c = Cluster(spec(max_replicas=3, scale_down_delay_seconds=0.0), replicas=2)
+    c.run(lambda t: (28.0 if t < start + 6 else 8.0, 0.0), start, start + 30)
+    held = [d.reason for t, d in c.log if t >= start + 10 and d.panicking]
+    assert held and "after the last trigger 4s ago" in held[0]  # last trigger at +6, tick +10
+    for _, d in c.log:
+        assert "e+09" not in d.reason and "1796" not in d.reason, d.reason
+
+
 def test_noise_within_the_tolerance_band_never_rescales():
     rng = random.Random(6)
     c = Cluster(spec(), replicas=3)

@@ -79,7 +79,10 @@ async def test_create_makes_deployment_service_status_and_finalizer(api, kube, o
     assert condition(isvc, "Ready")["status"] == "False"
     assert condition(isvc, "Progressing")["status"] == "True"
     assert condition(isvc, "ScalingActive")["reason"] == "AutoscalingDisabled"
-    await eventually(lambda: events(api, "Created"), what="Created events")
+    created = await eventually(lambda: events(api, "Created"), what="Created events")
+    # `kubectl describe`'s "From": the operator, not kopf.
+    assert created[0]["source"] == {"component": "slipstream-operator"}
+    assert created[0]["reportingComponent"] == "slipstream-operator"
 
     await make_ready(kube, "chat")
     isvc = await eventually(lambda: _with_condition(kube, "chat", "Ready", "True"),
