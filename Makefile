@@ -6,12 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python -I
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+CLUSTER_STAMP := build/cluster/.built
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= builtin
 ARGS ?=
 
-.PHONY: install test serve bench clean
+.PHONY: install test test-fast cluster cluster-up cluster-down serve bench clean
 
 install: $(STAMP)
 
@@ -26,8 +27,30 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+# The whole suite, the tests on the real control plane included (CI runs this).
+test: $(STAMP) $(CLUSTER_STAMP)
+	SLIPSTREAM_REQUIRE_CLUSTER=1 $(PY) -m pytest -q $(ARGS)
+
+# The inner loop (a few minutes): unit, oracle subset, emulator; no control plane, nothing slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not cluster" $(ARGS)
+
+# The local control plane built from source (Go 1.26+): etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler, kubectl and helm into build/cluster/bin.
+# A cold build takes ~20 minutes on 2 cores; later ones re-link from Go's caches.
+cluster: $(CLUSTER_STAMP)
+
+$(CLUSTER_STAMP): e2e/cluster/build.sh e2e/cluster/kube/go.mod e2e/cluster/kube/go.sum \
+		e2e/cluster/helm/go.mod e2e/cluster/helm/go.sum
+	e2e/cluster/build.sh build/cluster/bin
+	touch $(CLUSTER_STAMP)
+
+# A cluster to try things by hand (root): then `export KUBECONFIG=build/cluster/kubeconfig`.
+cluster-up: $(STAMP) $(CLUSTER_STAMP)
+	$(PY) e2e/cluster/cluster.py up $(ARGS)
+
+cluster-down:
+	$(PY) e2e/cluster/cluster.py down
 
 serve: $(STAMP)
 	$(VENV)/bin/slipstream serve --model $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
