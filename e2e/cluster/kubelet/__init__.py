@@ -1,0 +1,29 @@
+"""The process kubelet: pods bound to its Node run as local processes, each pod in its own
+network namespace (an address on a bridge) and each container in its own mount namespace.
+Run it with ``e2e/cluster/kubelet.py`` (see ``main.py`` for the flags).
+
+| module | concept |
+| --- | --- |
+| ``main`` | CLI, start-up and shutdown, the pod watch, one worker per pod |
+| ``node`` | the Node, its Ready condition and its Lease |
+| ``worker`` | one pod's life: sandbox, init and app containers, restarts, probes, status, deletion |
+| ``container`` | one container's process, user, exec sessions |
+| ``launcher`` | the program that enters the pod's namespaces, mounts volumes and execs a container |
+| ``status`` | phase, conditions and container statuses (pure) |
+| ``env`` | environment, downward API and ``$(VAR)`` expansion (pure) |
+| ``images`` | the image table (this repository's images, busybox/python) |
+| ``volumes`` | emptyDir, configMap, secret, downwardAPI, projected, PVC, hostPath |
+| ``network`` | bridge, network namespaces, addresses, the API server relay |
+| ``probes`` | startup/readiness/liveness probes and lifecycle handlers |
+| ``events`` | Events, aggregated as the kubelet's recorder does |
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pod_log_path(state_dir: str | Path, namespace: str, name: str, uid: str, container: str,
+                 restart: int = 0) -> Path:
+    """The file holding stdout and stderr of ``container``'s run number ``restart`` (0 for the
+    first start, the restartCount after) of pod ``namespace/name`` with ``uid``."""
+    return Path(state_dir) / "pods" / f"{namespace}_{name}_{uid}" / container / f"{restart}.log"

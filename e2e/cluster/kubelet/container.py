@@ -1,0 +1,180 @@
+"""One container of a pod: its process (started by launcher.py), its user, its exec sessions.
+
+The process is the launcher's PID (the launcher execs the command), leader of its own process
+group, so a stop signals the container's whole group, as a runtime signals its PID namespace.
+A ``pid`` file (PID and start time) lets the next kubelet kill what this one left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .images import Image
+from .launcher import setpriv_args
+from .status import ContainerView
+
+LAUNCHER = Path(__file__).with_name("launcher.py")
+NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
+
+
+class StartRefused(Exception):
+    """The container cannot be created (CreateContainerConfigError), e.g. runAsNonRoot with root."""
+
+
+@dataclass(slots=True)
+class User:
+    uid: int
+    gid: int
+    groups: list[int]
+    no_new_privs: bool
+    drop_all_caps: bool
+
+    def setpriv(self) -> list[str]:
+        return setpriv_args({"uid": self.uid, "gid": self.gid, "groups": self.groups,
+                             "no_new_privs": self.no_new_privs, "drop_all_caps": self.drop_all_caps})
+
+
+def resolve_user(pod: dict, container: dict, image: Image) -> User:
+    """The process's identity from the pod's and the container's securityContext, else the
+    image's USER; raises StartRefused when runAsNonRoot cannot hold (the kubelet's messages)."""
+    psc = pod["spec"].get("securityContext") or {}
+    csc = container.get("securityContext") or {}
+    meta = pod["metadata"]
+    explicit = csc.get("runAsUser", psc.get("runAsUser"))
+    uid = image.uid if explicit is None else explicit
+    gid = csc.get("runAsGroup", psc.get("runAsGroup"))
+    if gid is None:
+        gid = image.gid if uid == image.uid else 0
+    if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) and uid == 0:
+        where = f'(pod: "{meta["name"]}_{meta["namespace"]}({meta["uid"]})", container: {container["name"]})'
+        if explicit is None:
+            raise StartRefused(f"container has runAsNonRoot and image will run as root {where}")
+        raise StartRefused(f"container's runAsUser breaks non-root policy {where}")
+    groups = list(psc.get("supplementalGroups") or [])
+    if psc.get("fsGroup") is not None:
+        groups.append(psc["fsGroup"])
+    drops = [c.upper() for c in (csc.get("capabilities") or {}).get("drop") or []]
+    return User(uid, gid, groups, csc.get("allowPrivilegeEscalation") is False, "ALL" in drops)
+
+
+@dataclass
+class Container:
+    """The kubelet's record of one container across its restarts."""
+    spec: dict
+    init: bool
+    dir: Path                                  # <pod dir>/<container name>
+    view: ContainerView = None                 # what the status reports
+    image: Image | None = None
+    user: User | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    started_mono: float = 0.0
+    next_start: float = 0.0                    # monotonic; back-off gate
+    backoff: float = 0.0                       # seconds before the next restart
+    pull_failures: int = 0
+    stopping: bool = False                     # a stop (liveness, deletion) is under way
+    kill_message: str = ""                     # why it was stopped, for the status
+    probe_stop: threading.Event = field(default_factory=threading.Event)
+    startup_done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.view is None:
+            self.view = ContainerView(self.spec["name"], self.spec.get("image", ""))
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+    def log_path(self) -> Path:
+        return self.dir / f"{self.view.restart_count}.log"
+
+    def start(self, launch: dict) -> None:
+        """Starts the process from a launcher spec (mounts, user, env, argv; see launcher.py)."""
+        spec_file = self.dir / "launch.json"
+        spec_file.write_text(json.dumps({**launch, "error_file": str(self.error_file())}))
+        with open(self.log_path(), "ab") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(LAUNCHER), str(spec_file)],
+                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        self.started_mono = time.monotonic()
+        (self.dir / "pid").write_text(f"{self.proc.pid} {process_start_time(self.proc.pid)}\n")
+        self.view.container_id = f"process://{uuid.uuid4().hex}"
+
+    def error_file(self) -> Path:
+        return self.dir / "start-error"
+
+    def termination_log(self) -> Path:
+        return self.dir / f"{self.view.restart_count}.termination-log"
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace: float, deadline_fn=None) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds (``deadline_fn()`` may shorten it)."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while proc.poll() is None:
+            if deadline_fn is not None:
+                deadline = min(deadline, deadline_fn())
+            if time.monotonic() >= deadline:
+                self.signal(signal.SIGKILL)
+                proc.wait()
+                break
+            time.sleep(0.1)
+
+    def exec(self, argv: list[str], timeout: float) -> tuple[int | None, str]:
+        """Runs ``argv`` in the container's namespaces as its user (exec probes and hooks):
+        (exit code or None on timeout, combined output)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return 1, "container is not running"
+        cmd = [NSENTER, "-t", str(self.proc.pid), "-m", "-n", "--", *self.user.setpriv(), *argv]
+        try:
+            done = subprocess.run(cmd, env=self.env, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return None, ""
+        return done.returncode, (done.stdout + done.stderr).decode(errors="replace")
+
+
+def process_start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), or ''."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def kill_leftovers(pods_dir: Path) -> int:
+    """Kills the process group of every container an earlier kubelet recorded (same PID and
+    start time only, so a reused PID is left alone); returns how many."""
+    killed = 0
+    for pid_file in pods_dir.glob("*/*/pid"):
+        try:
+            pid_s, started = (pid_file.read_text().split() + [""])[:2]
+            pid = int(pid_s)
+        except (OSError, ValueError):
+            continue
+        if started and process_start_time(pid) == started:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
