@@ -9,10 +9,14 @@ default) a kopf timer calls :meth:`Autoscaler.tick`:
    (:func:`scraper.scrape_pods`); a pod that does not answer is left out and counted;
 3. :func:`autoscaler.decide` with the state kept for this InferenceService (in memory; after an
    operator restart or a leader change, the copy mirrored in ``status.autoscaler``);
-4. :func:`scaling.apply_scale`: the Deployment's ``spec.replicas``, a ``Scaled`` Event with the
+4. another scaler? (:mod:`foreign`): while a foreign field manager writes the Deployment's
+   ``spec.replicas``, the autoscaler stands back: ``ScalingActive=False``, reason
+   ``ForeignScaler``, one Warning Event; it takes over again, with one Normal
+   ``ScalingResumed`` Event, once that writer has been quiet for ``foreign.QUIET_SECONDS``;
+5. :func:`scaling.apply_scale`: the Deployment's ``spec.replicas``, a ``Scaled`` Event with the
    reason when the count changes, and the status (desiredReplicas, queueDepth,
    kvCacheUtilization, lastScaleTime, ScalingActive, autoscaler, scalingHistory,
-   scrapeFailures).
+   scrapeFailures), written only when worth it (:func:`scaling.status_write_due`).
 
 With autoscaling off the timer does not run (its ``when`` filter), so replicas follow
 ``spec.replicas`` and the scale subresource. The policy's clock is wall-clock epoch seconds, so
@@ -32,9 +36,12 @@ import kopf
 from slipstream.operator import status as st
 from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, \
     decide
+from slipstream.operator.events import post_event
+from slipstream.operator.foreign import QUIET_SECONDS, ReplicasWriter, foreign_writer, \
+    still_writing
 from slipstream.operator.kube import DEPLOYMENTS, PODS, ApiError, Kube
 from slipstream.operator.resources import GROUP, PLURAL, VERSION, pod_selector, selector_labels
-from slipstream.operator.scaling import apply_scale
+from slipstream.operator.scaling import MEMORY_SECONDS, apply_scale, status_write_due
 from slipstream.operator.scraper import DEFAULT_TIMEOUT, ScrapeResult, pod_targets, scrape_pods
 from slipstream.operator.spec import SpecError, parse_spec
 
@@ -53,6 +60,7 @@ class TickResult:
     starting: int
     failures: tuple[str, ...]
     replicas: int | None
+    foreign: ReplicasWriter | None = None
 
 
 def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
@@ -62,7 +70,8 @@ def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
 
 
 def condition(scrape: ScrapeResult, ready: int, starting: int, decision: Decision) -> tuple[bool, str, str]:
-    """(active, reason, message) of ``ScalingActive`` after a tick (pure)."""
+    """(active, reason, message) of ``ScalingActive`` after a tick (pure), another scaler aside
+    (:func:`foreign_condition`)."""
     failed = "; ".join(f"{f.pod}: {f.error}" for f in scrape.failures)
     if scrape.samples:
         note = f"; {len(scrape.failures)} of {ready} ready pods did not answer ({failed})" if failed else ""
@@ -72,17 +81,39 @@ def condition(scrape: ScrapeResult, ready: int, starting: int, decision: Decisio
     return False, "NoReadyPods", f"no ready pod to read ({starting} starting); {decision.reason}"
 
 
+def foreign_condition(name: str, writer: ReplicasWriter, live: int, wanted: int,
+                      ) -> tuple[bool, str, str]:
+    """(active, reason, message) of ``ScalingActive`` while ``writer`` scales Deployment
+    ``name`` (pure); the message holds no per-tick numbers but the counts."""
+    return False, st.FOREIGN_SCALER, (
+        f"{writer.describe()} writes spec.replicas of Deployment {name} (now {live}; the "
+        f"autoscaler would set {wanted}), so the autoscaler stopped writing replicas; it takes "
+        f"over again once that writer has been quiet for {QUIET_SECONDS:.0f}s. Remove the other "
+        f"scaler (e.g. its HorizontalPodAutoscaler), or set spec.autoscaling.enabled to false "
+        f"to leave the replicas to it")
+
+
+Key = tuple[str, str]
+
+
 @dataclass
 class Autoscaler:
     """The operator's autoscaling memory and its scrape session; one per operator process.
 
-    scrape_timeout: seconds each pod has to answer. clock: the policy's clock (epoch seconds).
+    scrape_timeout: seconds each pod has to answer. clock: the policy's clock (epoch seconds,
+    also compared with the API server's ``managedFields`` times). memory_seconds: how often the
+    policy's memory is persisted in the status when nothing else changed.
     """
 
     scrape_timeout: float = DEFAULT_TIMEOUT
     clock: Callable[[], float] = time.time
-    states: dict[tuple[str, str], AutoscalerState] = field(default_factory=dict)
-    histories: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    memory_seconds: float = MEMORY_SECONDS
+    states: dict[Key, AutoscalerState] = field(default_factory=dict)
+    histories: dict[Key, list[dict[str, Any]]] = field(default_factory=dict)
+    written: dict[Key, int] = field(default_factory=dict)  # replicas this operator last set
+    foreign: dict[Key, ReplicasWriter] = field(default_factory=dict)  # the scaler we stand back for
+    seen: dict[Key, tuple[int, float]] = field(default_factory=dict)  # (count, since when)
+    status_written: dict[Key, float] = field(default_factory=dict)  # clock of the last write
     _session: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
@@ -97,8 +128,47 @@ class Autoscaler:
             self._session = None
 
     def forget(self, namespace: str, name: str) -> None:
-        self.states.pop((namespace, name), None)
-        self.histories.pop((namespace, name), None)
+        for memory in (self.states, self.histories, self.written, self.foreign, self.seen,
+                       self.status_written):
+            memory.pop((namespace, name), None)
+
+    def _write_due(self, key: Key) -> Callable[[Mapping[str, Any], Mapping[str, Any]], bool]:
+        def due(live: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+            now, last = self.clock(), self.status_written.get(key)
+            if not status_write_due(live, new, None if last is None else now - last,
+                                    memory_seconds=self.memory_seconds):
+                return False
+            self.status_written[key] = now
+            return True
+        return due
+
+    def _other_scaler(self, key: Key, deployment: Mapping[str, Any], status: Mapping[str, Any],
+                      scaling: Any, now: float) -> tuple[ReplicasWriter | None, str | None]:
+        """(the foreign scaler to stand back for or None, the Event to post: "entered",
+        "resumed" or None). Updates this object's memory of it."""
+        current = int((deployment.get("spec") or {}).get("replicas", 1))
+        seen = self.seen.get(key)
+        if seen is None or seen[0] != current:
+            self.seen[key] = seen = (current, now)
+        previous = st.find_condition(status.get("conditions"), st.SCALING_ACTIVE) or {}
+        # Standing back already: in this process, or (fresh after a restart: no memory of the
+        # service yet; the status may lag this process's own writes) as the condition says.
+        was_held = key in self.foreign or (
+            key not in self.written and previous.get("reason") == st.FOREIGN_SCALER)
+        writer = self.foreign.get(key)
+        if writer is None:
+            expected = self.written.get(key, status.get("desiredReplicas"))
+            if expected is not None:  # the reconcile loop may have pulled it into new bounds
+                expected = st.clamp(int(expected), scaling.min_replicas, scaling.max_replicas)
+            writer = foreign_writer(deployment, expected, owner_only=was_held)
+        if writer is not None and still_writing(deployment, writer, now, seen[1]):
+            self.foreign[key] = writer
+            return writer, None if was_held else "entered"
+        self.foreign.pop(key, None)
+        if was_held:
+            self.written[key] = current  # the other scaler's count is where we start again
+            return None, "resumed"
+        return None, None
 
     async def tick(self, kube: Kube, namespace: str, name: str, body: Mapping[str, Any]) -> TickResult | None:
         """One autoscaling tick for ``namespace/name`` (``body``: its latest known object).
@@ -129,19 +199,35 @@ class Autoscaler:
 
         status = body.get("status") or {}
         state = self.states.get(key) or AutoscalerState.from_dict(status.get("autoscaler"))
-        decision = decide(policy, state, scrape.samples, self.clock(), current, len(targets), starting)
+        now = self.clock()
+        decision = decide(policy, state, scrape.samples, now, current, len(targets), starting)
         self.states[key] = decision.state
+        writer, change = self._other_scaler(key, deployment, status, policy, now)
+        if change == "entered":
+            await post_event(kube, body, "Warning", st.FOREIGN_SCALER, foreign_condition(
+                name, writer, current, decision.desired_replicas)[2])
+        elif change == "resumed":
+            await post_event(kube, body, "Normal", "ScalingResumed",
+                             f"no other writer of spec.replicas for {QUIET_SECONDS:.0f}s: the "
+                             f"autoscaler writes replicas again, from {current}")
         history = self.histories.get(key, status.get("scalingHistory") or [])
-        if decision.scaled:
+        if decision.scaled and writer is None:
             history = append_scaling_history(history, decision, st.timestamp(_utcnow()))
         self.histories[key] = history
-        active, reason, message = condition(scrape, len(targets), starting, decision)
+        if writer is not None:
+            active, reason, message = foreign_condition(name, writer, current,
+                                                        decision.desired_replicas)
+        else:
+            active, reason, message = condition(scrape, len(targets), starting, decision)
         written = await apply_scale(
             kube, namespace, name, replicas=decision.desired_replicas, queue_depth=decision.queue_depth,
             kv_cache_utilization=decision.kv_cache_utilization, active=active, reason=reason,
             message=message, extra_status={"autoscaler": decision.state.to_dict(), "scalingHistory": history,
-                                           "scrapeFailures": len(scrape.failures)})
-        return TickResult(decision, len(targets), starting, tuple(scrape.failed_pods), written)
+                                           "scrapeFailures": len(scrape.failures)},
+            hold=writer is not None, write_due=self._write_due(key))
+        if writer is None and written is not None:
+            self.written[key] = written
+        return TickResult(decision, len(targets), starting, tuple(scrape.failed_pods), written, writer)
 
 
 def _utcnow() -> datetime.datetime:

@@ -82,16 +82,20 @@ def _merged(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, An
 
 
 def plan_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
-                    spec: InferenceServiceSpec) -> tuple[dict[str, Any] | None, str]:
+                    spec: InferenceServiceSpec, hold_replicas: bool = False,
+                    ) -> tuple[dict[str, Any] | None, str]:
     """The Deployment to PUT (``live``'s resourceVersion kept, so a concurrent change makes it
     409) and why, or (None, "") when ``live`` is in sync.
 
     With autoscaling on, ``spec.replicas`` stays the live value (the autoscaler's), only pulled
-    into [minReplicas, maxReplicas]; with it off, it is ``spec.replicas`` of the service.
+    into [minReplicas, maxReplicas], and not even that with ``hold_replicas`` (another scaler
+    writes them: the autoscaler stood back); with it off, it is ``spec.replicas`` of the service.
     """
     want = copy.deepcopy(dict(desired))
     live_replicas = live.get("spec", {}).get("replicas", 1)
-    if spec.autoscaling.enabled:
+    if spec.autoscaling.enabled and hold_replicas:
+        want["spec"]["replicas"] = live_replicas
+    elif spec.autoscaling.enabled:
         want["spec"]["replicas"] = clamp(live_replicas, spec.autoscaling.min_replicas,
                                          spec.autoscaling.max_replicas)
     if contains(live, want):  # the spec-hash annotation included: removals count too

@@ -63,6 +63,7 @@ class Resource:
 
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 DISRUPTION_BUDGETS = Resource("policy", "v1", "poddisruptionbudgets")
+EVENTS = Resource("", "v1", "events")
 PODS = Resource("", "v1", "pods")
 SERVICES = Resource("", "v1", "services")
 INFERENCESERVICES = Resource("slipstream.dev", "v1alpha1", "inferenceservices")

@@ -19,6 +19,7 @@ import kopf
 
 from slipstream.operator import status as st
 from slipstream.operator.drift import foreign_owner, plan_deployment, plan_service
+from slipstream.operator.events import post_event
 from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, SERVICES, \
     ApiError, Kube, Resource
 from slipstream.operator.resources import render_deployment, render_disruption_budget, \
@@ -45,14 +46,6 @@ def _now() -> datetime.datetime:
 def retry_delay(retry: int) -> float:
     """Seconds before retry number ``retry`` (0, 1, 2 …): 1, 2, 4 … capped at 60."""
     return float(min(60, 2 ** retry))
-
-
-def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on ``body`` (through kopf's poster; a no-op outside the operator)."""
-    try:
-        kopf.event(dict(body), type=type_, reason=reason, message=message)
-    except LookupError:  # no running operator (render, unit tests): nothing to post to
-        logger.info("%s %s: %s", type_, reason, message)
 
 
 async def write_status(kube: Kube, body: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -96,7 +89,7 @@ async def _fail(kube: Kube, body: Mapping[str, Any], reason: str, message: str) 
     previous = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
     await update_status(kube, body, lambda b: st.failed_status(b, reason, message, _now()))
     if not previous or (previous.get("reason"), previous.get("message")) != (reason, message):
-        post_event(body, "Warning", reason, message)  # once per distinct failure, not per resync
+        await post_event(kube, body, "Warning", reason, message)  # once per failure, not per resync
     return Outcome(ready="False", error=reason)
 
 
@@ -161,9 +154,12 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
             service = render_service(body)
             budget = render_disruption_budget(body, spec)
             kopf.adopt([deployment, service] + ([budget] if budget else []), owner=body)
+            scaling = st.find_condition((body.get("status") or {}).get("conditions"),
+                                        st.SCALING_ACTIVE) or {}
+            hold = scaling.get("reason") == st.FOREIGN_SCALER  # the autoscaler stood back
             live_dep, dep_action = await _apply(
                 kube, DEPLOYMENTS, body, deployment,
-                lambda d, live: plan_deployment(d, live, spec))
+                lambda d, live: plan_deployment(d, live, spec, hold_replicas=hold))
             _, svc_action = await _apply(kube, SERVICES, body, service, plan_service)
             if budget is not None:
                 _, pdb_action = await _apply(kube, DISRUPTION_BUDGETS, body, budget, plan_service)
@@ -174,16 +170,16 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
 
         actions = tuple(a for a in (dep_action, svc_action, pdb_action) if a)
         for action in actions:
-            post_event(body, "Normal", action.split()[0].capitalize(),
-                       action[0].upper() + action[1:])
+            await post_event(kube, body, "Normal", action.split()[0].capitalize(),
+                             action[0].upper() + action[1:])
         before = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
         url = service_url(name, namespace, cluster_domain)
         await update_status(kube, body, lambda b: st.compute_status(
             b, spec, live_dep, now=_now(), url=url))
         ready, _, message = st.ready_condition(live_dep)
         if before and before.get("status") != ready:
-            post_event(body, "Normal" if ready == "True" else "Warning",
-                       "Ready" if ready == "True" else "NotReady", message)
+            await post_event(kube, body, "Normal" if ready == "True" else "Warning",
+                             "Ready" if ready == "True" else "NotReady", message)
         return Outcome(ready=ready, actions=actions)
     except ApiError as exc:
         _raise_for(exc, f"reconciling {namespace}/{name}", retry)

@@ -14,6 +14,8 @@ from slipstream.operator.resources import pod_selector
 from slipstream.operator.spec import InferenceServiceSpec
 
 READY, PROGRESSING, SCALING_ACTIVE = "Ready", "Progressing", "ScalingActive"
+# ScalingActive's reason while another scaler writes the Deployment's replicas (foreign.py).
+FOREIGN_SCALER = "ForeignScaler"
 CONDITION_ORDER = (READY, PROGRESSING, SCALING_ACTIVE)
 # Status fields the reconcile loop owns; the autoscaler owns queueDepth, kvCacheUtilization,
 # kvCachePercent, lastScaleTime, and shares desiredReplicas and the ScalingActive condition.

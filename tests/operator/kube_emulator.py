@@ -16,6 +16,9 @@ subclass takes over the writes (POST, PUT, PATCH, DELETE) and does what the API 
 - applies the CRD's structural defaults and validates custom objects against its schema
   (jsonschema), and Deployments/Services against Kubernetes' own (kubernetes-validate);
 - defaults a Deployment's ``spec.replicas`` to 1;
+- records ``metadata.managedFields`` as Update operations do: whoever changes a field (by
+  ``?fieldManager=``, else the User-Agent's product) takes it over from its previous manager
+  (simplified: lists are single fields, not keyed by their items' names);
 - deletes an object with finalizers only by setting ``deletionTimestamp``, and removes it once
   the last finalizer is gone;
 - lists with the latest ``resourceVersion`` and watches from one (kmock replays every object
@@ -63,6 +66,71 @@ def schema_defaults(schema: dict[str, Any], value: Any) -> Any:
     elif isinstance(value, list) and "items" in schema:
         value = [schema_defaults(schema["items"], item) for item in value]
     return value
+
+
+_UNMANAGED_META = {"managedFields", "resourceVersion", "generation", "uid", "creationTimestamp",
+                   "name", "namespace", "selfLink", "deletionTimestamp"}
+
+
+def _leaves(obj: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """path → value of every leaf (a scalar, a list, an empty dict) of ``obj``."""
+    if not isinstance(obj, dict) or not obj:
+        return {path: obj}
+    out: dict[tuple[str, ...], Any] = {}
+    for key, value in obj.items():
+        if path == ("metadata",) and key in _UNMANAGED_META:
+            continue
+        out.update(_leaves(value, path + (key,)))
+    return out
+
+
+def _fields_v1(paths: set[tuple[str, ...]]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path in sorted(paths):
+        node = tree
+        for key in path:
+            node = node.setdefault(f"f:{key}", {})
+    return tree
+
+
+def _paths(fields: dict[str, Any], path: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    if not fields:
+        return {path} if path else set()
+    return set().union(*(_paths(sub, path + (key[2:],)) for key, sub in fields.items()))
+
+
+def managed_fields(old: dict[str, Any] | None, new: dict[str, Any], manager: str,
+                   subresource: str | None, api_version: str) -> list[dict[str, Any]]:
+    """``new``'s managedFields after ``manager`` wrote it over ``old`` (None: a create):
+    the fields it changed become its own, and no one else's."""
+    before = _leaves({k: v for k, v in (old or {}).items() if k != "status"} if
+                     subresource != "status" else {"status": (old or {}).get("status")})
+    after = _leaves({k: v for k, v in new.items() if k != "status"} if
+                    subresource != "status" else {"status": new.get("status")})
+    changed = {p for p in after if before.get(p, object()) != after[p]}
+    removed = set(before) - set(after)
+    entries = []
+    for entry in ((old or {}).get("metadata") or {}).get("managedFields") or ():
+        owned = _paths(entry.get("fieldsV1") or {}) - changed - removed
+        if (entry["manager"], entry.get("subresource")) == (manager, subresource):
+            continue
+        if owned:
+            entries.append({**entry, "fieldsV1": _fields_v1(owned)})
+    mine = next((e for e in ((old or {}).get("metadata") or {}).get("managedFields") or ()
+                 if (e["manager"], e.get("subresource")) == (manager, subresource)), None)
+    owned = (_paths(mine["fieldsV1"]) - removed if mine else set()) | changed
+    if owned:
+        entry = {"manager": manager, "operation": "Update", "apiVersion": api_version,
+                 "time": _now(), "fieldsType": "FieldsV1", "fieldsV1": _fields_v1(owned)}
+        if subresource:
+            entry["subresource"] = subresource
+        entries.append(entry)
+    return entries
+
+
+def _manager(request: kmock.Request) -> str:
+    agent = request.headers.get("User-Agent") or "unknown"
+    return request.params.get("fieldManager") or agent.split("/")[0]
 
 
 def _now() -> str:
@@ -241,8 +309,11 @@ class ApiServer(kmock.KubernetesEmulator):
         new["metadata"]["generation"] = old_meta.get("generation", 1) + (
             _essence(new) != _essence(old))
         new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
+        new["metadata"]["managedFields"] = old_meta.get("managedFields", [])
         if new == old:
             return 200, old, None
+        new["metadata"]["managedFields"] = managed_fields(
+            old, new, _manager(request), request.subresource, old.get("apiVersion", ""))
         new["metadata"]["resourceVersion"] = str(next(self._versions))
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             self.objects[key].delete()
@@ -290,6 +361,8 @@ class ApiServer(kmock.KubernetesEmulator):
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
                     resourceVersion=str(next(self._versions)))
         obj = self._defaulted(res, obj)
+        obj["metadata"]["managedFields"] = managed_fields(
+            None, obj, _manager(request), None, obj.get("apiVersion", ""))
         if key in self.objects:
             self.objects[key].create(obj)
         else:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from typing import Any, AsyncIterator
 
+import aiohttp
 import kopf
 import pytest
 from aiohttp import web
@@ -15,10 +17,13 @@ from aiohttp import web
 from kube_emulator import ApiServer
 from operator_helpers import NAMESPACE, eventually, running_operator
 from slipstream.operator.autoscaling_loop import Autoscaler, autoscaling_enabled
+from slipstream.operator.foreign import QUIET_SECONDS, foreign_writer, replicas_writers, \
+    still_writing
 from slipstream.operator.handlers import OperatorConfig, register
-from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube
+from slipstream.operator.kube import DEPLOYMENTS, FIELD_MANAGER, INFERENCESERVICES, PODS, Kube
 from slipstream.operator.reconcile import reconcile
 from slipstream.operator.resources import labels
+from slipstream.operator.scaling import status_write_due
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -210,7 +215,9 @@ async def test_scale_down_waits_for_the_delay_and_survives_an_operator_restart(s
         await publish(kube, fake)
     await kube.merge_patch(DEPLOYMENTS, NAMESPACE, "chat", {"spec": {"replicas": 3}})
     clock = Clock()
-    first = make_autoscaler(clock=clock)
+    # memory_seconds=0: the policy's memory is persisted every tick (by default every 30 s,
+    # so a restart forgets at most that much).
+    first = make_autoscaler(clock=clock, memory_seconds=0)
     for _ in range(2):  # idle pods, ticks at t and t+2: lower recommendations begin
         result = await tick(first, kube)
         assert result.decision.desired_replicas == 3 and "waits for 4s" in result.decision.reason
@@ -278,3 +285,154 @@ async def _replicas_are(kube: Kube, n: int) -> bool:
     with contextlib.suppress(TypeError):
         return await replicas(kube) == n
     return False
+
+
+# --- status writes -----------------------------------------------------------------------------
+
+async def test_an_idle_service_writes_its_status_a_few_times_not_every_tick(api, service,
+                                                                            make_autoscaler):
+    """One idle service, 60 ticks (2 simulated minutes): the first tick's verdict, then the
+    policy's memory every 30 s. (It was a write per tick: 63 in 141 s on a real cluster.)"""
+    kube, fakes = service
+    await publish(kube, fakes[0])
+    clock = Clock()
+    autoscaler = make_autoscaler(clock=clock)
+    versions = []
+    for _ in range(60):
+        await tick(autoscaler, kube)
+        versions.append((await kube.get(INFERENCESERVICES, NAMESPACE, "chat"))["metadata"][
+            "resourceVersion"])
+        clock.now += 2
+    writes = len(set(versions))  # each status write is a new resourceVersion
+    assert 1 + 3 <= writes <= 1 + 120 // 30
+    memory = (await status_of(kube))["autoscaler"]
+    assert memory["observations"][-1][0] >= clock.now - 2 - 30  # persisted within 30 s
+
+
+async def test_load_changes_are_written_at_once_when_they_change_the_count(service,
+                                                                           make_autoscaler):
+    kube, fakes = service
+    await publish(kube, fakes[0])
+    clock = Clock()
+    autoscaler = make_autoscaler(clock=clock)
+    await tick(autoscaler, kube)
+    clock.now += 2
+    fakes[0].waiting = 9
+    await tick(autoscaler, kube)  # 2 s after the last write: the new count goes out at once
+    status = await status_of(kube)
+    assert (status["desiredReplicas"], status["queueDepth"]) == (4, 9)
+
+
+def test_status_write_due_tells_what_matters_now_from_what_can_wait():
+    def fields(**over: Any) -> dict[str, Any]:
+        cond = {"type": "ScalingActive", "status": "True", "reason": "MetricsAvailable",
+                "message": over.pop("message", "holding 1")}
+        return {"desiredReplicas": 1, "queueDepth": 0.0, "autoscaler": {"t": 1},
+                "conditions": [cond], **over}
+
+    live = fields()
+    assert not status_write_due(live, fields(), 0.0)
+    assert status_write_due(live, fields(desiredReplicas=2), 0.0)
+    assert status_write_due(live, fields(conditions=[{"type": "ScalingActive",
+                                                      "status": "False", "reason": "X"}]), 0.0)
+    assert not status_write_due(live, fields(queueDepth=3.0), 9.0)
+    assert status_write_due(live, fields(queueDepth=3.0), 10.0)
+    assert not status_write_due(live, fields(message="holding 1: other numbers"), 9.0)
+    assert not status_write_due(live, fields(autoscaler={"t": 2}), 29.0)
+    assert status_write_due(live, fields(autoscaler={"t": 2}), 30.0)
+    assert status_write_due(live, fields(autoscaler={"t": 2}), None)  # nothing written yet
+
+
+# --- another scaler on the same Deployment ------------------------------------------------------
+
+async def scale_as(api: ApiServer, manager: str, replicas: int) -> None:
+    """What an HPA (or KEDA, or `kubectl scale deployment`) does: set the Deployment's
+    replicas under its own field manager."""
+    async with aiohttp.ClientSession() as session:
+        async with session.patch(
+                f"{api.url}{DEPLOYMENTS.path(NAMESPACE, 'chat')}",
+                params={"fieldManager": manager}, json={"spec": {"replicas": replicas}},
+                headers={"Content-Type": "application/merge-patch+json"}) as response:
+            assert response.status == 200, await response.text()
+
+
+def replicas_owner(deployment: dict[str, Any]) -> list[str]:
+    return [w.manager for w in replicas_writers(deployment)]
+
+
+async def test_a_foreign_scaler_is_named_once_left_alone_and_taken_over_when_quiet(
+        api, service, make_autoscaler):
+    kube, fakes = service
+    await publish(kube, fakes[0])
+    fakes[0].waiting = 20  # the policy wants maxReplicas (4) throughout
+    clock = Clock(time.time())  # compared with managedFields times
+    autoscaler = make_autoscaler(clock=clock)
+    assert (await tick(autoscaler, kube)).replicas == 4
+    assert replicas_owner(await kube.get(DEPLOYMENTS, NAMESPACE, "chat")) == [FIELD_MANAGER]
+
+    for count in (3, 2):  # an HPA writes, and writes again 15 s later
+        await scale_as(api, "kube-controller-manager", count)
+        for _ in range(4):
+            clock.now += 2
+            result = await tick(autoscaler, kube)
+            assert result.foreign.manager == "kube-controller-manager"
+            assert await replicas(kube) == count  # not written back
+        clock.now += 7
+    status = await status_of(kube)
+    cond = scaling_condition(status)
+    assert (cond["status"], cond["reason"]) == ("False", "ForeignScaler")
+    assert "kube-controller-manager writes spec.replicas of Deployment chat" in cond["message"]
+    [warning] = events(api, "ForeignScaler")
+    assert warning["type"] == "Warning" and "kube-controller-manager" in warning["message"]
+    assert [e["message"][:14] for e in events(api, "Scaled")] == ["replicas 1 → 4"]
+
+    # The reconcile loop does not pull the other scaler's count into [min, max] either.
+    await scale_as(api, "kube-controller-manager", 6)
+    await reconcile(kube, NAMESPACE, "chat")
+    assert await replicas(kube) == 6
+
+    clock.now += QUIET_SECONDS + 1  # the other scaler is gone (or holds still): take over
+    result = await tick(autoscaler, kube)
+    assert result.foreign is None and result.replicas == 4
+    deployment = await kube.get(DEPLOYMENTS, NAMESPACE, "chat")
+    assert replicas_owner(deployment) == [FIELD_MANAGER]
+    assert scaling_condition(await status_of(kube))["reason"] == "MetricsAvailable"
+    [resumed] = events(api, "ScalingResumed")
+    assert resumed["type"] == "Normal"
+    assert len(events(api, "ForeignScaler")) == 1
+
+
+async def test_a_restarted_operator_keeps_standing_back(api, service, make_autoscaler):
+    kube, fakes = service
+    await publish(kube, fakes[0])
+    clock = Clock(time.time())
+    await tick(make_autoscaler(clock=clock), kube)
+    await scale_as(api, "keda-operator", 3)
+    clock.now += 2
+    await tick(make_autoscaler(clock=clock), kube)  # a new process, from the status alone
+    clock.now += 2
+    result = await tick(make_autoscaler(clock=clock), kube)  # and another
+    assert result.foreign.manager == "keda-operator" and await replicas(kube) == 3
+    assert len(events(api, "ForeignScaler")) == 1
+
+
+def test_foreign_writer_needs_another_manager_and_a_count_the_operator_did_not_set():
+    def deployment(replicas: int, *owners: tuple[str, str | None]) -> dict[str, Any]:
+        return {"spec": {"replicas": replicas}, "metadata": {"managedFields": [
+            {"manager": m, "operation": "Update", "time": "2026-12-01T00:00:00Z",
+             "fieldsV1": {"f:spec": {"f:replicas": {}}}, **({"subresource": sub} if sub else {})}
+            for m, sub in owners]}}
+
+    assert foreign_writer(deployment(3, (FIELD_MANAGER, None)), 3) is None
+    assert foreign_writer(deployment(3, (FIELD_MANAGER, None)), 2) is None  # ours: the reconcile
+    hpa = foreign_writer(deployment(5, ("kube-controller-manager", "scale")), 3)
+    assert hpa.describe() == "kube-controller-manager through the scale subresource"
+    assert foreign_writer(deployment(3, ("Python", None)), 3) is None  # same count: no fight
+    assert foreign_writer(deployment(5, ("kubectl", None)), None) is None  # nothing known yet
+    assert foreign_writer({"spec": {"replicas": 5}, "metadata": {}}, 3).manager == \
+        "an unknown writer"
+    stamp = hpa.time
+    assert still_writing(deployment(5, ("kube-controller-manager", "scale")), hpa, stamp + 60)
+    assert not still_writing(deployment(5, ("kube-controller-manager", "scale")), hpa,
+                             stamp + QUIET_SECONDS)
+    assert not still_writing(deployment(5, (FIELD_MANAGER, None)), hpa, stamp + 1)
