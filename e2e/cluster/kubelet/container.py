@@ -18,9 +18,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .env import ConfigError, expand
 from .images import Image
 from .launcher import setpriv_args
 from .status import ContainerView
+from .volumes import TOKEN_DIR, TOKEN_FALLBACK, HostVolume
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
@@ -110,11 +112,49 @@ class Container:
         (self.dir / "pid").write_text(f"{self.proc.pid} {process_start_time(self.proc.pid)}\n")
         self.view.container_id = f"process://{uuid.uuid4().hex}"
 
+    def launch_spec(self, argv: list[str], restart: int, volumes: dict[str, HostVolume], home: Path,
+                    netns: str | None, image_paths: list[Path], exposed: list[dict]) -> dict:
+        """The launcher's input for run ``restart``: namespaces, mounts (volumes, the image's
+        HOME, the termination log), user, working directory, env and argv. Raises ConfigError
+        when a mountPath would hide what the image runs from."""
+        mounts = []
+        for vm in self.spec.get("volumeMounts") or []:
+            vol = volumes[vm["name"]]
+            source = vol.path
+            sub = vm.get("subPath") or expand(vm.get("subPathExpr") or "", self.env)
+            if sub:
+                source = vol.path / sub
+                if not source.exists():
+                    source.mkdir(parents=True, mode=0o777)
+            mounts.append({"source": str(source), "target": vm["mountPath"],
+                           "read_only": bool(vm.get("readOnly")) or vol.read_only})
+        targets = {m["target"].rstrip("/") for m in mounts}
+        for target in targets:
+            for needed in image_paths:
+                if needed == Path(target) or Path(target) in needed.parents:
+                    raise ConfigError(f"mountPath {target} would hide {needed}, which the process kubelet's "
+                                      "images run from (containers share the host's filesystem): choose another path")
+        if self.image.home and self.image.home not in targets:
+            home.mkdir(exist_ok=True)
+            os.chown(home, self.user.uid, self.user.gid)
+            mounts.append({"source": str(home), "target": self.image.home})
+        if TOKEN_FALLBACK in volumes:
+            mounts.append({"source": str(volumes[TOKEN_FALLBACK].path), "target": TOKEN_DIR, "read_only": True})
+        term_log = self.termination_log(restart)
+        term_log.touch()
+        term_log.chmod(0o666)
+        mounts.append({"source": str(term_log), "target": self.spec.get("terminationMessagePath") or "/dev/termination-log"})
+        return {"netns": netns, "expose": exposed if self.user.uid != 0 else [], "mounts": mounts,
+                "uid": self.user.uid, "gid": self.user.gid, "groups": self.user.groups,
+                "no_new_privs": self.user.no_new_privs, "drop_all_caps": self.user.drop_all_caps,
+                "workdir": self.spec.get("workingDir") or self.image.workdir, "env": self.env, "argv": argv}
+
     def error_file(self) -> Path:
         return self.dir / "start-error"
 
-    def termination_log(self) -> Path:
-        return self.dir / f"{self.view.restart_count}.termination-log"
+    def termination_log(self, restart: int | None = None) -> Path:
+        """The host file bound at terminationMessagePath for run ``restart`` (default: current)."""
+        return self.dir / f"{self.view.restart_count if restart is None else restart}.termination-log"
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:

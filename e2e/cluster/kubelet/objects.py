@@ -52,6 +52,9 @@ class Objects:
         files = self.secret_files(namespace, name)
         return None if files is None else {k: v.decode(errors="replace") for k, v in files.items()}
 
+    def service_account(self, namespace: str, name: str) -> dict | None:
+        return raw(self.core.read_namespaced_service_account, name, namespace)
+
     def claim(self, namespace: str, name: str) -> dict | None:
         return raw(self.core.read_namespaced_persistent_volume_claim, name, namespace)
 

@@ -18,6 +18,7 @@ from .env import ConfigError, field_value, resource_value
 from .objects import Objects
 
 TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+TOKEN_FALLBACK = ".kube-api-access"  # the token volume this kubelet adds when admission did not
 
 
 class MountError(Exception):
@@ -179,6 +180,30 @@ def _host_path(src: dict) -> Path:
     elif kind in ("Directory", "File", "Socket") and not path.exists():
         raise MountError(f"hostPath type check failed: {path} does not exist")
     return path
+
+
+def token_fallback(pod: dict, pod_dir: Path, objects: Objects, ca_pem: bytes) -> dict[str, HostVolume]:
+    """The ServiceAccount token directory (token, ca.crt, namespace) for a pod that wants one
+    but has no volume mounted there (the ServiceAccount admission plugin adds one): {} or
+    {TOKEN_FALLBACK: volume}, which every container then mounts at TOKEN_DIR."""
+    spec = pod["spec"]
+    mounted = any(m["mountPath"].rstrip("/") == TOKEN_DIR
+                  for c in spec["containers"] + (spec.get("initContainers") or [])
+                  for m in c.get("volumeMounts") or [])
+    automount = spec.get("automountServiceAccountToken")
+    if automount is None:
+        sa = objects.service_account(pod["metadata"]["namespace"], spec.get("serviceAccountName") or "default")
+        automount = (sa or {}).get("automountServiceAccountToken", True)
+    if mounted or not automount:
+        return {}
+    target = pod_dir / ".volumes" / TOKEN_FALLBACK
+    try:
+        token = objects.token(pod, None, 3600)
+    except LookupError as err:
+        raise MountError(f'MountVolume.SetUp failed for volume "{TOKEN_FALLBACK}" : {err}') from err
+    _write_files(target, {"token": (token.encode(), None), "ca.crt": (ca_pem, None),
+                          "namespace": (pod["metadata"]["namespace"].encode(), None)}, 0o644)
+    return {TOKEN_FALLBACK: HostVolume(target, read_only=True)}
 
 
 def unmount_memory(pod_dir: Path) -> None:

@@ -8,7 +8,6 @@ status (when it changed), its Events, and finally its deletion.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import threading
@@ -21,7 +20,7 @@ from kubernetes.client.rest import ApiException
 
 from . import volumes
 from .container import Container, StartRefused, resolve_user
-from .env import ConfigError, command_line, container_env, expand
+from .env import ConfigError, command_line, container_env
 from .images import ImagePullError, resolve
 from .probes import ProbeWorker, run_handler
 from .status import pod_status, rfc3339
@@ -137,27 +136,13 @@ class PodWorker(threading.Thread):
             return False
         try:
             self.volumes = volumes.prepare(self._pod_with_ips(), self.dir, self.k.state_dir, self.k.objects)
-            self._add_token_volume()
+            self.volumes.update(volumes.token_fallback(self.pod, self.dir, self.k.objects, self.k.ca_pem))
         except volumes.MountError as err:
             self._emit("Warning", "FailedMount", str(err))
             return False
         self.sandbox_ready = True
         log.info("pod %s: sandbox ready, IP %s, logs under %s", self.key, self.pod_ip, self.dir)
         return True
-
-    def _add_token_volume(self) -> None:
-        """The ServiceAccount token directory, when no admission plugin added a volume for it."""
-        spec = self.pod["spec"]
-        mounted = any(m["mountPath"].rstrip("/") == volumes.TOKEN_DIR
-                      for c in spec["containers"] + (spec.get("initContainers") or [])
-                      for m in c.get("volumeMounts") or [])
-        if mounted or spec.get("automountServiceAccountToken") is False:
-            return
-        target = self.dir / ".volumes" / ".kube-api-access"
-        token = self.k.objects.token(self.pod, None, 3600)
-        volumes._write_files(target, {"token": (token.encode(), None), "ca.crt": (self.k.ca_pem, None),
-                                      "namespace": (self.pod["metadata"]["namespace"].encode(), None)}, 0o644)
-        self.volumes[".kube-api-access"] = volumes.HostVolume(target, read_only=True)
 
     # ---- containers -------------------------------------------------------------------------
     def _sync_containers(self) -> None:
@@ -273,15 +258,17 @@ class PodWorker(threading.Thread):
             c.view.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(err)}}
             self._emit("Warning", "Failed", f"Error: {err}", c)
             return
+        restart = c.view.restart_count + 1 if c.view.container_id else 0
         try:
-            launch = self._launch_spec(c, argv)
+            netns = None if self.pod["spec"].get("hostNetwork") else f"/var/run/netns/{self.k.network.netns(self.uid)}"
+            launch = c.launch_spec(argv, restart, self.volumes, self.dir / ".home", netns,
+                                   self.k.image_paths, self.k.exposed)
         except ConfigError as err:
             c.next_start = time.monotonic() + self.k.backoff_base
             c.view.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(err)}}
             self._emit("Warning", "Failed", f"Error: {err}", c)
             return
-        if c.view.container_id:
-            c.view.restart_count += 1
+        c.view.restart_count = restart
         c.start(launch)
         c.view.image_id = image.image_id
         c.view.state = {"running": {"startedAt": rfc3339()}}
@@ -289,44 +276,6 @@ class PodWorker(threading.Thread):
         self._emit("Normal", "Started", f"Started container {c.name}", c)
         log.info("pod %s: started %s (pid %s), log %s", self.key, c.name, c.proc.pid, c.log_path())
         self._start_probes(c)
-
-    def _launch_spec(self, c: Container, argv: list[str]) -> dict:
-        """The launcher's input: namespaces, mounts, user, working directory, env and argv."""
-        mounts = []
-        for vm in c.spec.get("volumeMounts") or []:
-            vol = self.volumes[vm["name"]]
-            source = vol.path
-            sub = vm.get("subPath") or expand(vm.get("subPathExpr") or "", c.env)
-            if sub:
-                source = vol.path / sub
-                if not source.exists():
-                    source.mkdir(parents=True, mode=0o777)
-            mounts.append({"source": str(source), "target": vm["mountPath"],
-                           "read_only": bool(vm.get("readOnly")) or vol.read_only})
-        targets = {m["target"].rstrip("/") for m in mounts}
-        for target in targets:
-            for needed in self.k.image_paths:
-                if needed == Path(target) or Path(target) in needed.parents:
-                    raise ConfigError(f"mountPath {target} would hide {needed}, which the process kubelet's "
-                                      "images run from (containers share the host's filesystem): choose another path")
-        if c.image.home and c.image.home not in targets:
-            home = self.dir / ".home"
-            home.mkdir(exist_ok=True)
-            os.chown(home, c.user.uid, c.user.gid)
-            mounts.append({"source": str(home), "target": c.image.home})
-        if ".kube-api-access" in self.volumes:
-            mounts.append({"source": str(self.volumes[".kube-api-access"].path),
-                           "target": volumes.TOKEN_DIR, "read_only": True})
-        term_log = c.termination_log()
-        term_log.touch()
-        term_log.chmod(0o666)
-        mounts.append({"source": str(term_log), "target": c.spec.get("terminationMessagePath") or "/dev/termination-log"})
-        host_net = self.pod["spec"].get("hostNetwork")
-        return {"netns": None if host_net else f"/var/run/netns/{self.k.network.netns(self.uid)}",
-                "expose": self.k.exposed if c.user.uid != 0 else [],
-                "mounts": mounts, "uid": c.user.uid, "gid": c.user.gid, "groups": c.user.groups,
-                "no_new_privs": c.user.no_new_privs, "drop_all_caps": c.user.drop_all_caps,
-                "workdir": c.spec.get("workingDir") or c.image.workdir, "env": c.env, "argv": argv}
 
     # ---- probes -----------------------------------------------------------------------------
     def _start_probes(self, c: Container) -> None:
