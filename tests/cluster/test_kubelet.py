@@ -387,3 +387,33 @@ def test_a_gpu_pod_on_a_node_without_gpus_stays_pending_as_the_scheduler_says(co
     assert "Insufficient nvidia.com/gpu" in scheduled["message"]
     assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
     delete(core, "gpu")
+
+
+# ---- the kubelet's pure parts (no cluster needed) ----------------------------------------------
+
+def test_dollar_paren_expansion_follows_kubernetes():
+    from kubelet.env import expand
+    assert expand("$(A)-$(B)-$$(A)-$(A", {"A": "x"}) == "x-$(B)-$(A)-$(A"
+
+
+def test_image_references_are_named_as_the_container_runtime_names_them():
+    from kubelet.images import normalize
+    assert normalize("busybox") == "docker.io/library/busybox:latest"
+    assert normalize("bitnami/redis:7") == "docker.io/bitnami/redis:7"
+    assert normalize("ghcr.io/slipstream-dev/slipstream:0.1.0") == "ghcr.io/slipstream-dev/slipstream:0.1.0"
+    assert normalize("localhost:5000/x") == "localhost:5000/x:latest"
+
+
+def test_a_container_waiting_to_restart_keeps_its_pod_running_as_getphase_says():
+    from kubelet.status import ContainerView, phase
+    crashed = ContainerView("c", "i", state={"waiting": {"reason": "CrashLoopBackOff"}},
+                            last_state={"terminated": {"exitCode": 1}})
+    creating = ContainerView("c", "i")
+    done = ContainerView("c", "i", state={"terminated": {"exitCode": 0}})
+    failed = ContainerView("c", "i", state={"terminated": {"exitCode": 2}})
+    assert phase("Always", [], [crashed], False) == "Running"
+    assert phase("Always", [], [creating], False) == "Pending"
+    assert phase("Never", [], [done], False) == "Succeeded"
+    assert phase("Never", [], [done, failed], False) == "Failed"
+    assert phase("OnFailure", [], [failed], False) == "Running"
+    assert phase("Always", [failed], [creating], False) == "Pending"

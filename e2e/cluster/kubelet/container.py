@@ -103,6 +103,7 @@ class Container:
     def start(self, launch: dict) -> None:
         """Starts the process from a launcher spec (mounts, user, env, argv; see launcher.py)."""
         spec_file = self.dir / "launch.json"
+        spec_file.touch(mode=0o600)  # it holds the container's environment, Secrets included
         spec_file.write_text(json.dumps({**launch, "error_file": str(self.error_file())}))
         with open(self.log_path(), "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(LAUNCHER), str(spec_file)],

@@ -26,11 +26,11 @@ def now_rfc3339() -> str:
 
 
 class _Seen:
-    __slots__ = ("name", "namespace", "count", "written_count", "first", "last_write")
+    __slots__ = ("name", "namespace", "count", "last_write")
 
-    def __init__(self, name: str, namespace: str, first: str):
-        self.name, self.namespace, self.first = name, namespace, first
-        self.count = self.written_count = 1
+    def __init__(self, name: str, namespace: str):
+        self.name, self.namespace = name, namespace
+        self.count = 1
         self.last_write = time.monotonic()
 
 
@@ -42,9 +42,9 @@ class EventRecorder:
         self._seen: dict[tuple, _Seen] = {}
         threading.Thread(target=self._run, name="events", daemon=True).start()
 
-    def emit(self, pod: dict, type_: str, reason: str, message: str, container: str | None = None) -> None:
-        """Records an Event about ``pod`` (``container`` sets its fieldPath)."""
-        self._queue.put((pod["metadata"], type_, reason, message, container, now_rfc3339()))
+    def emit(self, pod: dict, type_: str, reason: str, message: str, field_path: str | None = None) -> None:
+        """Records an Event about ``pod`` (``field_path``: ``spec.containers{NAME}`` and the like)."""
+        self._queue.put((pod["metadata"], type_, reason, message, field_path, now_rfc3339()))
 
     def flush(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
@@ -59,8 +59,7 @@ class EventRecorder:
             except Exception as err:  # noqa: BLE001 - an Event is best effort, as in the kubelet
                 log.warning("event not written: %s", err)
 
-    def _write(self, meta: dict, type_: str, reason: str, message: str, container: str | None, stamp: str) -> None:
-        field = f"spec.containers{{{container}}}" if container else None
+    def _write(self, meta: dict, type_: str, reason: str, message: str, field: str | None, stamp: str) -> None:
         key = (meta["uid"], field, type_, reason, message)
         seen = self._seen.get(key)
         if seen and time.monotonic() - seen.last_write < AGGREGATE_S:
@@ -84,7 +83,7 @@ class EventRecorder:
             if err.status != 403 and err.status != 404:  # namespace gone or terminating
                 raise
             return
-        self._seen[key] = _Seen(name, meta["namespace"], stamp)
+        self._seen[key] = _Seen(name, meta["namespace"])
         self._prune()
 
     def _bump(self, seen: _Seen, stamp: str) -> None:
@@ -93,7 +92,6 @@ class EventRecorder:
             self.core.patch_namespaced_event(seen.name, seen.namespace,
                                              {"count": seen.count, "lastTimestamp": stamp},
                                              _preload_content=False)
-            seen.written_count = seen.count
         except ApiException as err:
             if err.status != 404:
                 raise

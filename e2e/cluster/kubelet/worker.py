@@ -115,7 +115,8 @@ class PodWorker(threading.Thread):
         return self.shutdown or self.gone or bool(self.pod["metadata"].get("deletionTimestamp"))
 
     def _emit(self, type_: str, reason: str, message: str, c: Container | None = None) -> None:
-        self.k.events.emit(self.pod, type_, reason, message, c.name if c else None)
+        field = None if c is None else f"spec.{'initContainers' if c.init else 'containers'}{{{c.name}}}"
+        self.k.events.emit(self.pod, type_, reason, message, field)
 
     # ---- sandbox ----------------------------------------------------------------------------
     def _pod_with_ips(self) -> dict:
