@@ -1,9 +1,10 @@
 """kopf handlers: thin triggers of :func:`slipstream.operator.reconcile.reconcile`.
 
 ``register(registry, config)`` puts them on a registry (the CLI's, or a test's own).
-Triggers: create/update/resume of an InferenceService, a periodic resync (timer), and any
+Triggers: create/update/resume of an InferenceService, a periodic resync (timer), any
 change to a Deployment or Service labelled ``app.kubernetes.io/managed-by=slipstream-operator``
-(so a hand-deleted or hand-edited child comes back within moments). One asyncio lock per
+(so a hand-deleted or hand-edited child comes back within moments), and any change to a model
+pod (so Ready says at once why pods do not run: unschedulable, image pull, crash loop). One asyncio lock per
 InferenceService keeps these from reconciling the same object at once in this process; kopf
 peering keeps a second operator replica from acting at all.
 """
@@ -22,7 +23,8 @@ import kopf
 from slipstream.operator import autoscaling_loop
 from slipstream.operator.kube import CLUSTER_PEERINGS, PEERINGS, ApiError, Kube
 from slipstream.operator.reconcile import reconcile
-from slipstream.operator.resources import GROUP, KIND, MANAGED_BY, PLURAL, VERSION
+from slipstream.operator.resources import GROUP, INSTANCE_LABEL, KIND, MANAGED_BY, PLURAL, \
+    VERSION
 
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 
@@ -166,6 +168,19 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             except (kopf.TemporaryError, kopf.PermanentError) as exc:
                 # The owner's own handlers and the resync retry; this trigger only hurries.
                 logger.debug(f"reconcile of {owner} after a child changed: {exc}")
+
+    @kopf.on.event("", "v1", "pods", id="pod", labels=CHILD_LABELS, registry=registry)
+    async def pod_changed(body: kopf.Body, namespace: str, memo: Any, logger: kopf.Logger,
+                          **_: Any) -> None:
+        # A pod that cannot be scheduled or pull its image changes no Deployment field: the
+        # Ready condition learns why from the pod itself.
+        owner = (body.metadata.get("labels") or {}).get(INSTANCE_LABEL)
+        if not owner:
+            return
+        try:
+            await run(memo, namespace, owner, logger)
+        except (kopf.TemporaryError, kopf.PermanentError) as exc:
+            logger.debug(f"reconcile of {owner} after a pod changed: {exc}")
 
     @kopf.on.delete(**resource, id="deleted", optional=True, registry=registry)
     async def deleted(namespace: str, name: str, logger: kopf.Logger, **_: Any) -> None:

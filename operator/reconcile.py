@@ -20,10 +20,10 @@ import kopf
 from slipstream.operator import status as st
 from slipstream.operator.drift import foreign_owner, plan_deployment, plan_service
 from slipstream.operator.events import post_event
-from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, SERVICES, \
-    ApiError, Kube, Resource
-from slipstream.operator.resources import render_deployment, render_disruption_budget, \
-    render_service, service_url
+from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, PODS, \
+    SERVICES, ApiError, Kube, Resource
+from slipstream.operator.resources import pod_selector, render_deployment, \
+    render_disruption_budget, render_service, selector_labels, service_url
 from slipstream.operator.spec import SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,19 @@ async def _apply(kube: Kube, resource: Resource, body: Mapping[str, Any],
     return await kube.replace(resource, new), f"updated {kind} {meta['name']}: {why}"
 
 
+async def _unready_pods(kube: Kube, namespace: str, name: str,
+                        deployment: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The service's pods when fewer are ready than wanted (to say why), else []."""
+    if deployment is None:
+        return []
+    want = deployment.get("spec", {}).get("replicas", 1)
+    if (deployment.get("status", {}).get("readyReplicas") or 0) >= want:
+        return []
+    wanted = selector_labels(name)
+    return [p for p in await kube.list(PODS, namespace, pod_selector(name))
+            if wanted.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()]
+
+
 async def _remove_budget(kube: Kube, body: Mapping[str, Any]) -> str | None:
     """Delete the service's PodDisruptionBudget if it has one of its own (it runs at most one
     pod now). Returns a line saying so, or None."""
@@ -174,9 +187,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
                              action[0].upper() + action[1:])
         before = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
         url = service_url(name, namespace, cluster_domain)
+        pods = await _unready_pods(kube, namespace, name, live_dep)
         await update_status(kube, body, lambda b: st.compute_status(
-            b, spec, live_dep, now=_now(), url=url))
-        ready, _, message = st.ready_condition(live_dep)
+            b, spec, live_dep, now=_now(), url=url, pods=pods))
+        ready, _, message = st.ready_condition(live_dep, pods)
         if before and before.get("status") != ready:
             await post_event(kube, body, "Normal" if ready == "True" else "Warning",
                              "Ready" if ready == "True" else "NotReady", message)

@@ -52,16 +52,69 @@ def set_condition(conditions: list[Mapping[str, Any]] | None, type_: str, status
     return sorted(merged, key=lambda c: order.get(c["type"], len(order)))
 
 
-def ready_condition(deployment: Mapping[str, Any] | None) -> tuple[str, str, str]:
-    """(status, reason, message) of ``Ready`` from the Deployment (None: not there yet)."""
+IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+                      "ErrImageNeverPull"}
+# Waiting reasons of a container that is on its way, not stuck.
+STARTING_REASONS = {"ContainerCreating", "PodInitializing"}
+
+
+def pod_problem(pods: list[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) of the worst thing keeping model pods from running, in the words of
+    the kubelet or the scheduler, or None: ``ImagePullFailed`` (ErrImagePull, ImagePullBackOff
+    …), ``CrashLoopBackOff`` (the server keeps exiting; its last exit), ``ContainerFailed``
+    (another waiting reason, e.g. CreateContainerConfigError), ``PodsPending`` (unschedulable:
+    e.g. ``0/1 nodes are available: 1 Insufficient nvidia.com/gpu``). Terminating pods are
+    left out."""
+    found: dict[str, str] = {}
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        name = meta.get("name", "?")
+        for cs in (status.get("initContainerStatuses") or []) + (
+                status.get("containerStatuses") or []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            why = waiting.get("reason")
+            if not why or why in STARTING_REASONS:
+                continue
+            text = f"pod {name}: {why}: {waiting.get('message') or 'no message'}"
+            if why in IMAGE_PULL_REASONS:
+                found.setdefault("ImagePullFailed", text)
+            elif why == "CrashLoopBackOff":
+                last = (cs.get("lastState") or {}).get("terminated") or {}
+                exit_text = f"; last exit {last.get('exitCode')} ({last.get('reason')})" \
+                    if last else ""
+                found.setdefault("CrashLoopBackOff",
+                                 f"pod {name}: container {cs.get('name')} keeps exiting"
+                                 f"{exit_text}; kubectl logs {name} --previous says why")
+            else:
+                found.setdefault("ContainerFailed", text)
+        for cond in status.get("conditions") or ():
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                found.setdefault("PodsPending", f"pod {name} cannot be scheduled: "
+                                                f"{cond.get('message') or cond.get('reason')}")
+    for reason in ("ImagePullFailed", "CrashLoopBackOff", "ContainerFailed", "PodsPending"):
+        if reason in found:
+            return reason, found[reason]
+    return None
+
+
+def ready_condition(deployment: Mapping[str, Any] | None,
+                    pods: list[Mapping[str, Any]] | None = None) -> tuple[str, str, str]:
+    """(status, reason, message) of ``Ready`` from the Deployment (None: not there yet) and,
+    when some pods are not ready, what :func:`pod_problem` finds in ``pods``."""
     if deployment is None:
         return "False", "DeploymentMissing", "the Deployment does not exist yet"
     want = deployment.get("spec", {}).get("replicas", 1)
     ready = deployment.get("status", {}).get("readyReplicas") or 0
     if want == 0 and ready == 0:
         return "False", "ScaledToZero", "the Deployment has 0 replicas"
+    problem = pod_problem(pods or [])
     if ready >= 1:
-        return "True", "ReplicasReady", f"{ready}/{want} replicas ready"
+        return "True", "ReplicasReady", f"{ready}/{want} replicas ready" + (
+            f"; {problem[1]}" if problem else "")
+    if problem:
+        return "False", problem[0], f"0/{want} replicas ready; {problem[1]}"
     return ("False", "NoReplicasReady",
             f"0/{want} replicas ready; a pod turns ready once its model is loaded and warmed")
 
@@ -119,12 +172,14 @@ def desired_replicas(spec: InferenceServiceSpec, status: Mapping[str, Any],
 
 def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,
                    deployment: Mapping[str, Any] | None, *, url: str,
-                   now: datetime.datetime) -> dict[str, Any]:
-    """The status fields the reconcile loop owns (:data:`OWNED_FIELDS`) for a valid spec."""
+                   now: datetime.datetime, pods: list[Mapping[str, Any]] | None = None,
+                   ) -> dict[str, Any]:
+    """The status fields the reconcile loop owns (:data:`OWNED_FIELDS`) for a valid spec;
+    ``pods``: the service's pods, read when some are not ready (for the Ready condition)."""
     status = body.get("status") or {}
     conditions = status.get("conditions")
     for type_, (st, reason, message) in (
-            (READY, ready_condition(deployment)),
+            (READY, ready_condition(deployment, pods)),
             (PROGRESSING, progressing_condition(deployment)),
             (SCALING_ACTIVE, scaling_condition(spec, conditions))):
         conditions = set_condition(conditions, type_, st, reason, message, now)

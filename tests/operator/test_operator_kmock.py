@@ -14,8 +14,9 @@ import pytest
 
 from operator_helpers import NAMESPACE, eventually
 from kube_emulator import ApiServer
-from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, SERVICES, \
-    Kube
+from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, PODS, \
+    SERVICES, Kube
+from slipstream.operator.resources import labels
 from slipstream.operator.resources import SPEC_HASH_ANNOTATION
 from slipstream.operator.scaling import apply_scale
 
@@ -145,6 +146,24 @@ async def test_disruption_budget_follows_the_replica_range(api, kube, operator):
 
 async def _no_budget(kube: Kube) -> bool:
     return await kube.get(DISRUPTION_BUDGETS, NAMESPACE, "chat") is None
+
+
+@pytest.mark.resync(600)  # no resync within the test: the watch on the pods acts
+async def test_a_pod_that_cannot_pull_its_image_makes_ready_say_so(api, kube, operator):
+    await kube.create(INFERENCESERVICES, inference_service(image="example.com/nope:1"))
+    await eventually(lambda: _with_condition(kube, "chat", "Ready"), what="first status")
+    await kube.create(PODS, {  # as the kubelet reports a pull that failed
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "chat-abc", "namespace": NAMESPACE, "labels": labels("chat")},
+        "spec": {"containers": [{"name": "server", "image": "example.com/nope:1"}]},
+        "status": {"phase": "Pending", "containerStatuses": [{
+            "name": "server", "ready": False, "restartCount": 0, "image": "example.com/nope:1",
+            "imageID": "", "state": {"waiting": {
+                "reason": "ErrImagePull",
+                "message": 'failed to pull image "example.com/nope:1": not found'}}}]}})
+    isvc = await eventually(lambda: _where(kube, lambda o: condition(o, "Ready")["reason"] ==
+                                           "ImagePullFailed"), what="Ready=False ImagePullFailed")
+    assert 'failed to pull image "example.com/nope:1"' in condition(isvc, "Ready")["message"]
 
 
 async def test_change_outside_the_pods_leaves_the_deployment_alone(kube, operator):

@@ -189,6 +189,9 @@ def test_plan_deployment_leaves_replicas_to_the_autoscaler_within_bounds():
     tighter = parse_spec({"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2}})
     new, _ = plan_deployment(render_deployment(isvc(), tighter), live, tighter)
     assert new["spec"]["replicas"] == 2
+    # Another scaler owns the count (the autoscaler stood back): not even clamped.
+    assert plan_deployment(render_deployment(isvc(), tighter), live, tighter,
+                           hold_replicas=True) == (None, "")
 
 
 def test_plan_service_keeps_the_cluster_ip():
@@ -223,3 +226,45 @@ def test_scale_status_records_metrics_condition_and_scale_time():
                          kv_cache_utilization=None, active=False, reason="NoMetrics",
                          message="no ready pod answered", now=T0)
     assert "lastScaleTime" not in quiet and "queueDepth" not in quiet
+
+
+def pod(name: str = "chat-1", waiting: dict[str, Any] | None = None,
+        unschedulable: str | None = None, **status: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"metadata": {"name": name}, "status": {"phase": "Pending", **status}}
+    if waiting:
+        body["status"]["containerStatuses"] = [{"name": "server", "state": {"waiting": waiting}}]
+    if unschedulable:
+        body["status"]["conditions"] = [{"type": "PodScheduled", "status": "False",
+                                         "reason": "Unschedulable", "message": unschedulable}]
+    return body
+
+
+GPU_SHORT = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+
+
+@pytest.mark.parametrize("pods,reason,words", [
+    ([pod(unschedulable=GPU_SHORT)], "PodsPending", GPU_SHORT),
+    ([pod(waiting={"reason": "ErrImagePull", "message": 'pull "x/y:1": not found'})],
+     "ImagePullFailed", 'ErrImagePull: pull "x/y:1": not found'),
+    ([pod(waiting={"reason": "ImagePullBackOff", "message": "Back-off pulling image"}),
+      pod("chat-2", unschedulable=GPU_SHORT)], "ImagePullFailed", "chat-1: ImagePullBackOff"),
+    ([pod(waiting={"reason": "CrashLoopBackOff", "message": "back-off 40s"}, phase="Running")],
+     "CrashLoopBackOff", "keeps exiting"),
+    ([pod(waiting={"reason": "CreateContainerConfigError", "message": 'secret "s" not found'})],
+     "ContainerFailed", 'secret "s" not found'),
+], ids=["unschedulable", "image-pull", "image-pull-first", "crash-loop", "config"])
+def test_ready_says_why_no_pod_runs_in_the_kubelets_or_schedulers_words(pods, reason, words):
+    status, got, message = st.ready_condition(deployment(1, readyReplicas=0), pods)
+    assert (status, got) == ("False", reason) and words in message
+    assert message.startswith("0/1 replicas ready; ")
+
+
+def test_starting_and_terminating_pods_are_no_problem():
+    starting = pod(waiting={"reason": "ContainerCreating"})
+    leaving = pod("old", unschedulable=GPU_SHORT)
+    leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert st.pod_problem([starting, leaving]) is None
+    assert st.ready_condition(deployment(1), [starting])[1] == "NoReplicasReady"
+    ready, reason, message = st.ready_condition(deployment(2, readyReplicas=1),
+                                                [pod(unschedulable=GPU_SHORT)])
+    assert (ready, reason) == ("True", "ReplicasReady") and GPU_SHORT in message
