@@ -60,7 +60,10 @@ def check_readable(target: Path) -> None:
 
 class Kubelet:
     def __init__(self, args: argparse.Namespace):
-        self.api = config.new_client_from_config(str(args.kubeconfig))
+        configuration = client.Configuration()
+        config.load_kube_config(config_file=str(args.kubeconfig), client_configuration=configuration)
+        configuration.connection_pool_maxsize = 32  # pod workers write concurrently
+        self.api = client.ApiClient(configuration)
         self.core = client.CoreV1Api(self.api)
         self.objects = Objects(self.api)
         self.node_name = args.node_name
@@ -201,8 +204,8 @@ class Kubelet:
             watcher = Watch()
             for event in watcher.stream(self.core.list_pod_for_all_namespaces, field_selector=selector,
                                         resource_version=rv, timeout_seconds=60, allow_watch_bookmarks=True,
-                                        _request_timeout=90):
-                obj = event["raw_object"]
+                                        _request_timeout=90, deserialize=False):
+                obj = event["object"]  # plain JSON: no model objects to build
                 if event["type"] == "ERROR":
                     return  # 410 Gone and friends: relist
                 rv = obj["metadata"]["resourceVersion"]
