@@ -41,7 +41,8 @@ class WatchTimeouts:
     backoff: the pause between two streams (no API flood when each fails at once).
     """
 
-    server: float = 30.0
+    # An integer: the API server refuses ``timeoutSeconds=30.0`` with a 400 (ParseInt).
+    server: int = 30
     client: float = 40.0
     connect: float = 10.0
     backoff: float = 1.0
@@ -100,7 +101,7 @@ def configure(settings: kopf.OperatorSettings, watch: WatchTimeouts = WatchTimeo
     settings.posting.reporting_component = MANAGED_BY
     settings.posting.reporting_instance = os.environ.get("POD_NAME") or socket.gethostname()
     settings.posting.event_name_prefix = f"{MANAGED_BY}-"
-    settings.watching.server_timeout = watch.server
+    settings.watching.server_timeout = int(watch.server)
     settings.watching.client_timeout = watch.client
     settings.watching.inactivity_timeout = watch.client
     settings.watching.connect_timeout = watch.connect
