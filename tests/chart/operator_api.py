@@ -54,6 +54,12 @@ KOPF_EVENTS = ("", "events", "create")
 KOPF_CRDS = ("apiextensions.k8s.io", "customresourcedefinitions")
 KOPF_NAMESPACES = ("", "namespaces")
 
+# kopf.adopt (resources.render_children) sets ``blockOwnerDeletion: true`` on the children's owner
+# reference; where the OwnerReferencesPermissionEnforcement admission plugin runs (OpenShift,
+# and the test cluster of e2e/cluster), that needs `update` on the owner's finalizers
+# subresource. Not a call the operator makes: a condition the API server puts on its creates.
+ADOPTION = ("slipstream.dev", "inferenceservices/finalizers", "update")
+
 # Calls operator/README.md announces but the code does not make yet: granted ahead so the chart
 # works the day they land (so they count as required). The autoscaler's tick lists an
 # InferenceService's pods to scrape them ("Where the autoscaler hooks in", issue 6). Once the
@@ -221,6 +227,7 @@ def required(*, clusterwide: bool, peering: bool) -> set[Permission]:
     needed = {p for _, p in client_calls()} | kopf_handler_calls()
     needed |= {Permission(*p) for p in ANNOUNCED}
     needed.add(Permission(*KOPF_EVENTS))
+    needed.add(Permission(*ADOPTION))
     needed |= {Permission(*KOPF_CRDS, verb) for verb in ("list", "watch")}
     if not clusterwide:
         needed |= {Permission(*KOPF_NAMESPACES, verb) for verb in ("list", "watch")}
