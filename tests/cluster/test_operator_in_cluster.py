@@ -1,0 +1,220 @@
+"""README's "Deploy on Kubernetes", command by command, on the real control plane: `helm install`
+runs the operator as a pod under the chart's ServiceAccount and RBAC only; `kubectl apply -f
+examples/` gives Ready services where they can run here and exactly a real cluster's state where
+they cannot; `kubectl get`/`describe`/`scale`, a spec change, `kubectl delete` and `helm
+uninstall` do what README says.
+
+The tests in this module run in order on one installation (each one's name says what it proves).
+"""
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import yaml
+
+from cluster_helpers import (CHART, EXAMPLES, OPERATOR_NAMESPACE, RELEASE, condition,
+                             forbidden_calls, get, wait_for)
+
+# Startup of a built-in model pod (torch import, model load, warm-up) on a busy 2-core machine.
+MODEL_READY_TIMEOUT = 240
+
+
+def examples() -> dict[str, dict]:
+    """Every example InferenceService by file stem."""
+    return {p.stem.removeprefix("inferenceservice-"): yaml.safe_load(p.read_text())
+            for p in sorted(EXAMPLES.glob("inferenceservice-*.yaml"))}
+
+
+def ns_of(doc: dict) -> str:
+    return doc["metadata"].get("namespace", "default")
+
+
+def pods_of(cluster, name: str, namespace: str) -> list[dict]:
+    out = get(cluster, "pods", "-n", namespace, "-l", f"slipstream.dev/inferenceservice={name}")
+    return [p for p in out["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready_pod_ips(cluster, name: str, namespace: str) -> list[str]:
+    return sorted(p["status"]["podIP"] for p in pods_of(cluster, name, namespace)
+                  if (condition(p, "Ready") or {}).get("status") == "True")
+
+
+def infsvc_ready(cluster, name: str, namespace: str) -> dict | None:
+    obj = get(cluster, "infsvc", name, "-n", namespace)
+    c = condition(obj, "Ready")
+    return obj if c and c["status"] == "True" else None
+
+
+def chat(ip: str, model: str, port: int = 8000) -> dict:
+    body = json.dumps({"model": model, "max_tokens": 8,
+                       "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+    req = urllib.request.Request(f"http://{ip}:{port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture(scope="module")
+def installed(cluster):
+    """The chart installed as README says, operator Ready."""
+    cluster.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE, "--create-namespace",
+                 "--wait", "--timeout", "5m")
+    return cluster
+
+
+def operator_user(cluster) -> str:
+    dep = get(cluster, "deploy", "-n", OPERATOR_NAMESPACE, "-l",
+              "app.kubernetes.io/instance=" + RELEASE)["items"][0]
+    sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    return f"system:serviceaccount:{OPERATOR_NAMESPACE}:{sa}"
+
+
+def test_helm_install_runs_the_operator_in_cluster_under_the_charts_serviceaccount(installed):
+    pods = get(installed, "pods", "-n", OPERATOR_NAMESPACE)["items"]
+    assert len(pods) == 1
+    pod = pods[0]
+    assert condition(pod, "Ready")["status"] == "True"
+    user = operator_user(installed)
+    assert pod["spec"]["serviceAccountName"] == user.rsplit(":", 1)[1]
+    # The operator talks to the API server as that ServiceAccount (the audit log proves it).
+    audit = installed.plane.audit_log.read_text(errors="replace")
+    wait_for(lambda: f'"username":"{user}"' in installed.plane.audit_log.read_text(errors="replace"),
+             60, "a request from the operator's ServiceAccount")
+    assert audit is not None
+
+
+def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it(installed):
+    docs = examples()
+    for doc in docs.values():
+        installed.kubectl("create", "namespace", ns_of(doc), check=False)
+    # The GPU example reads a claim that exists, bound, on a real cluster with its weights.
+    claim_ns = ns_of(docs["gpu-pvc"])
+    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([{
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "model-weights"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                 "storageClassName": "", "hostPath": {"path": "/tmp/slipstream-model-weights"},
+                 "claimRef": {"namespace": claim_ns, "name": "model-weights"}}}, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "model-weights", "namespace": claim_ns},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": "model-weights",
+                 "resources": {"requests": {"storage": "1Gi"}}}}]))
+    installed.kubectl("apply", "-f", str(EXAMPLES))
+
+    # The built-in model runs: Ready, its Service's EndpointSlice lists the ready pod, it answers.
+    builtin = docs["builtin"]
+    name, namespace = builtin["metadata"]["name"], ns_of(builtin)
+    wait_for(lambda: infsvc_ready(installed, name, namespace), MODEL_READY_TIMEOUT,
+             f"InferenceService {name} Ready")
+    ips = ready_pod_ips(installed, name, namespace)
+    slices = get(installed, "endpointslices", "-n", namespace,
+                 "-l", f"kubernetes.io/service-name={name}")["items"]
+    listed = sorted(a for s in slices for e in s.get("endpoints") or []
+                    if (e.get("conditions") or {}).get("ready") for a in e["addresses"])
+    assert listed == ips and ips
+    reply = chat(ips[0], builtin["spec"]["model"].get("servedModelName", name))
+    assert reply["choices"][0]["message"]["content"]
+
+    # A GPU pod on a node without GPUs: Pending, the scheduler says why, and so does the service.
+    gpu = docs["gpu-pvc"]
+    gname, gns = gpu["metadata"]["name"], ns_of(gpu)
+    pending = wait_for(lambda: [p for p in pods_of(installed, gname, gns)
+                                if (condition(p, "PodScheduled") or {}).get("reason") == "Unschedulable"],
+                       60, "the GPU pod Unschedulable")
+    # (Its nodeSelector asks for a GPU node before its nvidia.com/gpu limit is even counted.)
+    said = condition(pending[0], "PodScheduled")["message"]
+    assert "0/1 nodes are available" in said and "node affinity/selector" in said, said
+    ready = wait_for(lambda: (c := condition(get(installed, "infsvc", gname, "-n", gns), "Ready"))
+                     and "nodes are available" in c.get("message", "") and c, 60,
+                     "the GPU service's Ready condition in the scheduler's words")
+    assert ready["status"] == "False" and ready["reason"] == "PodsPending", ready
+
+    # A foreign image: the kubelet cannot pull it, and the service's condition says so.
+    image = docs["image-path"]
+    iname, ins = image["metadata"]["name"], ns_of(image)
+    wait_for(lambda: any(
+        (cs.get("state", {}).get("waiting") or {}).get("reason") in ("ErrImagePull", "ImagePullBackOff")
+        for p in pods_of(installed, iname, ins) for cs in p["status"].get("containerStatuses", [])),
+        60, "the foreign image's pod in ErrImagePull")
+    wait_for(lambda: "ImagePull" in json.dumps(condition(
+        get(installed, "infsvc", iname, "-n", ins), "Ready")), 60,
+        "the image service's Ready condition naming the pull failure")
+
+    # Everything else that can run here turns Ready.
+    for key, doc in docs.items():
+        if key in ("gpu-pvc", "image-path", "builtin"):
+            continue
+        wait_for(lambda: infsvc_ready(installed, doc["metadata"]["name"], ns_of(doc)),
+                 MODEL_READY_TIMEOUT, f"InferenceService {doc['metadata']['name']} Ready")
+
+    assert forbidden_calls(installed, operator_user(installed)) == []
+
+
+def test_kubectl_get_shows_the_printer_columns_and_describe_the_events(installed):
+    out = installed.kubectl("get", "infsvc", "-A").stdout
+    header = out.splitlines()[0].split()
+    assert header[:8] == ["NAMESPACE", "NAME", "READY", "REPLICAS", "DESIRED", "QUEUE", "KV%", "URL"]
+    builtin = examples()["builtin"]
+    described = installed.kubectl("describe", "infsvc", builtin["metadata"]["name"],
+                                  "-n", ns_of(builtin)).stdout
+    assert "Events:" in described
+    assert "slipstream-operator" in described      # From: the operator, not "kopf"
+    assert "e+09" not in described                 # times as durations or RFC 3339, not epochs
+
+
+def test_kubectl_scale_goes_through_the_scale_subresource_to_three_pods(installed):
+    sim = examples()["sim"]
+    name, namespace = sim["metadata"]["name"], ns_of(sim)
+    if (sim["spec"].get("autoscaling") or {}).get("enabled"):
+        installed.kubectl("patch", "infsvc", name, "-n", namespace, "--type=merge",
+                          "-p", '{"spec": {"autoscaling": {"enabled": false}}}')
+    installed.kubectl("scale", "infsvc", name, "-n", namespace, "--replicas", "3")
+    wait_for(lambda: len(ready_pod_ips(installed, name, namespace)) == 3, 120,
+             "three ready pods after kubectl scale")
+    scale = json.loads(installed.kubectl(
+        "get", "--raw", f"/apis/slipstream.dev/v1alpha1/namespaces/{namespace}/inferenceservices/{name}/scale").stdout)
+    assert scale["spec"]["replicas"] == 3
+    wait_for(lambda: json.loads(installed.kubectl(
+        "get", "--raw", f"/apis/slipstream.dev/v1alpha1/namespaces/{namespace}/inferenceservices/{name}/scale").stdout
+    )["status"].get("replicas") == 3, 60, "the scale subresource's status.replicas = 3")
+
+
+def test_a_spec_change_rolls_the_pods(installed):
+    sim = examples()["sim"]
+    name, namespace = sim["metadata"]["name"], ns_of(sim)
+    before = {p["metadata"]["name"] for p in pods_of(installed, name, namespace)}
+    installed.kubectl("patch", "infsvc", name, "-n", namespace, "--type=merge", "-p",
+                      json.dumps({"spec": {"env": [{"name": "ROLL", "value": "1"}]}}))
+
+    def rolled():
+        pods = pods_of(installed, name, namespace)
+        ready = [p for p in pods if (condition(p, "Ready") or {}).get("status") == "True"]
+        return (len(pods) == 3 and len(ready) == 3
+                and not before & {p["metadata"]["name"] for p in pods})
+    wait_for(rolled, 180, "three new ready pods after the spec change")
+
+
+def test_kubectl_delete_garbage_collects_the_children(installed):
+    sim = examples()["sim"]
+    name, namespace = sim["metadata"]["name"], ns_of(sim)
+    installed.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=true", "--timeout=120s")
+    selector = f"slipstream.dev/inferenceservice={name}"
+    wait_for(lambda: not get(installed, "deploy,svc,pdb,pods", "-n", namespace, "-l", selector)["items"],
+             120, "the Deployment, Service, PodDisruptionBudget and pods gone")
+
+
+def test_helm_uninstall_leaves_nothing_of_ours_but_the_crds(installed):
+    # README: delete the InferenceServices while the operator runs, then uninstall.
+    installed.kubectl("delete", "infsvc", "--all", "-A", "--wait=true", "--timeout=180s")
+    installed.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", "--timeout", "3m")
+    # Pods leave after their grace period (preStop, then the server's drain).
+    def left() -> list[str]:
+        return [f"{o['kind']}/{o['metadata']['name']}" for o in get(
+            installed, "all,sa,role,rolebinding,pdb,cm", "-A",
+            "-l", "app.kubernetes.io/name=slipstream")["items"]]
+    wait_for(lambda: left() == [], 120, "nothing labelled app.kubernetes.io/name=slipstream")
+    cluster_scoped = get(installed, "clusterrole,clusterrolebinding", "-l",
+                         "app.kubernetes.io/name=slipstream")["items"]
+    assert cluster_scoped == []
+    assert get(installed, "crd", "inferenceservices.slipstream.dev") is not None
