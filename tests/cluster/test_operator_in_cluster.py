@@ -151,6 +151,24 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
     assert forbidden_calls(installed, operator_user(installed)) == []
 
 
+def test_model_pods_run_under_pod_security_restricted(installed):
+    installed.kubectl("create", "namespace", "restricted")
+    installed.kubectl("label", "namespace", "restricted",
+                      "pod-security.kubernetes.io/enforce=restricted")
+    # The admission plugin is on: a pod without the restricted settings is refused.
+    plain = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": "restricted"},
+             "spec": {"containers": [{"name": "c", "image": "ghcr.io/slipstream-dev/slipstream:0.1.0"}]}}
+    refused = installed.kubectl("create", "-f", "-", input=yaml.safe_dump(plain), check=False)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted' in refused.stderr, refused.stderr
+    sim = examples()["sim"]
+    sim["metadata"]["namespace"] = "restricted"
+    sim["spec"].pop("autoscaling", None)
+    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump(sim))
+    wait_for(lambda: infsvc_ready(installed, sim["metadata"]["name"], "restricted"),
+             MODEL_READY_TIMEOUT, "the sim service Ready in a restricted namespace")
+    installed.kubectl("delete", "namespace", "restricted", "--wait=false")
+
+
 def test_kubectl_get_shows_the_printer_columns_and_describe_the_events(installed):
     out = installed.kubectl("get", "infsvc", "-A").stdout
     header = out.splitlines()[0].split()

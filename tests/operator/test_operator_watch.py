@@ -20,6 +20,8 @@ def test_production_watches_end_and_time_out_well_under_a_minute():
     configure(settings)
     watching = settings.watching
     assert watching.server_timeout == 30  # the API server ends each watch; kopf re-watches
+    # kopf sends it as given: the real API server answers ?timeoutSeconds=30.0 with a 400.
+    assert type(watching.server_timeout) is int
     assert watching.client_timeout == watching.inactivity_timeout == 40  # kopf's default: 70
     assert watching.server_timeout < watching.client_timeout  # a healthy stream ends server-side
     assert watching.connect_timeout == 10 and watching.reconnect_backoff == 1
