@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from controlplane import (  # noqa: E402
-    BIN, BUILD, POD_GATEWAY_IP, REPO, Component, ControlPlane, missing_binaries,
+    BIN, BUILD, POD_GATEWAY_IP, REPO, Component, ControlPlane, log_tail, missing_binaries,
     stop_from_pid_files)
 
 NODE_NAME = "node-1"
@@ -74,7 +74,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.kubelet and not self.kubelet.alive():
-                raise RuntimeError(f"kubelet exited:\n{_tail(self.kubelet.log)}")
+                raise RuntimeError(f"kubelet exited:\n{log_tail(self.kubelet.log)}")
             out = self.kubectl("get", "node", NODE_NAME, "-o", "json", check=False)
             if out.returncode == 0:
                 conds = json.loads(out.stdout)["status"].get("conditions", [])
@@ -82,7 +82,7 @@ class Cluster:
                     return
             time.sleep(1)
         raise RuntimeError(f"node {NODE_NAME} not Ready after {timeout:.0f} s:\n"
-                           f"{_tail(self.plane.run_dir / 'kubelet.log')}")
+                           f"{log_tail(self.plane.run_dir / 'kubelet.log')}")
 
     def stop(self) -> None:
         if self.kubelet:
@@ -119,13 +119,6 @@ class Cluster:
             raise AssertionError(f"{tool} {' '.join(args)} exited {proc.returncode}:\n"
                                  f"{proc.stdout}{proc.stderr}")
         return proc
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def main(argv: list[str] | None = None) -> int:

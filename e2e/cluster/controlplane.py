@@ -297,7 +297,7 @@ class ControlPlane:
         while time.monotonic() < deadline:
             for name in ("etcd", "kube-apiserver"):
                 if not self.components[name].alive():
-                    raise RuntimeError(f"{name} exited:\n{_tail(self.components[name].log)}")
+                    raise RuntimeError(f"{name} exited:\n{log_tail(self.components[name].log)}")
             try:
                 with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
                     if resp.status == 200:
@@ -306,7 +306,7 @@ class ControlPlane:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"kube-apiserver not ready after {timeout:.0f} s:\n"
-                           f"{_tail(self.components['kube-apiserver'].log)}")
+                           f"{log_tail(self.components['kube-apiserver'].log)}")
 
     def restart_apiserver(self, down_seconds: float = 0.0, timeout: float = 120.0) -> None:
         """Stop the API server (SIGTERM), wait ``down_seconds``, start it again on the same port."""
@@ -336,7 +336,7 @@ def stop_from_pid_files(run_dir: Path) -> None:
         pid_file.unlink(missing_ok=True)
 
 
-def _tail(path: Path, lines: int = 30) -> str:
+def log_tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,8 +53,13 @@ def condition(obj: dict | None, type_: str) -> dict | None:
     return None
 
 
-def forbidden_calls(cluster: Cluster, user: str) -> list[str]:
-    """Requests by ``user`` that the API server answered 403, from its audit log."""
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def forbidden_calls(cluster: Cluster, user: str, since: datetime | None = None) -> list[str]:
+    """Requests by ``user`` (received after ``since``) that the API server answered 403, from
+    its audit log."""
     out = []
     log = cluster.plane.audit_log
     if not log.exists():
@@ -63,7 +69,10 @@ def forbidden_calls(cluster: Cluster, user: str) -> list[str]:
             event = json.loads(line)
         except ValueError:
             continue
-        if (event.get("user", {}).get("username") == user
-                and event.get("responseStatus", {}).get("code") == 403):
+        if (event.get("user", {}).get("username") != user
+                or event.get("responseStatus", {}).get("code") != 403):
+            continue
+        received = datetime.fromisoformat(event["requestReceivedTimestamp"].replace("Z", "+00:00"))
+        if since is None or received >= since:
             out.append(f"{event.get('verb')} {event.get('requestURI')}")
     return out

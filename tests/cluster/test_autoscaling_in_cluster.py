@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 import yaml
 
+from loadgen import LoadGenerator
 from cluster_helpers import (CHART, OPERATOR_NAMESPACE, RELEASE, condition, forbidden_calls,
-                             get, wait_for)
+                             get, now, wait_for)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,6 +57,7 @@ def service(name: str = NAME, autoscaling: dict | None = None, replicas: int = 1
 @pytest.fixture(scope="module")
 def operator(cluster):
     """The chart installed, the namespace made; uninstalled afterwards."""
+    cluster.installed_at = now()
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     cluster.helm("upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
                  "--create-namespace", "--wait", "--timeout", "5m")
@@ -66,6 +66,8 @@ def operator(cluster):
     cluster.kubectl("delete", "infsvc", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=120s",
                     check=False)
     cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
+    wait_for(lambda: not get(cluster, "pods", "-n", OPERATOR_NAMESPACE)["items"], 60,
+             "the operator pod gone")
 
 
 def apply(cluster, obj: dict) -> None:
@@ -89,87 +91,19 @@ def deployment_replicas(cluster, name: str = NAME) -> int:
 
 
 @dataclass
-class Result:
-    sent: float
-    phase: str
-    ttft: float | None = None
-    tokens: int = 0
-    finish: str | None = None
-    error: str | None = None
-    address: str = ""
-
-
-@dataclass
-class LoadGenerator:
-    """Seeded Poisson arrivals; each request streams a completion from the least-busy address
-    the EndpointSlices list as ready."""
-    api: object
-    name: str = NAME
-    seed: int = 6
-    results: list[Result] = field(default_factory=list)
-    endpoints: list[str] = field(default_factory=list)
-    outstanding: dict[str, int] = field(default_factory=dict)
+class SliceLoad(LoadGenerator):
+    """The shared load generator, its endpoints the ready addresses of the Service's
+    EndpointSlices; it also records the Deployment's replicas as they change."""
+    api: object = None
     replicas_seen: list[tuple[float, int]] = field(default_factory=list)
 
     async def watch(self, cluster) -> None:
         while True:
-            self.endpoints = await asyncio.to_thread(ready_endpoints, self.api, self.name)
-            replicas = await asyncio.to_thread(deployment_replicas, cluster, self.name)
+            self.endpoints = await asyncio.to_thread(ready_endpoints, self.api, self.model)
+            replicas = await asyncio.to_thread(deployment_replicas, cluster, self.model)
             if replicas and (not self.replicas_seen or self.replicas_seen[-1][1] != replicas):
                 self.replicas_seen.append((time.monotonic(), replicas))
             await asyncio.sleep(0.5)
-
-    async def _one(self, session: aiohttp.ClientSession, result: Result, prompt: list[int]) -> None:
-        while not self.endpoints:
-            await asyncio.sleep(0.05)
-        ip = min(self.endpoints, key=lambda a: self.outstanding.get(a, 0))
-        result.address = ip
-        self.outstanding[ip] = self.outstanding.get(ip, 0) + 1
-        start = time.monotonic()
-        try:
-            async with session.post(f"http://{ip}:8000/v1/completions", json={
-                    "model": self.name, "prompt": prompt, "max_tokens": OUTPUT_TOKENS,
-                    "temperature": 0, "stream": True}) as response:
-                if response.status != 200:
-                    result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                    return
-                async for line in response.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    if choice.get("text") and result.ttft is None:
-                        result.ttft = time.monotonic() - start
-                    result.tokens += 1 if choice.get("text") else 0
-                    result.finish = choice.get("finish_reason") or result.finish
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.outstanding[ip] -= 1
-
-    async def play(self, phases: list[tuple[str, float, float]]) -> dict[str, tuple[float, float]]:
-        rng = random.Random(self.seed)
-        spans, tasks = {}, []
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
-            for phase, rate, seconds in phases:
-                start = at = time.monotonic()
-                while True:
-                    at += rng.expovariate(rate)
-                    if at >= start + seconds:
-                        break
-                    await asyncio.sleep(max(0.0, at - time.monotonic()))
-                    result = Result(time.monotonic(), phase)
-                    self.results.append(result)
-                    prompt = [rng.randrange(300, 900) for _ in range(20)]
-                    tasks.append(asyncio.create_task(self._one(session, result, prompt)))
-                await asyncio.sleep(max(0.0, start + seconds - time.monotonic()))
-                spans[phase] = (start, start + seconds)
-            await asyncio.gather(*tasks)
-        return spans
-
-    def failed(self) -> list[Result]:
-        return [r for r in self.results
-                if r.error or r.tokens != OUTPUT_TOKENS or r.finish != "length"]
 
 
 def operator_user(cluster) -> str:
@@ -179,29 +113,55 @@ def operator_user(cluster) -> str:
            f"{dep['spec']['template']['spec']['serviceAccountName']}"
 
 
+def operator_pod(cluster) -> str:
+    pods = [p for p in get(cluster, "pods", "-n", OPERATOR_NAMESPACE)["items"]
+            if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]["metadata"]["name"]
+
+
+async def kill_operator_at(cluster, at: float) -> tuple[str, float]:
+    """Force-deletes the operator pod at monotonic time ``at`` (its Deployment makes another)."""
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    pod = await asyncio.to_thread(operator_pod, cluster)
+    await asyncio.to_thread(cluster.kubectl, "delete", "pod", pod, "-n", OPERATOR_NAMESPACE,
+                            "--grace-period=0", "--force")
+    return pod, time.monotonic()
+
+
 async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_delay_losing_nothing(operator):
+    """... with the operator pod killed in the middle of the overload: its replacement resumes
+    from the persisted policy memory, so the scale-down still waits for the delay after the
+    load drops, and it makes no second set of children."""
     cluster = operator
     apply(cluster, service(autoscaling=SCALING))
     api = cluster.api_client()
-    load = LoadGenerator(api)
+    load = SliceLoad(NAME, 8000, OUTPUT_TOKENS, api=api)
     watcher = asyncio.create_task(load.watch(cluster))
+    killer = None
     try:
         deadline = time.monotonic() + 180
         while not load.endpoints:
             assert time.monotonic() < deadline, "the first pod never became ready"
             assert not watcher.done(), f"the endpoint watch stopped: {watcher.exception()!r}"
             await asyncio.sleep(0.5)
+        killer = asyncio.create_task(kill_operator_at(
+            cluster, time.monotonic() + BASELINE[1] + OVERLOAD[1] / 2))
         spans = await load.play([("baseline", *BASELINE), ("overload", *OVERLOAD),
                                  ("after", *AFTER)])
+        killed, killed_at = await killer
         # Wait out the scale-down (it may still be in its delay).
         deadline = time.monotonic() + 60
         while load.replicas_seen[-1][1] != SCALING["minReplicas"] and time.monotonic() < deadline:
             await asyncio.sleep(1)
     finally:
         watcher.cancel()
+        if killer and not killer.done():
+            killer.cancel()
     zero = spans["baseline"][0]
     seen = [(round(t - zero, 1), n) for t, n in load.replicas_seen]
-    report = f"replicas {seen}; phases {[(k, round(a - zero, 1)) for k, (a, _) in spans.items()]}"
+    report = (f"replicas {seen}; phases {[(k, round(a - zero, 1)) for k, (a, _) in spans.items()]}; "
+              f"operator killed at {killed_at - zero:.1f}")
     print(f"{len(load.results)} requests; {report}")
 
     failed = load.failed()
@@ -220,7 +180,12 @@ async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_dela
     # now gone all finished (counted in `failed` above), and there were such requests.
     live = set(ready_endpoints(api, NAME))
     assert any(r.address not in live for r in load.results), "no request went to a pod that left"
-    assert forbidden_calls(cluster, operator_user(cluster)) == []
+    assert forbidden_calls(cluster, operator_user(cluster), since=cluster.installed_at) == []
+    # The operator came back as a new pod and made no duplicates.
+    assert operator_pod(cluster) != killed
+    selector = f"slipstream.dev/inferenceservice={NAME}"
+    for kind in ("deploy", "svc"):
+        assert len(get(cluster, kind, "-n", NAMESPACE, "-l", selector)["items"]) == 1, kind
 
 
 def test_another_scaler_writing_replicas_is_detected_and_left_alone(operator):
@@ -271,26 +236,6 @@ def test_an_idle_autoscaled_service_costs_almost_no_status_writes(operator):
     assert writes <= 2, f"{writes} status writes in 40 s of an idle service"
 
 
-def test_the_operator_killed_mid_run_comes_back_without_duplicates_or_a_rash_scale_down(operator):
-    cluster = operator
-    apply(cluster, service(name="steady", autoscaling={**SCALING, "minReplicas": 1}))
-    wait_for(lambda: deployment_replicas(cluster, "steady") >= 1, 60, "the Deployment")
-    cluster.kubectl("scale", "infsvc", "steady", "-n", NAMESPACE, "--replicas", "2", check=False)
-    pods = get(cluster, "pods", "-n", OPERATOR_NAMESPACE)["items"]
-    old = pods[0]["metadata"]["name"]
-    replicas = deployment_replicas(cluster, "steady")
-    cluster.kubectl("delete", "pod", old, "-n", OPERATOR_NAMESPACE, "--grace-period=0", "--force")
-    wait_for(lambda: [p for p in get(cluster, "pods", "-n", OPERATOR_NAMESPACE)["items"]
-                      if p["metadata"]["name"] != old
-                      and (condition(p, "Ready") or {}).get("status") == "True"],
-             120, "a new operator pod Ready")
-    time.sleep(3 * TICK)
-    assert deployment_replicas(cluster, "steady") >= min(replicas, SCALING["minReplicas"])
-    sel = "slipstream.dev/inferenceservice=steady"
-    assert len(get(cluster, "deploy", "-n", NAMESPACE, "-l", sel)["items"]) == 1
-    assert len(get(cluster, "svc", "-n", NAMESPACE, "-l", sel)["items"]) == 1
-
-
 def test_after_an_api_server_restart_the_operator_acts_again_within_a_bounded_time(operator):
     cluster = operator
     apply(cluster, service(name="restart"))
@@ -304,23 +249,35 @@ def test_after_an_api_server_restart_the_operator_acts_again_within_a_bounded_ti
     assert get(cluster, "infsvc", "restart", "-n", NAMESPACE) is not None
 
 
-def test_helm_upgrade_with_services_serving_restarts_no_model_pod(operator):
+def model_pods(cluster, selector: str) -> dict[str, int]:
+    """uid → restart count of the live pods matching ``selector``."""
+    return {p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"]
+            for p in get(cluster, "pods", "-n", NAMESPACE, "-l", selector)["items"]
+            if not p["metadata"].get("deletionTimestamp")}
+
+
+async def test_helm_upgrade_with_services_serving_fails_no_request_and_restarts_no_model_pod(operator):
     cluster = operator
     # The fixed-size service of the test before: autoscaled ones may change on their own.
     selector = "slipstream.dev/inferenceservice=restart"
-    wait_for(lambda: len([p for p in get(cluster, "pods", "-n", NAMESPACE, "-l", selector)["items"]
-                          if (condition(p, "Ready") or {}).get("status") == "True"]) == 2,
-             120, "two ready pods")
-    pods_before = {p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"]
-                   for p in get(cluster, "pods", "-n", NAMESPACE, "-l", selector)["items"]
-                   if not p["metadata"].get("deletionTimestamp")}
-    assert len(pods_before) == 2
-    # README's procedure: the CRDs first, then the chart.
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    cluster.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE, "--reuse-values",
-                 "--set", "operator.resyncSeconds=30", "--wait", "--timeout", "5m")
-    time.sleep(4 * TICK)
-    pods_after = {p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"]
-                  for p in get(cluster, "pods", "-n", NAMESPACE, "-l", selector)["items"]
-                  if not p["metadata"].get("deletionTimestamp")}
-    assert pods_after == pods_before
+    await asyncio.to_thread(wait_for, lambda: len([
+        p for p in get(cluster, "pods", "-n", NAMESPACE, "-l", selector)["items"]
+        if (condition(p, "Ready") or {}).get("status") == "True"]) == 2, 120, "two ready pods")
+    before = model_pods(cluster, selector)
+    assert len(before) == 2
+    load = SliceLoad("restart", 8000, OUTPUT_TOKENS, api=cluster.api_client())
+    watcher = asyncio.create_task(load.watch(cluster))
+    try:
+        while not load.endpoints:
+            await asyncio.sleep(0.2)
+
+        def upgrade() -> None:  # README's procedure: the CRDs first, then the chart
+            cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+            cluster.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE, "--reuse-values",
+                         "--set", "operator.resyncSeconds=30", "--wait", "--timeout", "5m")
+        await asyncio.gather(asyncio.to_thread(upgrade), load.play([("upgrade", 2.0, 30.0)]))
+    finally:
+        watcher.cancel()
+    assert load.results and not load.failed(), load.failed()[:3]
+    await asyncio.sleep(4 * TICK)
+    assert model_pods(cluster, selector) == before

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cluster_helpers import (CHART, EXAMPLES, OPERATOR_NAMESPACE, RELEASE, condition,
-                             forbidden_calls, get, wait_for)
+                             forbidden_calls, get, now, wait_for)
 
 # Startup of a built-in model pod (torch import, model load, warm-up) on a busy 2-core machine.
 MODEL_READY_TIMEOUT = 240
@@ -58,7 +58,8 @@ def chat(ip: str, model: str, port: int = 8000) -> dict:
 
 @pytest.fixture(scope="module")
 def installed(cluster):
-    """The chart installed as README says, operator Ready."""
+    """The chart installed as README says, operator Ready (``installed_at``: just before)."""
+    cluster.installed_at = now()
     cluster.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE, "--create-namespace",
                  "--wait", "--timeout", "5m")
     return cluster
@@ -148,7 +149,7 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
         wait_for(lambda: infsvc_ready(installed, doc["metadata"]["name"], ns_of(doc)),
                  MODEL_READY_TIMEOUT, f"InferenceService {doc['metadata']['name']} Ready")
 
-    assert forbidden_calls(installed, operator_user(installed)) == []
+    assert forbidden_calls(installed, operator_user(installed), since=installed.installed_at) == []
 
 
 def test_model_pods_run_under_pod_security_restricted(installed):

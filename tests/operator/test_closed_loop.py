@@ -18,7 +18,6 @@ drives the scale-up.
 from __future__ import annotations
 
 import asyncio
-import json
 import pathlib
 import random
 import signal
@@ -36,6 +35,7 @@ import pytest
 import yaml
 
 from kube_emulator import ApiServer
+from loadgen import LoadGenerator
 from operator_helpers import CRD_PATH, running_operator
 from slipstream.operator.handlers import OperatorConfig, register
 from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube
@@ -188,25 +188,10 @@ class PodController:
 
 
 @dataclass
-class Result:
-    sent: float
-    phase: str
-    ttft: float | None = None
-    tokens: int = 0
-    finish: str | None = None
-    error: str | None = None
+class EmulatedLoad(LoadGenerator):
+    """The shared load generator, its endpoints the emulator's ready, not deleted Pods."""
 
-
-@dataclass
-class LoadGenerator:
-    """Seeded Poisson arrivals; each request streams a completion from the least-busy ready pod."""
-
-    kube: Kube
-    port: int
-    seed: int = 6
-    results: list[Result] = field(default_factory=list)
-    endpoints: list[str] = field(default_factory=list)
-    outstanding: dict[str, int] = field(default_factory=dict)
+    kube: Kube | None = None
 
     async def watch_endpoints(self) -> None:
         while True:
@@ -216,55 +201,6 @@ class LoadGenerator:
                               and any(c["type"] == "Ready" and c["status"] == "True"
                                       for c in p["status"].get("conditions", ()))]
             await asyncio.sleep(0.5)  # well inside the preStop pause
-
-    async def _one(self, session: aiohttp.ClientSession, result: Result, prompt: list[int]) -> None:
-        while not self.endpoints:
-            await asyncio.sleep(0.05)
-        ip = min(self.endpoints, key=lambda a: self.outstanding.get(a, 0))
-        self.outstanding[ip] = self.outstanding.get(ip, 0) + 1
-        start = time.monotonic()
-        try:
-            async with session.post(f"http://{ip}:{self.port}/v1/completions", json={
-                    "model": NAME, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
-                    "stream": True}) as response:
-                if response.status != 200:
-                    result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                    return
-                async for line in response.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    if choice.get("text") and result.ttft is None:
-                        result.ttft = time.monotonic() - start
-                    result.tokens += 1 if choice.get("text") else 0
-                    result.finish = choice.get("finish_reason") or result.finish
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.outstanding[ip] -= 1
-
-    async def play(self, phases: list[tuple[str, float, float]]) -> dict[str, tuple[float, float]]:
-        """Send the phases' arrivals; returns each phase's (start, end) on the monotonic clock."""
-        rng = random.Random(self.seed)
-        spans, tasks = {}, []
-        connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-            for name, rate, seconds in phases:
-                start = time.monotonic()
-                at = start
-                while True:
-                    at += rng.expovariate(rate)
-                    if at >= start + seconds:
-                        break
-                    await asyncio.sleep(max(0.0, at - time.monotonic()))
-                    result = Result(time.monotonic(), name)
-                    self.results.append(result)
-                    prompt = [rng.randrange(300, 900) for _ in range(20)]
-                    tasks.append(asyncio.create_task(self._one(session, result, prompt)))
-                await asyncio.sleep(max(0.0, start + seconds - time.monotonic()))
-                spans[name] = (start, start + seconds)
-            await asyncio.gather(*tasks)
-        return spans
 
 
 def p99(values: list[float]) -> float:
@@ -279,7 +215,7 @@ class ClosedLoop:
     kube: Kube
     port: int
     controller: PodController
-    load: LoadGenerator
+    load: EmulatedLoad
     queue: list[tuple[float, float]] = field(default_factory=list)  # (time, status.queueDepth)
     background: list[asyncio.Task] = field(default_factory=list)
 
@@ -313,7 +249,8 @@ async def closed_loop() -> AsyncIterator[ClosedLoop]:
         settings = kopf.OperatorSettings()
         settings.watching.server_timeout = 10
         logs = pathlib.Path(tempfile.mkdtemp(prefix="closed-loop-"))  # the servers' output, shown on failure
-        loop = ClosedLoop(kube, port, PodController(kube, port, logs), LoadGenerator(kube, port))
+        loop = ClosedLoop(kube, port, PodController(kube, port, logs),
+                         EmulatedLoad(NAME, port, OUTPUT_TOKENS, kube=kube))
         loop.background = [asyncio.create_task(c) for c in (
             loop.controller.run(), loop.load.watch_endpoints(), loop.watch_queue())]
         try:
@@ -352,7 +289,7 @@ async def test_operator_scales_sim_servers_up_under_load_and_down_after_the_dela
     print(f"requests {len(load.results)}; replicas {[(round(t - zero, 1), n) for t, n in controller.replica_changes]}; "
           f"phases {[(k, round(a - zero, 1)) for k, (a, _) in spans.items()]}; queue max {max(q for _, q in queue)}; "
           f"p99 TTFT baseline {p99(ttft['baseline']):.3f} s, overload {p99(ttft['overload']):.3f} s")
-    failed = [r for r in load.results if r.error or r.tokens != OUTPUT_TOKENS or r.finish != "length"]
+    failed = load.failed()
     assert not failed, f"{len(failed)} requests failed, e.g. {failed[:3]}\n{report()}"
 
     t0_over, t1_over = spans["overload"]
