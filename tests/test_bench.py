@@ -59,6 +59,7 @@ def test_summary_counts_steps_preemptions_and_utilization_once_nothing_waits():
     assert s["mean_step_ms"] == pytest.approx(200.0) and s["forward_share"] == pytest.approx(5 / 6)
 
 
+@pytest.mark.slow
 def test_bench_throughput_generates_every_requested_token(tmp_path, capsys):
     out = tmp_path / "result.json"
     code = main(["throughput", "--num-requests", "6", "--max-output", "16", "--prompt-len", "8-40",

@@ -103,6 +103,7 @@ def test_checkpoint_missing_a_tensor_is_named(tmp_path, loaded):
         load_model(str(path), torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.slow
 def test_gguf_weight_cache_round_trips_exactly(tmp_path, monkeypatch, loaded, caplog):
     import logging
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))

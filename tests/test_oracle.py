@@ -67,6 +67,7 @@ def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_one_at_a_time_matches_transformers(make_llm, prompts, expected):
     llm = make_llm(max_num_batched_tokens=512)
     for p, want in zip(prompts, expected):
@@ -80,6 +81,7 @@ def test_one_batch_matches_transformers(make_llm, prompts, expected):
     assert len(first.scheduled) == len(prompts), "all prompts should share the first step"
 
 
+@pytest.mark.slow
 def test_preemption_keeps_output_exact(make_llm, prompts, expected):
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     blocks = -(-longest // 16) + 2
@@ -89,6 +91,7 @@ def test_preemption_keeps_output_exact(make_llm, prompts, expected):
     assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small for all at once"
 
 
+@pytest.mark.slow
 def test_chunked_prefill_keeps_output_exact(make_llm, prompts, expected):
     llm = make_llm(max_num_batched_tokens=48, trace=True)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
@@ -103,6 +106,7 @@ def test_chunked_prefill_keeps_output_exact(make_llm, prompts, expected):
     assert all(rec.num_tokens <= 48 for rec in llm.engine.trace)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hit_keeps_output_exact(make_llm, prompts, expected):
     llm = make_llm()
     assert _tokens(llm.generate(prompts[2], GREEDY)) == [expected[2]]  # warms the long system prompt

@@ -1,6 +1,7 @@
 """Sampling: masks keep exactly the right tokens, seeds are per request, n choices differ."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from slipstream.server.engine import SamplingParams
@@ -59,6 +60,7 @@ def test_penalties():
     assert logits.tolist() == [[0.0, -0.75, -1.0, 0.0]]  # output only; the prompt's token 3 untouched
 
 
+@pytest.mark.slow
 def test_seeded_request_samples_the_same_alone_and_in_a_mixed_batch(make_llm):
     llm = make_llm()
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
@@ -95,6 +97,7 @@ def test_logprobs_are_log_softmax_of_the_logits(make_llm):
         assert vals == sorted(vals, reverse=True) and abs(lp.logprob - vals[0]) < 1e-6
 
 
+@pytest.mark.slow
 def test_min_tokens_and_stop_token_ids(make_llm):
     llm = make_llm()
     eos = llm.engine.eos_token_ids[0]

@@ -106,6 +106,7 @@ def test_out_of_blocks_preempts_newest_and_recomputes(engine):
     assert all(rec.num_blocks_used <= 6 for rec in eng.trace)
 
 
+@pytest.mark.slow
 def test_waiting_forked_choices_give_back_their_blocks_when_nothing_else_can_run(engine):
     """A forked choice waits holding its parent's prompt blocks. When a preempted request at the
     head of the queue needs the whole cache, nothing runs, so those blocks must be given back or

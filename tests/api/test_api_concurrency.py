@@ -6,6 +6,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 
 from .harness import Http, assert_engine_idle, engine_idle, wait_until
 
@@ -32,6 +33,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict, leave_af
         return {"left": False, "chunks": chunks, "done": done}
 
 
+@pytest.mark.slow
 async def test_32_streaming_clients_a_third_leaving_midway_free_every_block(server):
     url = server.v1 + "/chat/completions"
     connector = aiohttp.TCPConnector(limit=0, force_close=True)

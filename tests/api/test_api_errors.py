@@ -124,6 +124,7 @@ def test_unknown_path_and_wrong_method_are_json(http):
     assert "POST" in r.headers["Allow"]
 
 
+@pytest.mark.slow
 def test_more_than_max_waiting_queued_requests_get_429_at_once(loop_thread, engine):
     # The test engine runs 8 at once; with --max-waiting 2, at most 10 of 16 are admitted.
     with serve_app(loop_thread, engine, max_waiting=2) as served:

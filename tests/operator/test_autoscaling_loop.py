@@ -289,6 +289,7 @@ async def _replicas_are(kube: Kube, n: int) -> bool:
 
 # --- status writes -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_an_idle_service_writes_its_status_a_few_times_not_every_tick(api, service,
                                                                             make_autoscaler):
     """One idle service, 60 ticks (2 simulated minutes): the first tick's verdict, then the

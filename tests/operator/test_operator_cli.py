@@ -134,6 +134,7 @@ class _Quiet:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 async def test_operator_command_serves_its_namespace_with_peering_and_liveness(
         api, kube, tmp_path, monkeypatch):
     for doc in yaml.safe_load_all((ROOT / "crds" / "kopf-peering.yaml").read_text()):
