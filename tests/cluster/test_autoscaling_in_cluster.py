@@ -228,12 +228,13 @@ def test_an_idle_autoscaled_service_costs_almost_no_status_writes(operator):
     apply(cluster, service(name="idle", autoscaling=SCALING))
     wait_for(lambda: (c := condition(get(cluster, "infsvc", "idle", "-n", NAMESPACE), "Ready"))
              and c["status"] == "True", 180, "the idle service Ready")
-    time.sleep(5)
+    time.sleep(10)  # the writes that come with turning Ready
     user = operator_user(cluster)
     before = status_writes(cluster, user, "idle")
-    time.sleep(40)  # 20 autoscaler ticks
+    time.sleep(40)  # 20 autoscaler ticks: one write each before the fix
     writes = status_writes(cluster, user, "idle") - before
-    assert writes <= 2, f"{writes} status writes in 40 s of an idle service"
+    # The policy's memory is persisted about every 30 s; nothing else changes while idle.
+    assert writes <= 3, f"{writes} status writes in 40 s of an idle service"
 
 
 def test_after_an_api_server_restart_the_operator_acts_again_within_a_bounded_time(operator):
