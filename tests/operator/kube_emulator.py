@@ -68,6 +68,8 @@ def schema_defaults(schema: dict[str, Any], value: Any) -> Any:
     return value
 
 
+# Kinds the real API server keeps no metadata.generation for (seen on v1.36: Services).
+NO_GENERATION = {"services", "configmaps", "secrets", "endpoints", "events"}
 _UNMANAGED_META = {"managedFields", "resourceVersion", "generation", "uid", "creationTimestamp",
                    "name", "namespace", "selfLink", "deletionTimestamp"}
 
@@ -306,8 +308,9 @@ class ApiServer(kmock.KubernetesEmulator):
             else:
                 new.pop("status", None)
         new = self._defaulted(res, new)
-        new["metadata"]["generation"] = old_meta.get("generation", 1) + (
-            _essence(new) != _essence(old))
+        if res.plural not in NO_GENERATION:
+            new["metadata"]["generation"] = old_meta.get("generation", 1) + (
+                _essence(new) != _essence(old))
         new["metadata"]["resourceVersion"] = old_meta["resourceVersion"]
         new["metadata"]["managedFields"] = old_meta.get("managedFields", [])
         if new == old:
@@ -358,8 +361,10 @@ class ApiServer(kmock.KubernetesEmulator):
                                         message=f"{res.plural} {meta['name']!r} already exists")
         if res in self._status_subresource:
             obj.pop("status", None)
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(),
                     resourceVersion=str(next(self._versions)))
+        if res.plural not in NO_GENERATION:
+            meta["generation"] = 1
         obj = self._defaulted(res, obj)
         obj["metadata"]["managedFields"] = managed_fields(
             None, obj, _manager(request), None, obj.get("apiVersion", ""))
