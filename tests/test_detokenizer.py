@@ -5,8 +5,8 @@ from slipstream.server.engine import SamplingParams
 from slipstream.server.engine.detokenizer import IncrementalDetokenizer
 
 
-def stream(tok, ids, stop=()):
-    d = IncrementalDetokenizer(tok, [], list(stop))
+def stream(tok, ids, stop=(), include_stop=False):
+    d = IncrementalDetokenizer(tok, [], list(stop), include_stop=include_stop)
     pieces = []
     for i, t in enumerate(ids):
         hit = d.append(t)
@@ -38,6 +38,14 @@ def test_stop_string_spanning_two_tokens_is_found_and_never_partly_emitted(loade
     assert "".join(pieces) == "alpha beta gam"
     for i in range(1, len(pieces) + 1):  # at no point did anything past the cut leave
         assert "alpha beta gam".startswith("".join(pieces[:i]))
+
+
+def test_included_stop_string_spanning_two_tokens_ends_the_text_and_nothing_after_it_leaves(loaded):
+    tok = loaded.tokenizer
+    ids = tok.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
+    pieces, d = stream(tok, ids, stop=["ma del"], include_stop=True)
+    assert d.stopped_by == "ma del"
+    assert "".join(pieces) == "alpha beta gamma del"
 
 
 def test_text_without_stop_is_held_back_only_while_it_could_still_match(loaded):

@@ -123,13 +123,17 @@ class _Call:
         self.usage = render.Usage()
         self._seen_prompts: set[int] = set()
 
-    def _absorb(self, prompt_index: int, out: RequestOutput) -> list[tuple[render.Choice, Any]]:
-        """Account one increment; returns the (choice, increment) pairs it touched."""
-        self.record.observe(prompt_index, out)
+    def _count_prompt(self, prompt_index: int, out: RequestOutput) -> None:
+        """Add a prompt's tokens to the usage, once per prompt."""
         if prompt_index not in self._seen_prompts:
             self._seen_prompts.add(prompt_index)
             self.usage.prompt_tokens += len(out.prompt_token_ids)
             self.usage.cached_tokens += out.num_cached_tokens
+
+    def _absorb(self, prompt_index: int, out: RequestOutput) -> list[tuple[render.Choice, Any]]:
+        """Account one increment; returns the (choice, increment) pairs it touched."""
+        self.record.observe(prompt_index, out)
+        self._count_prompt(prompt_index, out)
         touched = []
         for co in out.outputs:
             index = prompt_index * self.n + co.index
@@ -158,9 +162,12 @@ class _Call:
         return web.json_response(body)
 
     def _chunk(self, choices: list[dict], usage: render.Usage | None = None) -> dict:
+        """A stream chunk; with ``continuous_usage_stats`` each one that has choices carries the usage so far."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.req.continuous_usage and choices:
+            usage = self.usage
         return render.chunk(self.request_id, self.created, self.state.model_name, obj, choices,
-                            self.req.include_usage, usage)
+                            self.req.include_usage or self.req.continuous_usage, usage)
 
     def _deltas(self, choice: render.Choice, co: Any) -> list[dict]:
         with_logprobs = self.req.logprobs is not None and co.logprobs
@@ -184,6 +191,8 @@ class _Call:
         sse = SSEStream(request)
         try:
             await sse.open()
+            for prompt_index, out in enumerate(group.first_outputs):  # prompt_tokens fixed from the first chunk
+                self._count_prompt(prompt_index, out)
             if self.chat:  # OpenAI opens each choice with the role and an empty content
                 num_choices = self.n * len(group.request_ids)
                 for index in range(num_choices):

@@ -2,8 +2,9 @@
 
 A field that the server knows but cannot honour (``tools``, a ``response_format`` other than
 text, a non-empty ``logit_bias``, ...) is a 400 naming it; so is a field it does not know, as
-OpenAI does ("Unrecognized request argument supplied"). Fields that clients send by default with
-no-op values, and explicit ``null`` for any optional field, are accepted.
+OpenAI does ("Unrecognized request argument supplied", ``code: unknown_parameter``). Fields that
+change nothing here (``user``, ``prompt_cache_key``, ``service_tier``, ...), no-op values that
+clients send by default, and explicit ``null`` for any optional field are accepted.
 """
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ from slipstream.server.engine.sampling_params import SamplingParams
 MAX_N = 128
 MAX_LOGPROBS = 20
 
-# Accepted with any value: they do not change the output.
-_NO_OP_FIELDS = {"user", "store", "metadata", "parallel_tool_calls", "service_tier"}
+# Accepted, type-checked, and otherwise ignored: they do not change the output here.
+_NO_OP_FIELDS = {"user": "string", "prompt_cache_key": "string", "safety_identifier": "string",
+                 "service_tier": "string", "store": "boolean", "metadata": "object",
+                 "parallel_tool_calls": "boolean"}
 _SAMPLING_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stream",
-    "stream_options", "logit_bias", "best_of", "skip_special_tokens", "logprobs",
+    "stream_options", "logit_bias", "best_of", "skip_special_tokens", "logprobs", "include_stop_str_in_output",
 }
-CHAT_FIELDS = _SAMPLING_FIELDS | _NO_OP_FIELDS | {
+CHAT_FIELDS = _SAMPLING_FIELDS | set(_NO_OP_FIELDS) | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
     "response_format", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | _NO_OP_FIELDS | {"prompt", "echo", "suffix"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | set(_NO_OP_FIELDS) | {"prompt", "echo", "suffix"}
 _CHAT_ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -43,7 +46,8 @@ class GenerationRequest:
     model: str | None
     params: SamplingParams
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a last, usage-only chunk
+    continuous_usage: bool = False  # usage so far on every chunk that carries choices
     prompts: list[str | list[int]] | None = None
     messages: list[dict[str, str]] | None = None
     logprobs: int | None = None
@@ -67,18 +71,20 @@ def _kind(value: Any) -> str:
     return "null"
 
 
-def _typed(body: dict, name: str, expected: str, default: Any = None) -> Any:
+def _typed(body: dict, name: str, expected: str, default: Any = None, *, where: str | None = None) -> Any:
+    """``body[name]`` checked to be of JSON type ``expected``; ``where`` is its path in the request."""
     value = body.get(name)
     if value is None:
         return default
+    where = where or name
     kind = _kind(value)
     if expected == "number" and kind == "integer":
         return float(value)
     if kind != expected:
-        raise bad_request(f"{name} must be {'an' if expected[0] in 'aeiou' else 'a'} {expected}, "
-                          f"got {kind} {value!r:.60}", name)
+        raise bad_request(f"{where} must be {'an' if expected[0] in 'aeiou' else 'a'} {expected}, "
+                          f"got {kind} {value!r:.60}", where)
     if expected == "number" and not math.isfinite(value):
-        raise bad_request(f"{name} must be a finite number, got {value}", name)
+        raise bad_request(f"{where} must be a finite number, got {value}", where)
     return value
 
 
@@ -117,7 +123,7 @@ def _int_list(body: dict, name: str) -> list[int]:
 def _reject_unsupported(body: dict, allowed: set[str]) -> None:
     for name in body:
         if name not in allowed:
-            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported; send {} or omit it", "logit_bias")
     _typed(body, "logit_bias", "object")
@@ -140,20 +146,25 @@ def _reject_unsupported(body: dict, allowed: set[str]) -> None:
             raise bad_request(f"{name} is not supported by this server; omit it", name)
     if body.get("echo") is not None and _typed(body, "echo", "boolean"):
         raise bad_request("echo=true is not supported; omit it or send false", "echo")
-    _typed(body, "user", "string")
+    for name, kind in _NO_OP_FIELDS.items():
+        _typed(body, name, kind)
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage_stats)``; each option works without the other."""
     options = _typed(body, "stream_options", "object")
     if options is None:
-        return False
+        return False, False
     if not stream:  # as OpenAI and vLLM: options for a stream that will not be sent
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     for key in options:
-        if key != "include_usage":
-            raise bad_request(f"stream_options.{key} is not supported", f"stream_options.{key}")
-    include_usage = _typed(options, "include_usage", "boolean", False)
-    return bool(include_usage)
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise bad_request(f"Unrecognized request argument supplied: stream_options.{key}",
+                              f"stream_options.{key}", "unknown_parameter")
+    include_usage = _typed(options, "include_usage", "boolean", False, where="stream_options.include_usage")
+    continuous = _typed(options, "continuous_usage_stats", "boolean", False,
+                        where="stream_options.continuous_usage_stats")
+    return bool(include_usage), bool(continuous)
 
 
 def _sampling_params(body: dict, *, max_tokens: int | None, default_max_tokens: int | None,
@@ -184,6 +195,7 @@ def _sampling_params(body: dict, *, max_tokens: int | None, default_max_tokens: 
         ignore_eos=_typed(body, "ignore_eos", "boolean", False),
         logprobs=logprobs,
         skip_special_tokens=_typed(body, "skip_special_tokens", "boolean", True),
+        include_stop_str_in_output=_typed(body, "include_stop_str_in_output", "boolean", False),
     )
     if kwargs["repetition_penalty"] <= 0:
         raise bad_request(f"repetition_penalty must be > 0, got {kwargs['repetition_penalty']}",
@@ -205,18 +217,20 @@ def _max_tokens(body: dict, *names: str) -> int | None:
     return next(iter(given.values()), None)
 
 
-def _common(body: Any, allowed: set[str]) -> tuple[bool, bool, str | None]:
+def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
+    """The fields every endpoint shares, as keyword arguments of :class:`GenerationRequest`."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object")
     _reject_unsupported(body, allowed)
     model = _typed(body, "model", "string")
     stream = _typed(body, "stream", "boolean", False)
-    return stream, _stream_options(body, stream), model
+    include_usage, continuous_usage = _stream_options(body, stream)
+    return dict(model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage)
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
     """Validate a ``POST /v1/chat/completions`` body. Raises :class:`APIError` (400) naming the field."""
-    stream, include_usage, model = _common(body, CHAT_FIELDS)
+    common = _common(body, CHAT_FIELDS)
     messages = _messages(body)
     logprobs_on = _typed(body, "logprobs", "boolean", False)
     top_logprobs = _in_range(body, "top_logprobs", "integer", None, 0, MAX_LOGPROBS)
@@ -225,19 +239,17 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     logprobs = (top_logprobs or 0) if logprobs_on else None
     max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
     params = _sampling_params(body, max_tokens=max_tokens, default_max_tokens=None, logprobs=logprobs)
-    return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
-                             messages=messages, logprobs=logprobs)
+    return GenerationRequest(params=params, messages=messages, logprobs=logprobs, **common)
 
 
 def parse_completion_request(body: Any, vocab_size: int | None = None) -> GenerationRequest:
     """Validate a ``POST /v1/completions`` body. Raises :class:`APIError` (400) naming the field."""
-    stream, include_usage, model = _common(body, COMPLETION_FIELDS)
+    common = _common(body, COMPLETION_FIELDS)
     prompts = _prompts(body, vocab_size)
     logprobs = _in_range(body, "logprobs", "integer", None, 0, MAX_LOGPROBS)
     max_tokens = _max_tokens(body, "max_tokens")
     params = _sampling_params(body, max_tokens=max_tokens, default_max_tokens=16, logprobs=logprobs)
-    return GenerationRequest(model=model, params=params, stream=stream, include_usage=include_usage,
-                             prompts=prompts, logprobs=logprobs)
+    return GenerationRequest(params=params, prompts=prompts, logprobs=logprobs, **common)
 
 
 def _messages(body: dict) -> list[dict[str, str]]:

@@ -87,10 +87,10 @@ def completion_response(request_id: str, created: int, model: str, choices: list
 
 
 def chunk(request_id: str, created: int, model: str, obj: str, choices: list[dict],
-          include_usage: bool, usage: Usage | None = None) -> dict:
-    """One stream chunk; with ``include_usage`` every chunk carries ``usage`` (null but on the last)."""
+          with_usage: bool, usage: Usage | None = None) -> dict:
+    """One stream chunk; with ``with_usage`` every chunk has the ``usage`` key (null where ``usage`` is None)."""
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
-    if include_usage:
+    if with_usage:
         body["usage"] = usage.body() if usage is not None else None
     return body
 

@@ -16,11 +16,13 @@ class IncrementalDetokenizer:
     """Args:
         tokenizer: a transformers tokenizer.
         prompt_token_ids: the prompt, for context only (its text is never emitted).
-        stop: stop strings; the first one found ends the text (excluded from it).
+        stop: stop strings; the first one found ends the text (excluded from it unless ``include_stop``).
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
+        include_stop: keep the stop string that ended the text (vLLM's ``include_stop_str_in_output``).
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -28,7 +30,8 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""          # output text so far (stable, stop string removed)
+        self.include_stop = include_stop
+        self.text = ""          # output text so far (stable, ending at the stop string)
         self.emitted = 0        # characters of self.text already handed out
         self.stopped_by: str | None = None
 
@@ -53,14 +56,14 @@ class IncrementalDetokenizer:
         if not found:
             return None
         pos, s = min(found)
-        self.text = self.text[:pos]
+        self.text = self.text[:pos + len(s) if self.include_stop else pos]
         self.stopped_by = s
         return s
 
     def take(self, finished: bool) -> str:
         """The text not yet handed out; while unfinished, keep back a tail that may start a stop string."""
         end = len(self.text)
-        if not finished and self.stop:
+        if not finished and self.stop and not self.include_stop:  # a kept stop string needs no hold-back
             end -= self._partial_stop_len()
         end = max(end, self.emitted)
         delta = self.text[self.emitted:end]

@@ -179,7 +179,8 @@ class LLMEngine:
             seed = params.seed + index * 0x9E3779B1 if params.seed is not None else self._rng.getrandbits(62)
             generator.manual_seed(seed % (1 << 63))
         req = Request(f"{gid}-{index}" if index else gid, gid, index, ids, params, generator, RequestMetrics(arrival))
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                                params.include_stop_str_in_output)
         return req
 
     def add(self, requests: list[Request]) -> None:

@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0: only the sampled one
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

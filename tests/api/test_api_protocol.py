@@ -32,11 +32,11 @@ def test_every_sampling_field_reaches_the_sampling_params():
         "prompt": "x", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "n": 3,
         "best_of": 3, "stop": "END", "stop_token_ids": [5], "seed": 11, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 2, "logprobs": 2,
-        "skip_special_tokens": False}).params
+        "skip_special_tokens": False, "include_stop_str_in_output": True}).params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.n) == (7, 0.5, 0.9, 40, 0.1, 3)
     assert (p.stop, p.stop_token_ids, p.seed, p.presence_penalty, p.frequency_penalty) == (["END"], [5], 11, 0.5, -0.5)
     assert (p.repetition_penalty, p.ignore_eos, p.min_tokens, p.logprobs) == (1.2, True, 2, 2)
-    assert p.skip_special_tokens is False
+    assert p.skip_special_tokens is False and p.include_stop_str_in_output is True
 
 
 def test_max_completion_tokens_is_max_tokens_and_both_must_agree():
@@ -66,6 +66,24 @@ def test_stream_options_need_a_stream():
         assert exc.value.param == "stream_options"
 
 
+def test_continuous_usage_stats_works_with_or_without_include_usage():
+    body = {"messages": MESSAGES, "stream": True}
+    guidellm = parse_chat_request({**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert guidellm.include_usage and guidellm.continuous_usage
+    alone = parse_completion_request({"prompt": "x", "stream": True,
+                                      "stream_options": {"continuous_usage_stats": True}})
+    assert alone.continuous_usage and not alone.include_usage
+    assert not parse_chat_request({**body, "stream_options": {"include_usage": True}}).continuous_usage
+
+
+def test_stream_options_fields_are_checked_by_their_path():
+    body = {"messages": MESSAGES, "stream": True}
+    error = refused(parse_chat_request, {**body, "stream_options": {"continuous_usage_stats": "yes"}})
+    assert error.param == "stream_options.continuous_usage_stats"
+    error = refused(parse_chat_request, {**body, "stream_options": {"include_obfuscation": False}})
+    assert (error.param, error.code) == ("stream_options.include_obfuscation", "unknown_parameter")
+
+
 def test_explicit_nulls_take_the_defaults():
     fields = ["model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "logit_bias",
               "user", "stream", "stream_options", "tools", "tool_choice", "response_format", "logprobs",
@@ -79,6 +97,21 @@ def test_noop_values_clients_send_by_default_are_accepted():
                         "parallel_tool_calls": True, "logit_bias": {}, "tools": [], "tool_choice": "none",
                         "response_format": {"type": "text"}, "modalities": ["text"], "service_tier": "auto"})
     parse_completion_request({"prompt": "x", "echo": False, "suffix": None, "best_of": 1, "logit_bias": {}})
+
+
+def test_fields_that_change_nothing_here_are_accepted_and_type_checked():
+    no_ops = {"prompt_cache_key": "k1", "safety_identifier": "hash", "service_tier": "default", "store": True,
+              "metadata": {"run": "7"}, "user": "u"}
+    for parse, body in ((parse_chat_request, {"messages": MESSAGES}), (parse_completion_request, {"prompt": "x"})):
+        assert parse({**body, **no_ops}).params == parse(body).params
+    for field, value in [("prompt_cache_key", 1), ("safety_identifier", ["a"]), ("store", "yes"), ("metadata", "m")]:
+        assert refused(parse_completion_request, {"prompt": "x", field: value}).param == field
+
+
+def test_unknown_field_is_unknown_parameter_naming_it():
+    for parse, body in ((parse_chat_request, {"messages": MESSAGES}), (parse_completion_request, {"prompt": "x"})):
+        error = refused(parse, {**body, "frobnicate": 1})
+        assert (error.status, error.param, error.code) == (400, "frobnicate", "unknown_parameter")
 
 
 @pytest.mark.parametrize("field, value", [
