@@ -116,8 +116,9 @@ class Container:
     def launch_spec(self, argv: list[str], restart: int, volumes: dict[str, HostVolume], home: Path,
                     netns: str | None, image_paths: list[Path], exposed: list[dict]) -> dict:
         """The launcher's input for run ``restart``: namespaces, mounts (volumes, the image's
-        HOME, the termination log), user, working directory, env and argv. Raises ConfigError
-        when a mountPath would hide what the image runs from."""
+        HOME, the termination log), the paths the image runs from (``keep``: bound again inside
+        any mount that covers them, e.g. a checkout under /tmp), user, working directory, env
+        and argv. Raises ConfigError when a mountPath is exactly such a path."""
         mounts = []
         for vm in self.spec.get("volumeMounts") or []:
             vol = volumes[vm["name"]]
@@ -131,10 +132,9 @@ class Container:
                            "read_only": bool(vm.get("readOnly")) or vol.read_only})
         targets = {m["target"].rstrip("/") for m in mounts}
         for target in targets:
-            for needed in image_paths:
-                if needed == Path(target) or Path(target) in needed.parents:
-                    raise ConfigError(f"mountPath {target} would hide {needed}, which the process kubelet's "
-                                      "images run from (containers share the host's filesystem): choose another path")
+            if Path(target) in image_paths:
+                raise ConfigError(f"mountPath {target} is where the process kubelet's images run from "
+                                  "(containers share the host's filesystem): choose another path")
         if self.image.home and self.image.home not in targets:
             home.mkdir(exist_ok=True)
             os.chown(home, self.user.uid, self.user.gid)
@@ -146,6 +146,7 @@ class Container:
         term_log.chmod(0o666)
         mounts.append({"source": str(term_log), "target": self.spec.get("terminationMessagePath") or "/dev/termination-log"})
         return {"netns": netns, "expose": exposed if self.user.uid != 0 else [], "mounts": mounts,
+                "keep": [str(p) for p in image_paths],
                 "uid": self.user.uid, "gid": self.user.gid, "groups": self.user.groups,
                 "no_new_privs": self.user.no_new_privs, "drop_all_caps": self.user.drop_all_caps,
                 "workdir": self.spec.get("workingDir") or self.image.workdir, "env": self.env, "argv": argv}

@@ -63,22 +63,33 @@ def bind(fd: int, target: str, read_only: bool = False) -> None:
 def capture(spec: dict) -> dict[str, int]:
     """O_PATH descriptors of every mount source and exposed path, taken in the new mount
     namespace while the host's /tmp and the directories that mounts will cover are visible."""
-    paths = [m["source"] for m in spec["mounts"]]
+    paths = [m["source"] for m in spec["mounts"]] + list(spec.get("keep") or [])
     paths += [keep for e in spec.get("expose") or [] for keep in e["keep"]]
     return {p: os.open(p, os.O_PATH) for p in paths}
+
+
+def keep_visible(target: str, spec: dict, fds: dict[str, int]) -> None:
+    """Binds again each path the image runs from (``keep``: the checkout, Python) that the mount
+    just made at ``target`` covers, e.g. a checkout under /tmp under the private /tmp."""
+    for keep in spec.get("keep") or []:
+        if keep.startswith(target.rstrip("/") + "/"):
+            bind(fds[keep], keep)
 
 
 def mount_all(spec: dict, fds: dict[str, int]) -> None:
     """The /tmp tmpfs; each ``expose`` entry (a directory that the container's user cannot
     traverse, e.g. /root holding pyenv's Python) becomes a tmpfs that shows only the paths it
-    must keep; then each bind mount, parents before children."""
+    must keep; then each bind mount, parents before children. What the image runs from stays
+    visible under each of them."""
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    keep_visible("/tmp", spec, fds)
     for entry in spec.get("expose") or []:
         mount("tmpfs", entry["dir"], "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
         for keep in entry["keep"]:
             bind(fds[keep], keep)
     for m in sorted(spec["mounts"], key=lambda m: m["target"].rstrip("/").count("/")):
         bind(fds[m["source"]], m["target"], m.get("read_only", False))
+        keep_visible(m["target"], spec, fds)
 
 
 def resolve(argv0: str, path: str) -> str | None:
