@@ -121,6 +121,18 @@ class Cluster:
         return proc
 
 
+def running_components(run_dir: Path) -> list[str]:
+    """Names of the components whose PID file in ``run_dir`` names a live process."""
+    alive = []
+    for pid_file in sorted(run_dir.glob("*.pid")):
+        try:
+            os.kill(int(pid_file.read_text().strip()), 0)
+            alive.append(pid_file.stem)
+        except (OSError, ValueError):
+            continue
+    return alive
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up", "down"])
@@ -128,11 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cluster = Cluster(gpus=args.gpus)
     if args.command == "down":
+        running = running_components(cluster.plane.run_dir)
         stop_from_pid_files(cluster.plane.run_dir)
+        print(f"stopped {', '.join(running)}" if running else "no cluster was running")
         return 0
     reason = why_not_runnable()
     if reason:
         print(f"error: {reason}", file=sys.stderr)
+        return 1
+    if running_components(cluster.plane.run_dir):
+        print(f"error: a cluster is already running ({', '.join(running_components(cluster.plane.run_dir))}); "
+              "`make cluster-down` first", file=sys.stderr)
         return 1
     try:
         cluster.start()

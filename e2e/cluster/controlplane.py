@@ -271,6 +271,9 @@ class ControlPlane:
             "--service-account-signing-key-file", str(p / "sa.key"),
             "--service-cluster-ip-range", SERVICE_CIDR,
             "--allow-privileged=false", "--profiling=false",
+            # The node's InternalIP only: a Hostname address would send a DNS lookup off the
+            # machine (kubectl logs/exec reach nothing here: the process kubelet serves no API).
+            "--kubelet-preferred-address-types", "InternalIP",
             "--audit-policy-file", str(self.run_dir / "audit-policy.yaml"),
             "--audit-log-path", str(self.audit_log), "--audit-log-maxsize", "200",
             # Lets the relay in front of the server keep long watches open.

@@ -19,6 +19,28 @@ OPERATOR_NAMESPACE = "slipstream-system"
 RELEASE = "slipstream"
 
 
+def install_chart(cluster: Cluster, *args: str) -> None:
+    """``helm upgrade --install`` of the chart (README's install, idempotent), waiting for the
+    operator; on failure the release is removed, so that later tests start clean, and helm's
+    own error is raised (its --timeout is shorter than the subprocess's)."""
+    cluster.installed_at = now()
+    try:
+        cluster.helm("upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
+                     "--create-namespace", "--wait", "--timeout", "4m", *args)
+    except BaseException:
+        cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
+        raise
+
+
+def uninstall_chart(cluster: Cluster) -> None:
+    """README's removal: InferenceServices first (while the operator runs), then the release;
+    waits until the operator pod is gone."""
+    cluster.kubectl("delete", "infsvc", "--all", "-A", "--wait=true", "--timeout=120s", check=False)
+    cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
+    wait_for(lambda: not get(cluster, "pods", "-n", OPERATOR_NAMESPACE)["items"], 60,
+             "the operator pod gone")
+
+
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
     """Polls ``check()`` until it returns something truthy (returned) or ``timeout`` seconds
     pass (AssertionError naming ``what`` and the last value or error)."""

@@ -22,7 +22,7 @@ import yaml
 
 from loadgen import LoadGenerator
 from cluster_helpers import (CHART, OPERATOR_NAMESPACE, RELEASE, condition, forbidden_calls,
-                             get, now, wait_for)
+                             get, install_chart, uninstall_chart, wait_for)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -56,18 +56,13 @@ def service(name: str = NAME, autoscaling: dict | None = None, replicas: int = 1
 
 @pytest.fixture(scope="module")
 def operator(cluster):
-    """The chart installed, the namespace made; uninstalled afterwards."""
-    cluster.installed_at = now()
+    """The chart installed (CRDs applied first, as an upgrade would), the namespace made;
+    uninstalled afterwards."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
-                 "--create-namespace", "--wait", "--timeout", "5m")
+    install_chart(cluster)
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
     yield cluster
-    cluster.kubectl("delete", "infsvc", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=120s",
-                    check=False)
-    cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
-    wait_for(lambda: not get(cluster, "pods", "-n", OPERATOR_NAMESPACE)["items"], 60,
-             "the operator pod gone")
+    uninstall_chart(cluster)
 
 
 def apply(cluster, obj: dict) -> None:
@@ -275,7 +270,7 @@ async def test_helm_upgrade_with_services_serving_fails_no_request_and_restarts_
         def upgrade() -> None:  # README's procedure: the CRDs first, then the chart
             cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
             cluster.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE, "--reuse-values",
-                         "--set", "operator.resyncSeconds=30", "--wait", "--timeout", "5m")
+                         "--set", "operator.resyncSeconds=30", "--wait", "--timeout", "4m")
         await asyncio.gather(asyncio.to_thread(upgrade), load.play([("upgrade", 2.0, 30.0)]))
     finally:
         watcher.cancel()
