@@ -29,8 +29,14 @@ go build -trimpath -ldflags="-s -w" -o "$out/etcd" go.etcd.io/etcd/server/v3
 
 cd "$here/helm"
 helm_version=$(go list -m -f '{{.Version}}' helm.sh/helm/v3)
+# As helm's own Makefile: the Kubernetes version `helm template`/`lint` assume without a cluster
+# is that of the client-go it was built with (else v1.20, below the chart's kubeVersion).
+k8s_minor=$(go list -m -f '{{.Version}}' k8s.io/client-go | cut -d. -f2)
+ld="-s -w -X helm.sh/helm/v3/internal/version.version=$helm_version"
+for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+  ld+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$k8s_minor"
+done
 echo "building helm ($helm_version) ..." >&2
-go build -trimpath -ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$helm_version" \
-  -o "$out/helm" helm.sh/helm/v3/cmd/helm
+go build -trimpath -ldflags="$ld" -o "$out/helm" helm.sh/helm/v3/cmd/helm
 "$out/kube-apiserver" --version
 "$out/helm" version --short
