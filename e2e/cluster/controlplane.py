@@ -16,6 +16,7 @@ Standard library only, so that it runs from any Python:
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import secrets
@@ -111,7 +112,6 @@ def make_pki(pki: Path) -> None:
 
 def kubeconfig_text(server: str, ca_file: Path, token: str, user: str = "admin") -> str:
     """A kubeconfig (JSON is YAML) for ``server`` with a bearer token."""
-    import base64
     ca = base64.b64encode(ca_file.read_bytes()).decode()
     return json.dumps({
         "apiVersion": "v1", "kind": "Config",

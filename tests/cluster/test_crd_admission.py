@@ -5,21 +5,14 @@ rules; files the operator alone can judge are accepted here and refused by it, s
 test_operator_in_cluster.py)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import yaml
 
+from invalid_specs import INVALID, header
 from cluster_helpers import EXAMPLES, REPO, get
 
-INVALID = sorted((REPO / "tests" / "operator" / "invalid").glob("*.yaml"))
 
-
-def header(path: Path, key: str) -> str:
-    for line in path.read_text().splitlines():
-        if line.startswith(f"# {key}:"):
-            return line.split(":", 1)[1].strip()
-    raise KeyError(key)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 import yaml
 
-from cluster_helpers import (EXAMPLES, OPERATOR_NAMESPACE, RELEASE, REPO, condition,
+from invalid_specs import INVALID, header
+from cluster_helpers import (EXAMPLES, OPERATOR_NAMESPACE, RELEASE, condition,
                              forbidden_calls, get, install_chart, uninstall_chart, wait_for)
 
 # Startup of a built-in model pod (torch import, model load, warm-up) on a busy 2-core machine.
@@ -152,15 +153,11 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
     assert forbidden_calls(installed, operator_user(installed), since=installed.installed_at) == []
 
 
-INVALID = sorted((REPO / "tests" / "operator" / "invalid").glob("*.yaml"))
-
-
 def test_specs_only_the_operator_can_judge_get_invalid_spec_with_their_message(installed):
-    judged = [p for p in INVALID if "# rejected by: operator" in p.read_text()]
+    judged = [p for p in INVALID if header(p, "rejected by") == "operator"]
     assert judged
     for path in judged:
-        needle = next(line.split(":", 1)[1].strip() for line in path.read_text().splitlines()
-                      if line.startswith("# message mentions:"))
+        needle = header(path, "message mentions")
         doc = yaml.safe_load(path.read_text())
         installed.kubectl("apply", "-f", str(path))
         name, namespace = doc["metadata"]["name"], ns_of(doc)

@@ -17,20 +17,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from invalid_specs import INVALID, header
 from operator_helpers import EXAMPLES
 from kube_emulator import KUBERNETES_VERSION, schema_defaults
 from slipstream.operator import spec as spec_module
 from slipstream.operator.resources import render_children
 from slipstream.operator.spec import SpecError, parse_spec
 
-INVALID = sorted((pathlib.Path(__file__).parent / "invalid").glob("*.yaml"))
 
-
-def header(path: pathlib.Path, key: str) -> str:
-    for line in path.read_text().splitlines():
-        if line.startswith(f"# {key}:"):
-            return line.split(":", 1)[1].strip()
-    raise KeyError(key)
 
 
 def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
