@@ -2,6 +2,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output text (vLLM's ``structured_outputs``); exactly one is set.
+
+    json: a JSON Schema (an object, or its JSON text) the output must validate against.
+    json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+    regex: a regular expression the whole output must match.
+    choice: the output is exactly one of these strings.
+    grammar: a Lark grammar in llguidance's syntax (may embed ``%json {...}`` schemas).
+
+    Raises:
+        ValueError: none or more than one constraint given.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
 
 
 @dataclass
@@ -33,6 +64,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token; 0: only the sampled one
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (vLLM); 0: only the prompt's own
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +90,10 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()),
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
