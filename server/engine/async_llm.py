@@ -14,7 +14,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from .config import EngineConfig
-from .engine import LLMEngine, RequestRejected
+from .engine import LLMEngine
+from .errors import RequestRejected
 from .outputs import CompletionOutput, FinishReason, RequestOutput
 from .sampling_params import SamplingParams
 from .trace import EngineStats, StepRecord

@@ -13,6 +13,7 @@ import torch
 from ..models.loader import LoadedModel, load_model
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequest, RequestRejected
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
@@ -25,18 +26,6 @@ from .trace import EngineStats, StepRecord
 log = logging.getLogger("slipstream.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RequestRejected(ValueError):
-    """A request that can never run (too long for the model or the cache).
-
-    ``code`` is OpenAI-style (``context_length_exceeded``), ``param`` the offending field.
-    """
-
-    def __init__(self, message: str, code: str, param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -120,16 +109,17 @@ class LLMEngine:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character {e.start}") from None
+                raise InvalidRequest(f"prompt is not valid Unicode text: {e.reason} at character {e.start}",
+                                     "prompt") from None
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+                raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}", "prompt")
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidRequest("prompt must not be empty", "prompt")
         return ids
 
     def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InvalidRequest
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -29,10 +31,11 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {', '.join(given) or 'none'}")
+            raise InvalidRequest(f"structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}", "structured_outputs")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            raise InvalidRequest("structured_outputs.choice must be a non-empty list of strings",
+                                 "structured_outputs.choice")
 
 
 @dataclass
@@ -44,7 +47,7 @@ class SamplingParams:
     negative ones, for tokens in prompt or output). ``temperature == 0`` is greedy.
 
     Raises:
-        ValueError: a value out of range; the message names the field.
+        InvalidRequest: a value out of range; ``param`` names the field.
     """
 
     n: int = 1
@@ -75,29 +78,34 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        checks = [
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+        checks = [  # (ok, field, message)
+            (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
+            (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, "top_k", f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}"),
+            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0, "repetition_penalty",
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
-            (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()),
+            (all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
              "logit_bias values must be in [-100, 100]"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidRequest(message, param)
 
     @property
     def greedy(self) -> bool:
