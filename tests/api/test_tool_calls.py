@@ -198,3 +198,308 @@ def test_unknown_parser_name_is_a_value_error_naming_the_choices():
     with pytest.raises(UnknownToolParser, match="hermes, llama3_json, mistral") as e:
         get_parser("qwen")
     assert isinstance(e.value, ValueError) and e.value.param == "tool_call_parser"
+
+
+# -- prompt side ----------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time",
+    "parameters": {"type": "object", "properties": {"days_ahead": {"type": "integer", "minimum": 0,
+                                                                   "maximum": 9},
+                                                    "dst": {"type": "boolean"}},
+                   "required": ["days_ahead"], "additionalProperties": False}}}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+CONVERSATION = [
+    {"role": "user", "content": "Weather and time in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_b", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"days_ahead": 0}'}}]},
+    {"role": "tool", "tool_call_id": "call_a", "content": "22 C, sunny"},
+    {"role": "tool", "tool_call_id": "call_b", "content": [{"type": "text", "text": "14:05"}]},
+]
+
+# A minimal tools-aware ChatML template, written the way transformers' docs describe tool use.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} city={{ c.function.arguments.city }}"
+    " {{ c.function.arguments | tojson }}{% endfor %}"
+    "{% if m.role == 'tool' %} FROM {{ m.name }} ID {{ m.tool_call_id }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from slipstream.server.models.loader import load_tokenizer
+
+    return load_tokenizer("builtin")
+
+
+def test_builtin_template_has_no_tools_section_and_fails_on_null_content(tokenizer):
+    from slipstream.server.api.tools.prompt import template_supports_tools
+
+    import jinja2
+
+    assert not template_supports_tools(tokenizer)
+    with pytest.raises((TypeError, jinja2.UndefinedError)):  # why prepare_messages exists
+        tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=False)
+
+
+def test_templates_that_name_tools_are_detected_also_among_named_templates():
+    from types import SimpleNamespace
+
+    from slipstream.server.api.tools.prompt import template_supports_tools
+
+    assert template_supports_tools(SimpleNamespace(chat_template=TOOLS_TEMPLATE))
+    assert template_supports_tools(SimpleNamespace(chat_template={"default": "{{ x }}", "tool_use": TOOLS_TEMPLATE}))
+    assert not template_supports_tools(SimpleNamespace(chat_template=None))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_conversation_with_calls_and_results_renders_in_the_builtin_template(tokenizer, parser):
+    from slipstream.server.api.tools.prompt import prepare_messages
+
+    p = get_parser(parser)
+    messages, tools = prepare_messages(CONVERSATION, TOOLS, p, supports_tools=False)
+    assert tools is None
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    system, user, assistant, results = messages
+    assert system["role"] == "system" and '"name": "get_weather"' in system["content"]
+    assert '"maxLength": 8' in system["content"], "the parameters' JSON schema is shown"
+    assert user == CONVERSATION[0]
+    # the history's calls are written so that the parser reads them back
+    content, calls = p.extract(assistant["content"])
+    assert content is None
+    assert _names_args(calls) == [("get_weather", '{"city":"Paris"}'), ("get_time", '{"days_ahead":0}')]
+    assert results["role"] == "user"  # both results in one turn
+    assert "22 C, sunny" in results["content"] and "14:05" in results["content"]
+    for part in (system["content"], assistant["content"], results["content"]):
+        assert part in text
+    assert "SmolLM" not in text, "our system prompt replaces the template's default one"
+
+
+def test_hermes_results_are_tool_response_blocks_and_mistral_results_carry_call_ids():
+    from slipstream.server.api.tools.prompt import prepare_messages
+
+    hermes_msgs, _ = prepare_messages(CONVERSATION, TOOLS, get_parser("hermes"), False)
+    assert hermes_msgs[-1]["content"] == ("<tool_response>\n22 C, sunny\n</tool_response>\n"
+                                          "<tool_response>\n14:05\n</tool_response>")
+    mistral_msgs, _ = prepare_messages(CONVERSATION, TOOLS, get_parser("mistral"), False)
+    assert mistral_msgs[-1]["content"].startswith(
+        '[TOOL_RESULTS]{"content": "22 C, sunny", "call_id": "call_a"}[/TOOL_RESULTS]')
+    llama_msgs, _ = prepare_messages(CONVERSATION, TOOLS, get_parser("llama3_json"), False)
+    assert llama_msgs[-1]["content"].splitlines()[1] == '{"name": "get_time", "output": "14:05"}'
+
+
+def test_tools_extend_an_existing_system_message_and_the_input_is_not_modified():
+    import copy
+
+    from slipstream.server.api.tools.prompt import prepare_messages
+
+    conversation = [{"role": "system", "content": "Be brief."}] + CONVERSATION
+    before = copy.deepcopy(conversation)
+    messages, _ = prepare_messages(conversation, TOOLS, get_parser("hermes"), False)
+    assert messages[0]["content"].startswith("Be brief.\n\n# Tools\n")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert conversation == before
+
+
+def test_without_tools_no_system_prompt_is_added_but_tool_turns_still_render(tokenizer):
+    from slipstream.server.api.tools.prompt import prepare_messages
+
+    messages, tools = prepare_messages(CONVERSATION, None, get_parser("hermes"), False)
+    assert tools is None and [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert "<tool_response>" in tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_assistant_text_before_calls_is_kept():
+    from slipstream.server.api.tools.prompt import prepare_messages
+
+    turn = {**CONVERSATION[1], "content": "Checking."}
+    messages, _ = prepare_messages([CONVERSATION[0], turn], TOOLS, get_parser("hermes"), False)
+    assert messages[-1]["content"].startswith("Checking.\n<tool_call>\n")
+
+
+def test_tools_aware_template_gets_tools_and_calls_in_transformers_shape(tokenizer):
+    from slipstream.server.api.tools.prompt import prepare_messages
+
+    messages, tools = prepare_messages(CONVERSATION, TOOLS, get_parser("hermes"), supports_tools=True)
+    assert tools == TOOLS
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[1]["content"] == ""
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_a", "content": "22 C, sunny",
+                           "name": "get_weather"}
+    text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=TOOLS_TEMPLATE,
+                                         tokenize=False, add_generation_prompt=True)
+    assert "get_weather;get_time;" in text
+    assert 'CALL get_weather city=Paris {"city": "Paris"}' in text
+    assert "14:05 FROM get_time ID call_b" in text
+
+
+@pytest.mark.parametrize("supports_tools", [False, True])
+def test_tool_result_answering_no_earlier_call_is_an_error_naming_the_message(supports_tools):
+    from slipstream.server.api.tools.prompt import prepare_messages
+    from slipstream.server.api.tools.validate import ToolCallError
+
+    bad = CONVERSATION[:3] + [{"role": "tool", "tool_call_id": "call_zzz", "content": "?"}]
+    with pytest.raises(ToolCallError, match="call_zzz") as e:
+        prepare_messages(bad, TOOLS, get_parser("hermes"), supports_tools)
+    assert (e.value.param, e.value.code) == ("messages[3].tool_call_id", "invalid_value")
+
+
+def test_call_arguments_that_are_not_a_json_object_are_an_error_naming_the_field():
+    from slipstream.server.api.tools.prompt import prepare_messages
+    from slipstream.server.api.tools.validate import ToolCallError
+
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}]}
+    with pytest.raises(ToolCallError) as e:
+        prepare_messages([CONVERSATION[0], turn], TOOLS, get_parser("hermes"), False)
+    assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+# -- grammar side ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(tokenizer):
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer)
+
+
+def _matcher(ll_tokenizer, grammar):
+    import llguidance
+
+    compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+    is_error, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(compiled, ll_tokenizer)
+    assert not is_error and not warnings, warnings
+    return llguidance.LLMatcher(ll_tokenizer, compiled, log_level=0)
+
+
+def _accepts(tokenizer, ll_tokenizer, grammar, text) -> bool:
+    m = _matcher(ll_tokenizer, grammar)
+    return m.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+
+def _written(parser, *calls):
+    from slipstream.server.api.tools.prompt import render_calls
+
+    return render_calls(get_parser(parser).format, list(calls))
+
+
+PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
+TOMORROW = ("get_time", {"days_ahead": 1})
+
+
+@pytest.mark.parametrize("choice", ["none", "auto", None])
+def test_no_grammar_unless_a_call_is_required(choice):
+    from slipstream.server.api.tools.grammar import grammar_for
+
+    assert grammar_for(get_parser("hermes"), TOOLS, choice) is None
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_required_grammar_accepts_calls_in_the_format_and_rejects_wrong_ones(tokenizer, ll_tokenizer, parser):
+    from slipstream.server.api.tools.grammar import grammar_for
+
+    g = grammar_for(get_parser(parser), TOOLS, "required")
+    ok = lambda *calls: _accepts(tokenizer, ll_tokenizer, g, _written(parser, *calls))  # noqa: E731
+    assert ok(PARIS) and ok(TOMORROW) and ok(PARIS, TOMORROW)
+    assert not ok(("get_wether", {"city": "Paris"})), "a name not among the tools"
+    assert not ok(("get_weather", {"unit": "celsius"})), "a required argument missing"
+    assert not ok(("get_weather", {"city": 5})), "an argument of the wrong type"
+    assert not ok(("get_time", {"days_ahead": 12})), "an argument out of range"
+    assert not ok(("get_time", {"days_ahead": 1, "tz": "UTC"})), "an argument the schema excludes"
+    assert not _accepts(tokenizer, ll_tokenizer, g, "Sure! " + _written(parser, PARIS)), "content"
+    assert not _accepts(tokenizer, ll_tokenizer, g, ""), "no call at all"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_required_without_parallel_calls_allows_exactly_one(tokenizer, ll_tokenizer, parser):
+    from slipstream.server.api.tools.grammar import grammar_for
+
+    g = grammar_for(get_parser(parser), TOOLS, "required", parallel_tool_calls=False)
+    assert _accepts(tokenizer, ll_tokenizer, g, _written(parser, TOMORROW))
+    assert not _accepts(tokenizer, ll_tokenizer, g, _written(parser, PARIS, TOMORROW))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_named_function_grammar_allows_that_function_once(tokenizer, ll_tokenizer, parser):
+    from slipstream.server.api.tools.grammar import grammar_for
+
+    g = grammar_for(get_parser(parser), TOOLS, {"type": "function", "function": {"name": "get_time"}})
+    assert _accepts(tokenizer, ll_tokenizer, g, _written(parser, TOMORROW))
+    assert not _accepts(tokenizer, ll_tokenizer, g, _written(parser, PARIS)), "another declared tool"
+    assert not _accepts(tokenizer, ll_tokenizer, g, _written(parser, TOMORROW, TOMORROW))
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_whatever_the_grammar_lets_a_model_write_parses_into_schema_valid_calls(tokenizer, ll_tokenizer, parser):
+    """A random walk over the allowed tokens (a model that picks anything the mask allows)."""
+    import jsonschema
+    import numpy as np
+
+    from slipstream.server.api.tools.grammar import grammar_for
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    rng = np.random.default_rng(0)
+    g = grammar_for(get_parser(parser), TOOLS, "required")
+    for _ in range(4):
+        m, ids = _matcher(ll_tokenizer, g), []
+        while not (m.is_accepting() and ids and rng.random() < 0.5):
+            assert len(ids) < 400, tokenizer.decode(ids)
+            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8),
+                                                   bitorder="little"))
+            allowed = allowed[allowed != tokenizer.eos_token_id]
+            if not len(allowed):  # only the end is left
+                break
+            ids.append(int(rng.choice(allowed)))
+            assert m.consume_token(ids[-1])
+        content, calls = get_parser(parser).extract(tokenizer.decode(ids))
+        assert content is None and calls
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def test_parameters_without_a_schema_mean_an_object_of_anything(tokenizer, ll_tokenizer):
+    from slipstream.server.api.tools.grammar import grammar_for
+
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    g = grammar_for(get_parser("hermes"), tools, "required")
+    assert _accepts(tokenizer, ll_tokenizer, g, _written("hermes", ("ping", {})))
+    assert _accepts(tokenizer, ll_tokenizer, g, _written("hermes", ("ping", {"any": [1]})))
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def test_valid_tools_and_choices_have_no_error():
+    from slipstream.server.api.tools.validate import check_tools
+
+    for choice in (None, "none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+        assert check_tools(TOOLS, choice) is None
+    assert check_tools(None, "auto") is None and check_tools([], "none") is None
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    ([WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL], "auto", "tools[2].function.name"),
+    (None, "required", "tool_choice"),
+    ([], {"type": "function", "function": {"name": "get_time"}}, "tool_choice"),
+    (TOOLS, {"type": "function", "function": {"name": "get_date"}}, "tool_choice"),
+    (TOOLS, {"type": "function", "name": "get_date"}, "tool_choice"),  # the Responses API's shape
+])
+def test_invalid_tools_or_choice_is_an_error_as_data(tools, choice, param):
+    from slipstream.server.api.tools.validate import ToolCallError, check_tools
+    from slipstream.server.engine.errors import InvalidRequest
+
+    error = check_tools(tools, choice)
+    assert isinstance(error, ToolCallError) and isinstance(error, InvalidRequest)
+    assert (error.param, error.code) == (param, "invalid_value")

@@ -47,6 +47,20 @@ class ToolFormat:
     def list_close(self) -> str:
         return "]" if self.list_open else ""
 
+    def frame(self) -> tuple[str, str, str, str, str]:
+        """The literal text around call objects: ``(before all, before each, after each, between,
+        after all)``; :meth:`write` and the grammar of ``tool_choice`` both build on it."""
+        if self.call_end:
+            return "", self.marker + "\n", "\n" + self.call_end, "\n", ""
+        if self.list_open:
+            return self.marker + self.list_open, "", "", ", ", self.list_close
+        return "", "", "", self.separator + " ", ""
+
+    def write(self, calls: list[str]) -> str:
+        """Call objects (JSON texts) as the model writes them in this format."""
+        before, each_before, each_after, between, after = self.frame()
+        return before + between.join(each_before + c + each_after for c in calls) + after
+
     def new_call_id(self) -> str:
         """A fresh tool-call id: OpenAI's ``call_`` + 24 alphanumerics, or, for ``mistral``,
         9 alphanumerics, the only shape Mistral's chat templates accept back in ``tool_call_id``."""
