@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from slipstream.server.api import handlers
+from slipstream.server.api import serving_chat, serving_completions
 from slipstream.server.api.errors import APIError, from_http_exception
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
@@ -100,6 +100,6 @@ def build_app(options: ServerOptions, llm=None) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", serving_chat.create_chat_completion)
+    app.router.add_post("/v1/completions", serving_completions.create_completion)
     return app

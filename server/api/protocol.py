@@ -1,329 +1,513 @@
-"""OpenAI request bodies -> validated requests: every field type- and range-checked, nothing ignored.
+"""OpenAI request bodies as pydantic models: every field typed and range-checked, nothing ignored.
 
-A field that the server knows but cannot honour (``tools``, a ``response_format`` other than
-text, a non-empty ``logit_bias``, ...) is a 400 naming it; so is a field it does not know, as
-OpenAI does ("Unrecognized request argument supplied", ``code: unknown_parameter``). Fields that
-change nothing here (``user``, ``prompt_cache_key``, ``service_tier``, ...), no-op values that
-clients send by default, and explicit ``null`` for any optional field are accepted.
+A field the server does not know is a 400 naming it, as OpenAI answers ("Unrecognized request
+argument supplied", ``code: unknown_parameter``); so is a known one it cannot honour (``audio``,
+``suffix``, ...). Fields that change nothing here (``user``, ``prompt_cache_key``,
+``service_tier``, ...), no-op values clients send by default, and explicit ``null`` for any
+optional field are accepted. Every refusal is an :class:`APIError` whose ``param`` is the field's
+path (``messages[2].content``) taken from where the check failed — never parsed out of a message.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from slipstream.server.api.errors import APIError, bad_request
-from slipstream.server.engine.sampling_params import SamplingParams
+from slipstream.server.engine.errors import InvalidRequest
+from slipstream.server.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 
-# Accepted, type-checked, and otherwise ignored: they do not change the output here.
-_NO_OP_FIELDS = {"user": "string", "prompt_cache_key": "string", "safety_identifier": "string",
-                 "service_tier": "string", "store": "boolean", "metadata": "object",
-                 "parallel_tool_calls": "boolean"}
-_SAMPLING_FIELDS = {
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stream",
-    "stream_options", "logit_bias", "best_of", "skip_special_tokens", "logprobs", "include_stop_str_in_output",
-}
-CHAT_FIELDS = _SAMPLING_FIELDS | set(_NO_OP_FIELDS) | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-    "response_format", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
-}
-COMPLETION_FIELDS = _SAMPLING_FIELDS | set(_NO_OP_FIELDS) | {"prompt", "echo", "suffix"}
-_CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+class _Strict(BaseModel):
+    """JSON as sent: no coercion ("2" is not 2, true is not 1), no NaN, no unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-@dataclass
-class GenerationRequest:
-    """What one API call asks of the engine.
-
-    prompts: chat: one normalized message list (templated later, with the tokenizer);
-        completions: one entry per prompt, a string or a list of token ids.
-    """
-
-    model: str | None
-    params: SamplingParams
-    stream: bool
-    include_usage: bool  # a last, usage-only chunk
-    continuous_usage: bool = False  # usage so far on every chunk that carries choices
-    prompts: list[str | list[int]] | None = None
-    messages: list[dict[str, str]] | None = None
-    logprobs: int | None = None
+class StreamOptions(_Strict):
+    include_usage: bool | None = None  # a last, usage-only chunk
+    continuous_usage_stats: bool | None = None  # usage so far on every chunk with choices (vLLM)
 
 
-# --- field readers: None (absent or explicit null) returns the default --------------------------
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return "null"
+class JsonSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
-def _typed(body: dict, name: str, expected: str, default: Any = None, *, where: str | None = None) -> Any:
-    """``body[name]`` checked to be of JSON type ``expected``; ``where`` is its path in the request."""
-    value = body.get(name)
-    if value is None:
-        return default
-    where = where or name
-    kind = _kind(value)
-    if expected == "number" and kind == "integer":
-        return float(value)
-    if kind != expected:
-        raise bad_request(f"{where} must be {'an' if expected[0] in 'aeiou' else 'a'} {expected}, "
-                          f"got {kind} {value!r:.60}", where)
-    if expected == "number" and not math.isfinite(value):
-        raise bad_request(f"{where} must be a finite number, got {value}", where)
-    return value
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
-def _in_range(body: dict, name: str, expected: str, default: Any, low: float | None = None,
-              high: float | None = None) -> Any:
-    value = _typed(body, name, expected, default)
-    if body.get(name) is None:
-        return value
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"in [{low}, {high}]" if low is not None and high is not None else (
-            f">= {low}" if low is not None else f"<= {high}")
-        raise bad_request(f"{name} must be {bounds}, got {value}", name)
-    return value
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (exactly one constraint)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
-def _string_list(body: dict, name: str) -> list[str]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise bad_request(f"{name} must be a string or an array of strings", name)
-    if any(s == "" for s in value):
-        raise bad_request(f"{name} must not contain empty strings", name)
-    return value
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
-def _int_list(body: dict, name: str) -> list[int]:
-    value = _typed(body, name, "array", [])
-    if not all(_kind(v) == "integer" for v in value):
-        raise bad_request(f"{name} must be an array of integers", name)
-    return value
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
-def _reject_unsupported(body: dict, allowed: set[str]) -> None:
-    for name in body:
-        if name not in allowed:
-            raise bad_request(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
-    if body.get("logit_bias"):
-        raise bad_request("logit_bias is not supported; send {} or omit it", "logit_bias")
-    _typed(body, "logit_bias", "object")
-    for name in ("tools", "functions"):
-        if _typed(body, name, "array"):
-            raise bad_request(f"{name} (tool calling) is not supported by this server; omit it", name)
-    for name in ("tool_choice", "function_call"):
-        value = body.get(name)
-        if value is not None and value not in ("none", "auto"):
-            raise bad_request(f"{name}={value!r:.60} is not supported (no tool calling); omit it", name)
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict)
-                                        or response_format.get("type") != "text" or len(response_format) > 1):
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported", "response_format")
-    modalities = body.get("modalities")
-    if modalities is not None and modalities != ["text"]:
-        raise bad_request("modalities other than [\"text\"] are not supported", "modalities")
-    for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "suffix"):
-        if body.get(name) not in (None, ""):
-            raise bad_request(f"{name} is not supported by this server; omit it", name)
-    if body.get("echo") is not None and _typed(body, "echo", "boolean"):
-        raise bad_request("echo=true is not supported; omit it or send false", "echo")
-    for name, kind in _NO_OP_FIELDS.items():
-        _typed(body, name, kind)
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
 
 
-def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
-    """``(include_usage, continuous_usage_stats)``; each option works without the other."""
-    options = _typed(body, "stream_options", "object")
-    if options is None:
-        return False, False
-    if not stream:  # as OpenAI and vLLM: options for a stream that will not be sent
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    for key in options:
-        if key not in ("include_usage", "continuous_usage_stats"):
-            raise bad_request(f"Unrecognized request argument supplied: stream_options.{key}",
-                              f"stream_options.{key}", "unknown_parameter")
-    include_usage = _typed(options, "include_usage", "boolean", False, where="stream_options.include_usage")
-    continuous = _typed(options, "continuous_usage_stats", "boolean", False,
-                        where="stream_options.continuous_usage_stats")
-    return bool(include_usage), bool(continuous)
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
-def _sampling_params(body: dict, *, max_tokens: int | None, default_max_tokens: int | None,
-                     logprobs: int | None) -> SamplingParams:
-    n = _in_range(body, "n", "integer", 1, 1, MAX_N)
-    best_of = _typed(body, "best_of", "integer")
-    if best_of is not None and best_of != n:
-        raise bad_request(f"best_of ({best_of}) different from n ({n}) is not supported; omit best_of",
-                          "best_of")
-    temperature = _in_range(body, "temperature", "number", 1.0, 0.0)
-    top_p = _in_range(body, "top_p", "number", 1.0, 0.0, 1.0)
-    if top_p == 0.0:  # the limit of nucleus sampling as p -> 0 keeps only the most likely token
-        temperature, top_p = 0.0, 1.0
-    top_k = _typed(body, "top_k", "integer", 0)
-    if top_k < -1:
-        raise bad_request(f"top_k must be -1, 0 (off) or >= 1, got {top_k}", "top_k")
-    kwargs = dict(
-        n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=_in_range(body, "min_p", "number", 0.0, 0.0, 1.0),
-        seed=_typed(body, "seed", "integer"),
-        presence_penalty=_in_range(body, "presence_penalty", "number", 0.0, -2.0, 2.0),
-        frequency_penalty=_in_range(body, "frequency_penalty", "number", 0.0, -2.0, 2.0),
-        repetition_penalty=_typed(body, "repetition_penalty", "number", 1.0),
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        min_tokens=_in_range(body, "min_tokens", "integer", 0, 0),
-        stop=_string_list(body, "stop"),
-        stop_token_ids=_int_list(body, "stop_token_ids"),
-        ignore_eos=_typed(body, "ignore_eos", "boolean", False),
-        logprobs=logprobs,
-        skip_special_tokens=_typed(body, "skip_special_tokens", "boolean", True),
-        include_stop_str_in_output=_typed(body, "include_stop_str_in_output", "boolean", False),
-    )
-    if kwargs["repetition_penalty"] <= 0:
-        raise bad_request(f"repetition_penalty must be > 0, got {kwargs['repetition_penalty']}",
-                          "repetition_penalty")
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:  # the engine's own checks; its message starts with the field's name
-        message = str(exc)
-        field = message.split(" ", 1)[0].split("(")[0]
-        raise bad_request(message, field if field in kwargs else None) from None
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # a string or an array of text parts; checked with its index in the request
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = None  # sent back by clients of reasoning models; not templated
 
 
-def _max_tokens(body: dict, *names: str) -> int | None:
-    values = {name: _in_range(body, name, "integer", None, 1) for name in names}
-    given = {name: value for name, value in values.items() if value is not None}
-    if len(set(given.values())) > 1:
-        raise bad_request(f"{' and '.join(given)} disagree ({', '.join(map(str, given.values()))}); send one",
-                          names[0])
-    return next(iter(given.values()), None)
+class _GenerationRequest(_Strict):
+    """The fields both generation endpoints share; :attr:`params` holds them as SamplingParams."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # Fast tokenizers (all this server loads) always join special tokens without spaces; vLLM's
+    # knob changes only slow ones, so it is accepted and has nothing to change here.
+    spaces_between_special_tokens: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Accepted, type-checked, and otherwise ignored: they do not change the output here.
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    _params: SamplingParams = PrivateAttr()
+
+    @property
+    def params(self) -> SamplingParams:
+        return self._params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stop):
+            raise bad_request("stop must not contain empty strings", "stop")
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise bad_request(f"best_of ({self.best_of}) different from n ({n}) is not supported; omit best_of",
+                              "best_of")
+
+    def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                         structured: StructuredOutputsParams | None) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if top_p == 0.0:  # the limit of nucleus sampling as p -> 0 keeps only the most likely token
+            temperature, top_p = 0.0, 1.0
+        try:
+            return SamplingParams(
+                n=self.n or 1, temperature=temperature, top_p=top_p, top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                max_tokens=max_tokens, min_tokens=self.min_tokens or 0,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
+                logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens is not False,
+                include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                logit_bias=_logit_bias(self.logit_bias), structured_outputs=structured)
+        except InvalidRequest as exc:  # the engine's own checks name their field
+            raise bad_request(str(exc), exc.param, exc.code) from None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint asked for, from whichever field carries it (400 for two)."""
+        given: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise bad_request("response_format of type json_schema needs a json_schema object",
+                                  "response_format.json_schema")
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+            given.append(("response_format", StructuredOutputsParams(json=schema)))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            try:
+                given.append(("structured_outputs", StructuredOutputsParams(
+                    json=so.json_, json_object=bool(so.json_object), regex=so.regex, choice=so.choice,
+                    grammar=so.grammar)))
+            except InvalidRequest as exc:
+                raise bad_request(str(exc), exc.param, exc.code) from None
+        for name, kwargs in (("guided_json", {"json": self.guided_json}), ("guided_regex", {"regex": self.guided_regex}),
+                             ("guided_choice", {"choice": self.guided_choice}),
+                             ("guided_grammar", {"grammar": self.guided_grammar})):
+            if next(iter(kwargs.values())) is not None:
+                try:
+                    given.append((name, StructuredOutputsParams(**kwargs)))
+                except InvalidRequest as exc:
+                    raise bad_request(str(exc).replace("structured_outputs", name), name, exc.code) from None
+        if len(given) > 1:
+            raise bad_request(f"{given[0][0]} and {given[1][0]} both constrain the output; send one",
+                              given[1][0])
+        return given[0][1] if given else None
 
 
-def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
-    """The fields every endpoint shares, as keyword arguments of :class:`GenerationRequest`."""
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object")
-    _reject_unsupported(body, allowed)
-    model = _typed(body, "model", "string")
-    stream = _typed(body, "stream", "boolean", False)
-    include_usage, continuous_usage = _stream_options(body, stream)
-    return dict(model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage)
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``{"<token id>": bias}`` as ``{token_id: bias}``; ids are checked against the vocabulary
+    by the engine."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for token {key}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
-def parse_chat_request(body: Any) -> GenerationRequest:
-    """Validate a ``POST /v1/chat/completions`` body. Raises :class:`APIError` (400) naming the field."""
-    common = _common(body, CHAT_FIELDS)
-    messages = _messages(body)
-    logprobs_on = _typed(body, "logprobs", "boolean", False)
-    top_logprobs = _in_range(body, "top_logprobs", "integer", None, 0, MAX_LOGPROBS)
-    if top_logprobs is not None and not logprobs_on:
-        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    logprobs = (top_logprobs or 0) if logprobs_on else None
-    max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
-    params = _sampling_params(body, max_tokens=max_tokens, default_max_tokens=None, logprobs=logprobs)
-    return GenerationRequest(params=params, messages=messages, logprobs=logprobs, **common)
+# Known to OpenAI, refused here unless absent or a no-op value.
+_UNSUPPORTED = ("audio", "prediction", "reasoning_effort", "web_search_options")
 
 
-def parse_completion_request(body: Any, vocab_size: int | None = None) -> GenerationRequest:
-    """Validate a ``POST /v1/completions`` body. Raises :class:`APIError` (400) naming the field."""
-    common = _common(body, COMPLETION_FIELDS)
-    prompts = _prompts(body, vocab_size)
-    logprobs = _in_range(body, "logprobs", "integer", None, 0, MAX_LOGPROBS)
-    max_tokens = _max_tokens(body, "max_tokens")
-    params = _sampling_params(body, max_tokens=max_tokens, default_max_tokens=16, logprobs=logprobs)
-    return GenerationRequest(params=params, prompts=prompts, logprobs=logprobs, **common)
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``. ``max_tokens`` defaults to the rest of the context."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool | None = None
+    functions: Any = None  # deprecated by OpenAI in favour of tools
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM)
+    add_generation_prompt: bool | None = None  # default true: open the assistant's turn
+    continue_final_message: bool | None = None  # continue the last (assistant) message instead
+
+    def model_post_init(self, _context: Any) -> None:
+        self._check_common()
+        if not self.messages:
+            raise bad_request("messages must be a non-empty array of {role, content}", "messages")
+        for i, message in enumerate(self.messages):
+            _check_message(message, f"messages[{i}]")
+        for name in _UNSUPPORTED:
+            if getattr(self, name) not in (None, ""):
+                raise bad_request(f"{name} is not supported by this server; omit it", name)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise bad_request("modalities other than [\"text\"] are not supported", "modalities")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none", "auto"):
+                raise bad_request(f"{name} is deprecated by OpenAI and not supported; use tools and tool_choice",
+                                  name)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        if self.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is served by /v1/completions; send the rendered prompt there",
+                              "prompt_logprobs")
+        given = {k: v for k, v in (("max_completion_tokens", self.max_completion_tokens),
+                                   ("max_tokens", self.max_tokens)) if v is not None}
+        if len(set(given.values())) > 1:
+            raise bad_request(f"max_completion_tokens and max_tokens disagree ({', '.join(map(str, given.values()))}); "
+                              "send one", "max_completion_tokens")
+        self._check_tools()
+        max_tokens = next(iter(given.values()), None)
+        self._params = self._sampling_params(max_tokens=max_tokens, logprobs=self.logprob_width,
+                                             structured=self.structured_outputs_params())
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise bad_request(f"tools[{i}].function.name {name!r} is declared twice", f"tools[{i}].function.name")
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return
+        if choice == "required":
+            if not names:
+                raise bad_request("tool_choice=required needs at least one tool in tools", "tool_choice")
+            return
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+                and isinstance(choice["function"].get("name"), str) and set(choice) == {"type", "function"}
+                and set(choice["function"]) == {"name"}):
+            raise bad_request('tool_choice must be "none", "auto", "required" or '
+                              '{"type": "function", "function": {"name": ...}}', "tool_choice")
+        if choice["function"]["name"] not in names:
+            raise bad_request(f"tool_choice names the function {choice['function']['name']!r:.64}, which is not in "
+                              "tools", "tool_choice")
+
+    @property
+    def forced_tool(self) -> str | None | bool:
+        """What ``tool_choice`` forces: a function's name, True for ``required``, None when the model chooses."""
+        choice = self.tool_choice
+        if choice == "required":
+            return True
+        if isinstance(choice, dict):
+            return choice["function"]["name"]
+        return None
+
+    @property
+    def logprob_width(self) -> int | None:
+        """Top-N per generated token, or None without ``logprobs``."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_choice_value(self) -> str | dict:
+        """``tool_choice`` with OpenAI's default: ``auto`` when tools are given, else ``none``."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as plain dicts for a chat template: ``developer`` read as ``system``,
+        text parts joined, tool calls and tool results kept as OpenAI sends them."""
+        out = []
+        for m in self.messages:
+            entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                     "content": _content_text(m.content)}
+            if m.name is not None:
+                entry["name"] = m.name
+            if m.tool_calls:
+                entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            out.append(entry)
+        return out
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("messages is required: a non-empty array of {role, content}", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty array of {role, content}", "messages")
-    normalized = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object with role and content", where)
-        role = message.get("role")
-        if role not in _CHAT_ROLES:
-            raise bad_request(f"{where}.role must be one of {sorted(_CHAT_ROLES)}, got {role!r:.40}",
-                              f"{where}.role")
-        for key in message:
-            if key not in ("role", "content", "name", "refusal"):
-                if key == "tool_calls" and not message[key]:
-                    continue
-                raise bad_request(f"{where}.{key} is not supported", f"{where}.{key}")
-        content = message.get("content")
-        if content is None and role != "assistant":
-            raise bad_request(f"{where}.content is required", f"{where}.content")
-        normalized.append({"role": "system" if role == "developer" else role,
-                           "content": _content_text(content, f"{where}.content")})
-        name = message.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise bad_request(f"{where}.name must be a string", f"{where}.name")
-            normalized[-1]["name"] = name
-    return normalized
+def _check_message(message: ChatMessage, where: str) -> None:
+    content = message.content
+    if content is None and not (message.role == "assistant"):
+        raise bad_request(f"{where}.content is required", f"{where}.content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise bad_request(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+    for j, part in enumerate(content if isinstance(content, list) else []):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"{where}.content[{j}] of type {kind!r:.40} is not supported; only text parts are",
+                              f"{where}.content[{j}].type")
+    if message.role == "tool" and message.tool_call_id is None:
+        raise bad_request(f"{where}.tool_call_id is required for a tool message", f"{where}.tool_call_id")
+    if message.tool_calls and message.role != "assistant":
+        raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or an array of text parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else _kind(part)
-            raise bad_request(f"{where}[{j}] of type {kind!r:.40} is not supported; only text parts are",
-                              f"{where}[{j}].type")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(part["text"] for part in content)
 
 
-def _prompts(body: dict, vocab_size: int | None) -> list[str | list[int]]:
-    prompt = body.get("prompt")
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions`` (OpenAI's legacy API). ``max_tokens`` defaults to 16, as OpenAI's."""
+
+    prompt: Any = None  # a string, strings, token ids or arrays of token ids; see :attr:`prompts`
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None  # the prompt's text (and its logprobs) before the completion
+    suffix: str | None = None
+
+    _prompts: list[str | list[int]] = PrivateAttr()
+
+    def model_post_init(self, _context: Any) -> None:
+        self._check_common()
+        if self.suffix:
+            raise bad_request("suffix (insertion) is not supported by this server; omit it", "suffix")
+        self._prompts = _prompts(self.prompt)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # echo's prompt entries need the prompt's logprobs
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        self._params = self._sampling_params(
+            max_tokens=16 if self.max_tokens is None else self.max_tokens, logprobs=self.logprobs,
+            structured=self.structured_outputs_params())
+        if prompt_logprobs != self.prompt_logprobs:
+            self._params.prompt_logprobs = prompt_logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        return self._prompts
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
     if prompt is None:
         raise bad_request("prompt is required: a string, an array of strings, or token ids", "prompt")
     if isinstance(prompt, str):
         prompts: list = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_kind(p) == "integer" for p in prompt):
+    elif _is_ids(prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(
-            _kind(t) == "integer" for t in p) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
         prompts = list(prompt)
     else:
         raise bad_request("prompt must be a non-empty string, array of strings, array of token ids, "
                           "or array of arrays of token ids", "prompt")
-    for p in prompts:
-        if p == "":
-            raise bad_request("prompt must not be empty", "prompt")
-        if isinstance(p, list) and vocab_size is not None and any(not 0 <= t < vocab_size for t in p):
-            raise bad_request(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if any(p == "" for p in prompts):
+        raise bad_request("prompt must not be empty", "prompt")
     return prompts
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM): a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # prompt: default true; messages: the template decides
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool | None = None
+
+    def model_post_init(self, _context: Any) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send exactly one of prompt and messages", "prompt")
+        for i, message in enumerate(self.messages or []):
+            _check_message(message, f"messages[{i}]")
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+Request = TypeVar("Request", bound=BaseModel)
+
+
+def validate(model: type[Request], body: Any) -> Request:
+    """``body`` (parsed JSON) as a ``model``. Raises :class:`APIError` 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _from_validation_error(exc.errors()[0]) from None
+
+
+_SCALAR_TYPES = {"int_type", "string_type", "float_type", "bool_type", "finite_number"}
+
+
+def _param(loc: tuple, error_type: str) -> str:
+    """pydantic's error location as the request path OpenAI names (``messages[0].content``); a bad
+    element of a list of scalars names the list."""
+    loc = tuple(part for part in loc if not _is_union_tag(part))
+    if loc and isinstance(loc[-1], int) and error_type in _SCALAR_TYPES:
+        loc = loc[:-1]
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the member of a union it tried (``str``, ``list[int]``, ``dict[str,any]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _from_validation_error(error: dict) -> APIError:
+    param = _param(tuple(error["loc"]), error["type"])
+    if error["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    got = error.get("input")
+    shown = f", got {got!r:.60}" if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else ""
+    if error["type"] == "missing":
+        return bad_request(f"{param} is required", param, "missing_required_parameter")
+    return bad_request(f"Invalid value for {param}: {error['msg'].lower()}{shown}", param)
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a ``POST /v1/chat/completions`` body. Raises :class:`APIError` (400) naming the field."""
+    return validate(ChatCompletionRequest, body)
+
+
+def parse_completion_request(body: Any, vocab_size: int | None = None) -> CompletionRequest:
+    """Validate a ``POST /v1/completions`` body. Raises :class:`APIError` (400) naming the field."""
+    req = validate(CompletionRequest, body)
+    if vocab_size is not None and any(isinstance(p, list) and any(not 0 <= t < vocab_size for t in p)
+                                      for p in req.prompts):
+        raise bad_request(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    return req
 
 
 def check_model(requested: str | None, served: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from slipstream.server.engine.outputs import Logprob
 
@@ -19,10 +20,12 @@ class Choice:
 
     index: int
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: list[Logprob] = field(default_factory=list)
-    text_offset: int = 0  # completions logprobs: characters before the next token
+    prompt_index: int = 0  # completions: which prompt of the call it continues
+    state: Any = None  # the endpoint's per-choice streaming state (logprob offsets, a tool-call parser)
 
 
 @dataclass
@@ -57,33 +60,6 @@ def completion_logprobs(logprobs: list[Logprob], text_of: TokenText, text_offset
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{text_of(t): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets}, text_offset
-
-
-def chat_response(request_id: str, created: int, model: str, choices: list[Choice], usage: Usage,
-                  text_of: TokenText, with_logprobs: bool) -> dict:
-    return {
-        "id": request_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
-            "logprobs": chat_logprobs(c.logprobs, text_of) if with_logprobs else None,
-            "finish_reason": c.finish_reason,
-        } for c in choices],
-        "usage": usage.body(),
-    }
-
-
-def completion_response(request_id: str, created: int, model: str, choices: list[Choice], usage: Usage,
-                        text_of: TokenText, with_logprobs: bool) -> dict:
-    return {
-        "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{
-            "index": c.index, "text": c.text,
-            "logprobs": completion_logprobs(c.logprobs, text_of, 0)[0] if with_logprobs else None,
-            "finish_reason": c.finish_reason,
-        } for c in choices],
-        "usage": usage.body(),
-    }
 
 
 def chunk(request_id: str, created: int, model: str, obj: str, choices: list[dict],

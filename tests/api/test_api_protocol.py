@@ -115,14 +115,66 @@ def test_unknown_field_is_unknown_parameter_naming_it():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function"}]), ("functions", [{"name": "f"}]), ("tool_choice", "required"),
-    ("tool_choice", {"type": "function"}), ("response_format", {"type": "json_schema"}),
-    ("logit_bias", {"1": 1}), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
-    ("reasoning_effort", "high"), ("web_search_options", {}), ("unknown_knob", 1),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("audio", {"voice": "x"}),
+    ("prediction", {"type": "content"}), ("reasoning_effort", "high"), ("web_search_options", {}),
+    ("unknown_knob", 1), ("modalities", ["text", "audio"]),
 ])
 def test_fields_that_would_change_the_output_are_refused_by_name(field, value):
     error = refused(parse_chat_request, {"messages": MESSAGES, field: value})
     assert error.status == 400 and error.param == field
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("tools", [{"type": "function"}], "tools[0].function"),
+    ("tools", [{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}] * 2, "tools[1].function.name"),
+    ("tool_choice", "required", "tool_choice"),  # no tools to call
+    ("tool_choice", {"type": "function"}, "tool_choice"),
+    ("tool_choice", {"type": "function", "function": {"name": "g"}}, "tool_choice"),  # not declared
+    ("response_format", {"type": "json_schema"}, "response_format.json_schema"),
+    ("response_format", {"type": "xml"}, "response_format.type"),
+    ("logit_bias", {"one": 1}, "logit_bias"),
+    ("logit_bias", {"1": 101}, "logit_bias"),
+    ("structured_outputs", {"regex": "a+", "choice": ["a"]}, "structured_outputs"),
+    ("structured_outputs", {"json_schema": {}}, "structured_outputs.json_schema"),
+])
+def test_malformed_tools_formats_and_biases_name_their_field(field, value, param):
+    error = refused(parse_chat_request, {"messages": MESSAGES, field: value})
+    assert (error.status, error.param) == (400, param), error.message
+
+
+def test_output_constraints_map_to_one_structured_outputs_params():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert parse_chat_request({"messages": MESSAGES, "response_format": rf}).params.structured_outputs.json == schema
+    assert parse_chat_request({"messages": MESSAGES, "response_format": {"type": "json_object"}}
+                              ).params.structured_outputs.json_object
+    assert parse_completion_request({"prompt": "x", "guided_choice": ["yes", "no"]}).params.structured_outputs.choice \
+        == ["yes", "no"]
+    assert parse_completion_request({"prompt": "x", "structured_outputs": {"regex": "[0-9]+"}}
+                                    ).params.structured_outputs.regex == "[0-9]+"
+    error = refused(parse_chat_request, {"messages": MESSAGES, "response_format": {"type": "json_object"},
+                                         "guided_regex": "a"})
+    assert error.param == "guided_regex"
+
+
+def test_logit_bias_keys_become_token_ids():
+    assert parse_completion_request({"prompt": "x", "logit_bias": {"17": -100, "3": 5.5}}).params.logit_bias == \
+        {17: -100.0, 3: 5.5}
+
+
+def test_echo_with_logprobs_asks_for_the_prompt_logprobs():
+    p = parse_completion_request({"prompt": "x", "echo": True, "logprobs": 2}).params
+    assert (p.logprobs, p.prompt_logprobs) == (2, 2)
+    assert parse_completion_request({"prompt": "x", "echo": True}).params.prompt_logprobs is None
+
+
+def test_forced_tool_choice():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert parse_chat_request({"messages": MESSAGES, "tools": tools, "tool_choice": "required"}).forced_tool is True
+    named = {"type": "function", "function": {"name": "f"}}
+    assert parse_chat_request({"messages": MESSAGES, "tools": tools, "tool_choice": named}).forced_tool == "f"
+    assert parse_chat_request({"messages": MESSAGES, "tools": tools}).forced_tool is None
 
 
 @pytest.mark.parametrize("field, value", [
@@ -163,16 +215,31 @@ def test_messages_normalized_for_the_chat_template():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "ann"},
         {"role": "assistant", "content": None, "tool_calls": []},
     ]})
-    assert req.messages == [{"role": "system", "content": "be brief"},
-                            {"role": "user", "content": "a\nb", "name": "ann"},
-                            {"role": "assistant", "content": ""}]
+    assert req.template_messages() == [{"role": "system", "content": "be brief"},
+                                       {"role": "user", "content": "a\nb", "name": "ann"},
+                                       {"role": "assistant", "content": ""}]
+
+
+def test_tool_turns_reach_the_template_as_openai_sends_them():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
+    req = parse_chat_request({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]})
+    assert req.template_messages()[1:] == [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                           {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
 
 
 @pytest.mark.parametrize("message, param", [
-    ({"role": "tool", "content": "x"}, "messages[0].role"),
+    ({"role": "robot", "content": "x"}, "messages[0].role"),
+    ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content[0].type"),
     ({"role": "user"}, "messages[0].content"),
     ({"role": "user", "content": 5}, "messages[0].content"),
-    ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+    ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls[0].function"),
+    ({"role": "user", "content": "x", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "messages[0].tool_calls"),
     ("hello", "messages[0]"),
 ])
 def test_bad_messages_name_the_message(message, param):

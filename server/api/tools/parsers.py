@@ -87,7 +87,7 @@ class ToolCallStream:
         self._after_call = False  # whitespace right after a call only separates it from content
         self._scan: ObjectScan | None = None
         self._call: dict | None = None  # the announced call whose object is being read
-        self._sent = 0  # characters of its compact arguments already sent
+        self._sent = 0  # ObjectScan.out chunks of its arguments already sent
         self._args_key = ""  # which of the format's argument keys this call uses
         self._events: list[dict] = []
 
@@ -251,10 +251,12 @@ class ToolCallStream:
                                              "function": dict(call["function"])}]})
 
     def _send_arguments(self) -> None:
-        args = self._scan.value(self._args_key)
-        fragment = args[self._sent:]
+        """Send the arguments' compact text read since the last fragment."""
+        begin, end = self._scan.fields[self._args_key]
+        stop = len(self._scan.out) if end is None else end
+        fragment = "".join(self._scan.out[max(begin, self._sent):stop])
+        self._sent = stop
         if fragment:
-            self._sent = len(args)
             self._call["function"]["arguments"] += fragment
             self._events.append({"tool_calls": [{"index": len(self.tool_calls) - 1,
                                                  "function": {"arguments": fragment}}]})
