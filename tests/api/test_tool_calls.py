@@ -188,6 +188,64 @@ def test_output_broken_after_a_call_was_announced_is_content_to_extract_but_stre
                                                  and call[1].startswith(calls[0][1])), f"split at {i}"
 
 
+VALID_OBJECTS = ['{}', ' { "a" : [ 1 , -2.5e+3 , 0.0, true, false, null, "x\\n\\u00e9\\"" ] } ',
+                 '{"a": {"b": {"c": []}}, "d": [[], [{}]], "e": "}]{["}', '{"\u00e9": -0}']
+INVALID_OBJECTS = ['{"a": 1,}', '{"a": [1,]}', '{"a" 1}', '{a: 1}', '{"a": 01}', '{"a": 1.}',
+                   '{"a": tru}', '{"a": nul, "b": 1}', '{"a": "\\x"}', '{"a": "\\u12g4"}',
+                   '{"a": "tab\there"}', '[1]', '"a"', '{"a": 1}}', '{"a": 1 "b": 2}', '{"a": +1}',
+                   '{"a": 1, "a": 2}']
+
+
+def _json_object(text):
+    """json.loads, refusing what the scanner refuses besides invalid JSON: non-objects, repeated keys."""
+    def pairs(items):
+        if len({k for k, _ in items}) != len(items):
+            raise ValueError("repeated key")
+        return dict(items)
+
+    value = json.loads(text, object_pairs_hook=pairs)
+    if not isinstance(value, dict):
+        raise ValueError("not an object")
+    return value
+
+
+@pytest.mark.parametrize("text", VALID_OBJECTS)
+def test_object_scan_reads_valid_json_and_keeps_its_compact_text(text):
+    from slipstream.server.api.tools.scan import ObjectScan, Scan
+
+    start = text.index("{")
+    for i in range(start, text.rindex("}") + 1):  # no prefix is judged invalid
+        assert ObjectScan(start).advance(text[:i]) is Scan.MORE, text[:i]
+    scan = ObjectScan(start)
+    assert scan.advance(text) is Scan.DONE and text[scan.end:].strip() == ""
+    assert json.loads(scan.compact) == _json_object(text)
+    assert " " not in scan.compact, "whitespace outside strings is dropped"
+
+
+@pytest.mark.parametrize("text", INVALID_OBJECTS)
+def test_object_scan_rejects_what_json_loads_rejects(text):
+    from slipstream.server.api.tools.scan import ObjectScan, Scan
+
+    scan = ObjectScan(0)
+    result = scan.advance(text)
+    assert result is Scan.BAD or (result is Scan.DONE and text[scan.end:].strip())
+    with pytest.raises(ValueError):
+        _json_object(text)
+
+
+def test_a_long_call_streams_in_linear_time():
+    import time
+
+    args = {"code": "x = 1\n" * 4000, "items": list(range(2000))}
+    text = hermes({"name": "run", "arguments": args})
+    stream, t0 = get_parser("hermes").stream(), time.perf_counter()
+    for i in range(0, len(text), 4):
+        stream.feed(text[i:i + 4])
+    stream.finish()
+    assert time.perf_counter() - t0 < 3.0, "quadratic rescanning would take minutes"
+    assert json.loads(stream.tool_calls[0]["function"]["arguments"]) == args
+
+
 def test_marker_formats_ask_the_detokenizer_to_keep_special_tokens():
     assert get_parser("hermes").skip_special_tokens is True
     assert get_parser("llama3_json").skip_special_tokens is False

@@ -5,8 +5,9 @@ they are generated (:class:`ToolCallStream`), in one of the formats of :mod:`.fo
 One state machine reads both ways, so a stream and ``extract`` agree by construction: the stream
 announces a call as soon as its name is complete and its arguments object has begun, and
 ``extract`` waits for the closed object. They differ only on an output that breaks or is cut off
-inside a call after that point (e.g. ``max_tokens``): the stream has already sent the call and
-its partial arguments; ``extract`` returns that text as content.
+inside a call after that point (e.g. at ``max_tokens``): ``extract`` returns that text as content;
+a stream that announced the call before the delta holding the break keeps it as sent (arguments
+incomplete) and reads on from the break as content.
 
 Rules (the same for every format):
 

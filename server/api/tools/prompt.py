@@ -105,20 +105,29 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, parser: Too
 
 
 def tools_system_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
-    """The system-prompt text that declares ``tools`` (JSON schemas) and the reply format."""
+    """The system-prompt text that declares ``tools`` (their JSON, parameters as JSON schema), the
+    exact reply format, how to make several calls and how results come back."""
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    example = fmt.write([_call_body(fmt, "<function-name>", "<arguments-json-object>")])
     if fmt.name == "hermes":
         listing = f"<tools>\n{listing}\n</tools>"
-        several = "Put each call in its own <tool_call></tool_call> block."
     elif fmt.name == "mistral":
         listing = f"[AVAILABLE_TOOLS]{json.dumps(tools, ensure_ascii=False)}[/AVAILABLE_TOOLS]"
-        several = "Several calls are several objects in the list, separated by commas."
-    else:
-        several = "Several calls are several objects separated by semicolons (;)."
+    example = fmt.write([_call_body(fmt, "<function-name>", "<arguments-json-object>")])
+    several, results = _CONVENTIONS[fmt.name]
     return ("# Tools\n\nYou may call one or more of these functions to answer. Their signatures, as "
             f"JSON schemas:\n{listing}\n\nTo call a function, reply with exactly:\n{example}\n"
-            f"{several} A function's result comes back in the next message.")
+            f"{several} The results come back in the next message, {results}.")
+
+
+# format -> (how several calls are written, how results come back); see _render_result
+_CONVENTIONS = {
+    "hermes": ("Put each call in its own <tool_call></tool_call> block.",
+               "each in a <tool_response></tool_response> block"),
+    "llama3_json": ("Separate several calls with semicolons (;).",
+                    'each as {"name": <function-name>, "output": <result>}'),
+    "mistral": ("Several calls are several objects in the list, separated by commas.",
+                'each as [TOOL_RESULTS]{"content": <result>, "call_id": <id>}[/TOOL_RESULTS]'),
+}
 
 
 def render_calls(fmt: ToolFormat, calls: list[tuple[str, dict]]) -> str:
@@ -132,10 +141,12 @@ def _call_body(fmt: ToolFormat, name_json: str, args_json: str) -> str:
 
 
 def _render_result(fmt: ToolFormat, name: str, call_id: str, content: str) -> str:
+    """One tool result as the user-turn text of ``fmt``'s convention (see the module docstring)."""
     if fmt.name == "hermes":
         return f"<tool_response>\n{content}\n</tool_response>"
     if fmt.name == "mistral":
-        return f"[TOOL_RESULTS]{json.dumps({'content': content, 'call_id': call_id}, ensure_ascii=False)}[/TOOL_RESULTS]"
+        body = json.dumps({"content": content, "call_id": call_id}, ensure_ascii=False)
+        return f"[TOOL_RESULTS]{body}[/TOOL_RESULTS]"
     return json.dumps({"name": name, "output": content}, ensure_ascii=False)
 
 
