@@ -4,14 +4,25 @@ the validation of ``tools``/``tool_choice``. Pure functions; the tokenizer is th
 model's, loaded once."""
 from __future__ import annotations
 
+import copy
 import json
 import random
 import re
+import time
+from types import SimpleNamespace
 
+import jinja2
+import jsonschema
+import llguidance
+import llguidance.hf
+import numpy as np
 import pytest
 
-from slipstream.server.api.tools import get_parser
-from slipstream.server.api.tools.formats import UnknownToolParser
+from slipstream.server.api.tools import (ToolCallError, UnknownToolParser, check_tools, get_parser, grammar_for,
+                                         prepare_messages, render_calls, template_supports_tools)
+from slipstream.server.api.tools.scan import ObjectScan, Scan
+from slipstream.server.engine.errors import InvalidRequest
+from slipstream.server.models.loader import load_tokenizer
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
 TIME = {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}
@@ -211,8 +222,6 @@ def _json_object(text):
 
 @pytest.mark.parametrize("text", VALID_OBJECTS)
 def test_object_scan_reads_valid_json_and_keeps_its_compact_text(text):
-    from slipstream.server.api.tools.scan import ObjectScan, Scan
-
     start = text.index("{")
     for i in range(start, text.rindex("}") + 1):  # no prefix is judged invalid
         assert ObjectScan(start).advance(text[:i]) is Scan.MORE, text[:i]
@@ -224,8 +233,6 @@ def test_object_scan_reads_valid_json_and_keeps_its_compact_text(text):
 
 @pytest.mark.parametrize("text", INVALID_OBJECTS)
 def test_object_scan_rejects_what_json_loads_rejects(text):
-    from slipstream.server.api.tools.scan import ObjectScan, Scan
-
     scan = ObjectScan(0)
     result = scan.advance(text)
     assert result is Scan.BAD or (result is Scan.DONE and text[scan.end:].strip())
@@ -234,8 +241,6 @@ def test_object_scan_rejects_what_json_loads_rejects(text):
 
 
 def test_a_long_call_streams_in_linear_time():
-    import time
-
     args = {"code": "x = 1\n" * 4000, "items": list(range(2000))}
     text = hermes({"name": "run", "arguments": args})
     stream, t0 = get_parser("hermes").stream(), time.perf_counter()
@@ -295,26 +300,16 @@ TOOLS_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from slipstream.server.models.loader import load_tokenizer
-
     return load_tokenizer("builtin")
 
 
 def test_builtin_template_has_no_tools_section_and_fails_on_null_content(tokenizer):
-    from slipstream.server.api.tools.prompt import template_supports_tools
-
-    import jinja2
-
     assert not template_supports_tools(tokenizer)
     with pytest.raises((TypeError, jinja2.UndefinedError)):  # why prepare_messages exists
         tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=False)
 
 
 def test_templates_that_name_tools_are_detected_also_among_named_templates():
-    from types import SimpleNamespace
-
-    from slipstream.server.api.tools.prompt import template_supports_tools
-
     assert template_supports_tools(SimpleNamespace(chat_template=TOOLS_TEMPLATE))
     assert template_supports_tools(SimpleNamespace(chat_template={"default": "{{ x }}", "tool_use": TOOLS_TEMPLATE}))
     assert not template_supports_tools(SimpleNamespace(chat_template=None))
@@ -322,8 +317,6 @@ def test_templates_that_name_tools_are_detected_also_among_named_templates():
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_conversation_with_calls_and_results_renders_in_the_builtin_template(tokenizer, parser):
-    from slipstream.server.api.tools.prompt import prepare_messages
-
     p = get_parser(parser)
     messages, tools = prepare_messages(CONVERSATION, TOOLS, p, supports_tools=False)
     assert tools is None
@@ -344,8 +337,6 @@ def test_conversation_with_calls_and_results_renders_in_the_builtin_template(tok
 
 
 def test_hermes_results_are_tool_response_blocks_and_mistral_results_carry_call_ids():
-    from slipstream.server.api.tools.prompt import prepare_messages
-
     hermes_msgs, _ = prepare_messages(CONVERSATION, TOOLS, get_parser("hermes"), False)
     assert hermes_msgs[-1]["content"] == ("<tool_response>\n22 C, sunny\n</tool_response>\n"
                                           "<tool_response>\n14:05\n</tool_response>")
@@ -357,10 +348,6 @@ def test_hermes_results_are_tool_response_blocks_and_mistral_results_carry_call_
 
 
 def test_tools_extend_an_existing_system_message_and_the_input_is_not_modified():
-    import copy
-
-    from slipstream.server.api.tools.prompt import prepare_messages
-
     conversation = [{"role": "system", "content": "Be brief."}] + CONVERSATION
     before = copy.deepcopy(conversation)
     messages, _ = prepare_messages(conversation, TOOLS, get_parser("hermes"), False)
@@ -370,24 +357,18 @@ def test_tools_extend_an_existing_system_message_and_the_input_is_not_modified()
 
 
 def test_without_tools_no_system_prompt_is_added_but_tool_turns_still_render(tokenizer):
-    from slipstream.server.api.tools.prompt import prepare_messages
-
     messages, tools = prepare_messages(CONVERSATION, None, get_parser("hermes"), False)
     assert tools is None and [m["role"] for m in messages] == ["user", "assistant", "user"]
     assert "<tool_response>" in tokenizer.apply_chat_template(messages, tokenize=False)
 
 
 def test_assistant_text_before_calls_is_kept():
-    from slipstream.server.api.tools.prompt import prepare_messages
-
     turn = {**CONVERSATION[1], "content": "Checking."}
     messages, _ = prepare_messages([CONVERSATION[0], turn], TOOLS, get_parser("hermes"), False)
     assert messages[-1]["content"].startswith("Checking.\n<tool_call>\n")
 
 
 def test_tools_aware_template_gets_tools_and_calls_in_transformers_shape(tokenizer):
-    from slipstream.server.api.tools.prompt import prepare_messages
-
     messages, tools = prepare_messages(CONVERSATION, TOOLS, get_parser("hermes"), supports_tools=True)
     assert tools == TOOLS
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
@@ -403,9 +384,6 @@ def test_tools_aware_template_gets_tools_and_calls_in_transformers_shape(tokeniz
 
 @pytest.mark.parametrize("supports_tools", [False, True])
 def test_tool_result_answering_no_earlier_call_is_an_error_naming_the_message(supports_tools):
-    from slipstream.server.api.tools.prompt import prepare_messages
-    from slipstream.server.api.tools.validate import ToolCallError
-
     bad = CONVERSATION[:3] + [{"role": "tool", "tool_call_id": "call_zzz", "content": "?"}]
     with pytest.raises(ToolCallError, match="call_zzz") as e:
         prepare_messages(bad, TOOLS, get_parser("hermes"), supports_tools)
@@ -413,9 +391,6 @@ def test_tool_result_answering_no_earlier_call_is_an_error_naming_the_message(su
 
 
 def test_call_arguments_that_are_not_a_json_object_are_an_error_naming_the_field():
-    from slipstream.server.api.tools.prompt import prepare_messages
-    from slipstream.server.api.tools.validate import ToolCallError
-
     turn = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}]}
     with pytest.raises(ToolCallError) as e:
@@ -428,14 +403,10 @@ def test_call_arguments_that_are_not_a_json_object_are_an_error_naming_the_field
 
 @pytest.fixture(scope="module")
 def ll_tokenizer(tokenizer):
-    import llguidance.hf
-
     return llguidance.hf.from_tokenizer(tokenizer)
 
 
 def _matcher(ll_tokenizer, grammar):
-    import llguidance
-
     compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
     is_error, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(compiled, ll_tokenizer)
     assert not is_error and not warnings, warnings
@@ -448,8 +419,6 @@ def _accepts(tokenizer, ll_tokenizer, grammar, text) -> bool:
 
 
 def _written(parser, *calls):
-    from slipstream.server.api.tools.prompt import render_calls
-
     return render_calls(get_parser(parser).format, list(calls))
 
 
@@ -459,15 +428,11 @@ TOMORROW = ("get_time", {"days_ahead": 1})
 
 @pytest.mark.parametrize("choice", ["none", "auto", None])
 def test_no_grammar_unless_a_call_is_required(choice):
-    from slipstream.server.api.tools.grammar import grammar_for
-
     assert grammar_for(get_parser("hermes"), TOOLS, choice) is None
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_required_grammar_accepts_calls_in_the_format_and_rejects_wrong_ones(tokenizer, ll_tokenizer, parser):
-    from slipstream.server.api.tools.grammar import grammar_for
-
     g = grammar_for(get_parser(parser), TOOLS, "required")
     ok = lambda *calls: _accepts(tokenizer, ll_tokenizer, g, _written(parser, *calls))  # noqa: E731
     assert ok(PARIS) and ok(TOMORROW) and ok(PARIS, TOMORROW)
@@ -482,8 +447,6 @@ def test_required_grammar_accepts_calls_in_the_format_and_rejects_wrong_ones(tok
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_required_without_parallel_calls_allows_exactly_one(tokenizer, ll_tokenizer, parser):
-    from slipstream.server.api.tools.grammar import grammar_for
-
     g = grammar_for(get_parser(parser), TOOLS, "required", parallel_tool_calls=False)
     assert _accepts(tokenizer, ll_tokenizer, g, _written(parser, TOMORROW))
     assert not _accepts(tokenizer, ll_tokenizer, g, _written(parser, PARIS, TOMORROW))
@@ -491,8 +454,6 @@ def test_required_without_parallel_calls_allows_exactly_one(tokenizer, ll_tokeni
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_named_function_grammar_allows_that_function_once(tokenizer, ll_tokenizer, parser):
-    from slipstream.server.api.tools.grammar import grammar_for
-
     g = grammar_for(get_parser(parser), TOOLS, {"type": "function", "function": {"name": "get_time"}})
     assert _accepts(tokenizer, ll_tokenizer, g, _written(parser, TOMORROW))
     assert not _accepts(tokenizer, ll_tokenizer, g, _written(parser, PARIS)), "another declared tool"
@@ -502,11 +463,6 @@ def test_named_function_grammar_allows_that_function_once(tokenizer, ll_tokenize
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_whatever_the_grammar_lets_a_model_write_parses_into_schema_valid_calls(tokenizer, ll_tokenizer, parser):
     """A random walk over the allowed tokens (a model that picks anything the mask allows)."""
-    import jsonschema
-    import numpy as np
-
-    from slipstream.server.api.tools.grammar import grammar_for
-
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     rng = np.random.default_rng(0)
     g = grammar_for(get_parser(parser), TOOLS, "required")
@@ -528,8 +484,6 @@ def test_whatever_the_grammar_lets_a_model_write_parses_into_schema_valid_calls(
 
 
 def test_parameters_without_a_schema_mean_an_object_of_anything(tokenizer, ll_tokenizer):
-    from slipstream.server.api.tools.grammar import grammar_for
-
     tools = [{"type": "function", "function": {"name": "ping"}}]
     g = grammar_for(get_parser("hermes"), tools, "required")
     assert _accepts(tokenizer, ll_tokenizer, g, _written("hermes", ("ping", {})))
@@ -540,8 +494,6 @@ def test_parameters_without_a_schema_mean_an_object_of_anything(tokenizer, ll_to
 
 
 def test_valid_tools_and_choices_have_no_error():
-    from slipstream.server.api.tools.validate import check_tools
-
     for choice in (None, "none", "auto", "required", {"type": "function", "function": {"name": "get_time"}}):
         assert check_tools(TOOLS, choice) is None
     assert check_tools(None, "auto") is None and check_tools([], "none") is None
@@ -555,9 +507,6 @@ def test_valid_tools_and_choices_have_no_error():
     (TOOLS, {"type": "function", "name": "get_date"}, "tool_choice"),  # the Responses API's shape
 ])
 def test_invalid_tools_or_choice_is_an_error_as_data(tools, choice, param):
-    from slipstream.server.api.tools.validate import ToolCallError, check_tools
-    from slipstream.server.engine.errors import InvalidRequest
-
     error = check_tools(tools, choice)
     assert isinstance(error, ToolCallError) and isinstance(error, InvalidRequest)
     assert (error.param, error.code) == (param, "invalid_value")

@@ -5,6 +5,10 @@ that tool's ``parameters`` schema (``%json`` embeds a JSON schema; llguidance do
 vLLM enforces ``required`` with a JSON array schema of its own, whatever the parser; writing the
 parser's own format instead keeps one path: the prompt teaches it, the grammar forces it, the
 parser reads it.
+
+Markers are text literals: where the served model has them as one special token (Mistral's
+``[TOOL_CALLS]``), the grammar makes it spell the marker in ordinary tokens, which the parser reads
+the same; ``llama3_json`` calls need no marker.
 """
 from __future__ import annotations
 

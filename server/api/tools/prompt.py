@@ -48,7 +48,8 @@ def prepare_messages(messages: list[dict], tools: list[dict] | None, parser: Too
     Returns:
         ``(messages, tools)`` for ``apply_chat_template(messages, tools=tools)``: new dicts (the
         input is not modified); ``tools`` is None when the template does not render them (they
-        are then in the system prompt). Every ``content`` is a string.
+        are then in the system prompt). Every ``content`` is a string (text parts joined; the
+        server is text-only).
 
     Raises:
         ToolCallError: a tool turn whose ``tool_call_id`` answers no earlier assistant call
