@@ -166,6 +166,27 @@ def test_stream_split_at_random_positions_equals_extract(parser, text, content, 
         assert _stream(parser, chunks) == (content, calls), chunks
 
 
+NOISE = ["Sure.", " ", "\n", "a <tool", "<tool_call> no", "</tool_call>", "{x}", '{"a": 1}', "[1, 2]",
+         "[TOOL_CALLS] no", "[TOOL_", "<|python_", "<|python_tag|>print(1)", "; ", ", ", "é 🙂"]
+CALL_WRITERS = {"hermes": lambda c: hermes(c), "mistral": lambda c: mistral(c),
+                "llama3_json": lambda c: llama(c, tag="<|python_tag|>")}
+
+
+@pytest.mark.parametrize("parser", sorted(CALL_WRITERS))
+def test_random_mixes_of_text_and_calls_extract_every_call_and_stream_the_same(parser):
+    rng = random.Random(parser)
+    for _ in range(150):
+        pieces = [("call", rng.choice([WEATHER, TIME, TRICKY])) for _ in range(rng.randint(0, 3))]
+        pieces += [("text", rng.choice(NOISE)) for _ in range(rng.randint(0, 5))]
+        rng.shuffle(pieces)
+        text = "".join(CALL_WRITERS[parser](v) if kind == "call" else v for kind, v in pieces)
+        content, got = get_parser(parser).extract(text)
+        assert _names_args(got) == _want(*[v for kind, v in pieces if kind == "call"]), text
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 6)))
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert _stream(parser, chunks) == (content, _names_args(got)), chunks
+
+
 def test_stream_sends_plain_text_at_once_and_holds_only_a_possible_marker():
     stream = get_parser("hermes").stream()
     assert stream.feed("Hello") == [{"content": "Hello"}]
