@@ -17,6 +17,7 @@ from dataclasses import fields
 
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
+    "tokenizer": "slipstream.server.tokenizer_cli",
     "operator": "slipstream.operator.cli",
     "bench": "slipstream.server.bench",
     "simulate": "slipstream.server.simulate",
@@ -122,6 +123,11 @@ def serve_parser() -> argparse.ArgumentParser:
     h.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between status lines (running, waiting, KV usage, tokens/s); 0 turns them off")
     h.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    a = p.add_argument_group("OpenAI API")
+    a.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json", "mistral"],
+                   help="format of tool calls, taught in the prompt when the chat template has no tools section "
+                        "and read back from the output: hermes (Hermes, Qwen2.5 <tool_call>), llama3_json "
+                        "(Llama 3.x JSON), mistral ([TOOL_CALLS])")
     return p
 
 
@@ -137,7 +143,7 @@ def run_serve(argv: list[str]) -> int:
     options = ServerOptions(served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                            log_interval=args.log_interval)
+                            log_interval=args.log_interval, tool_call_parser=args.tool_call_parser)
     return asyncio.run(serve(engine, options, args.host, args.port))
 
 
@@ -168,7 +174,8 @@ def _main(argv: list[str] | None) -> int:
         prog="slipstream", description="Kubernetes-native LLM serving.",
         epilog="Run 'slipstream COMMAND --help' for a command's options.")
     top.add_argument("command", choices=["serve", *_DISPATCH],
-                     help="serve: the OpenAI-compatible server; operator: the Kubernetes operator; "
+                     help="serve: the OpenAI-compatible server; tokenizer: export the served model's tokenizer; "
+                          "operator: the Kubernetes operator; "
                           "bench: benchmarks; simulate: the autoscaling simulation")
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()

@@ -330,20 +330,24 @@ class ChatCompletionRequest(_GenerationRequest):
         return "auto" if self.tools else "none"
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The conversation as plain dicts for a chat template: ``developer`` read as ``system``,
-        text parts joined, tool calls and tool results kept as OpenAI sends them."""
-        out = []
-        for m in self.messages:
-            entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                     "content": _content_text(m.content)}
-            if m.name is not None:
-                entry["name"] = m.name
-            if m.tool_calls:
-                entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                entry["tool_call_id"] = m.tool_call_id
-            out.append(entry)
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as plain dicts for a chat template: ``developer`` read as ``system``, text
+    parts joined, tool calls and tool results kept as OpenAI sends them."""
+    out = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": _content_text(m.content)}
+        if m.name is not None:
+            entry["name"] = m.name
+        if m.tool_calls:
+            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        out.append(entry)
+    return out
 
 
 def _check_message(message: ChatMessage, where: str) -> None:
@@ -443,6 +447,9 @@ class TokenizeRequest(_Strict):
             raise bad_request("send exactly one of prompt and messages", "prompt")
         for i, message in enumerate(self.messages or []):
             _check_message(message, f"messages[{i}]")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return template_messages(self.messages or [])
 
 
 class DetokenizeRequest(_Strict):

@@ -2,12 +2,16 @@
 
 The conversation is rendered with the model's own chat template (Hugging Face
 ``apply_chat_template``), with vLLM's ``chat_template_kwargs``, ``add_generation_prompt`` and
-``continue_final_message``. Responses are ``chat.completion`` objects or
+``continue_final_message``. With ``tools``, the ``--tool-call-parser`` format is taught in the
+prompt (or passed to a template that renders tools), ``tool_choice`` ``required`` or a named
+function is enforced by a grammar, and calls in the output come back as OpenAI ``tool_calls`` —
+whole, or streamed as OpenAI's tool-call deltas. Responses are ``chat.completion`` objects or
 ``chat.completion.chunk`` streams, as OpenAI's API reference shows them.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from typing import Any
 
@@ -18,7 +22,10 @@ from slipstream.server.api.errors import bad_request
 from slipstream.server.api.protocol import ChatCompletionRequest, check_model, parse_chat_request
 from slipstream.server.api.serving import GenerationCall, read_json
 from slipstream.server.api.state import STATE, ServerState
+from slipstream.server.api.tools import ToolParser, grammar_for, prepare_messages
+from slipstream.server.engine.errors import InvalidRequest
 from slipstream.server.engine.outputs import CompletionOutput
+from slipstream.server.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -26,23 +33,25 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state.check_accepting()
     req = parse_chat_request(await read_json(request))
     check_model(req.model, state.model_name)
+    parser = state.tool_parser if req.tools and req.tool_choice_value != "none" else None
     # Off the event loop: a long conversation takes a while to render and tokenize.
-    prompt = await asyncio.to_thread(render_prompt, state.llm.tokenizer, req)
-    call = ChatCall(state, req, f"chatcmpl-{uuid.uuid4().hex}")
-    return await call.run(request, [prompt], req.params)
+    prompt = await asyncio.to_thread(prompt_token_ids, state, req, parser)
+    call = ChatCall(state, req, f"chatcmpl-{uuid.uuid4().hex}", parser)
+    return await call.run(request, [prompt], tool_params(req, parser))
 
 
-def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation, rendered with the model's own chat template.
+def render_template(tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> str:
+    """The conversation as text, by the model's own chat template.
 
     Raises:
         APIError: 400 (param ``messages``) when the template refuses the conversation.
     """
-    add_generation_prompt = req.add_generation_prompt is not False and not req.continue_final_message
     try:
         text = tokenizer.apply_chat_template(
-            req.template_messages(), tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=bool(req.continue_final_message), **(req.chat_template_kwargs or {}))
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
     except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
         raise bad_request(f"messages could not be rendered with the model's chat template: {exc}",
                           "messages") from None
@@ -50,12 +59,58 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise bad_request(f"messages are not valid Unicode text: {exc.reason}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS if any
+    return text
+
+
+def prompt_token_ids(state: ServerState, req: ChatCompletionRequest, parser: ToolParser | None) -> list[int]:
+    """Token ids of the request's conversation (the template already holds BOS if any)."""
+    return state.llm.tokenizer.encode(conversation_text(state, req, parser), add_special_tokens=False)
+
+
+def conversation_text(state: ServerState, req: Any, parser: ToolParser | None) -> str:
+    """The conversation of a chat (or ``/tokenize``) request as the model sees it. Tool turns in
+    the history are rendered in the parser's format; the tools are shown when ``parser`` is given."""
+    messages = req.template_messages()
+    tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None
+    has_tool_turns = any(m.role == "tool" or m.tool_calls for m in req.messages or [])
+    template_tools = None
+    if parser is not None or has_tool_turns:
+        try:
+            messages, template_tools = prepare_messages(messages, tools if parser is not None else None,
+                                                        parser or state.tool_parser, state.template_supports_tools)
+        except InvalidRequest as exc:
+            raise bad_request(str(exc), exc.param, exc.code) from None
+    return render_template(state.llm.tokenizer, messages, tools=template_tools,
+                           add_generation_prompt=req.add_generation_prompt is not False
+                           and not req.continue_final_message,
+                           continue_final_message=bool(req.continue_final_message),
+                           chat_template_kwargs=req.chat_template_kwargs)
+
+
+def tool_params(req: ChatCompletionRequest, parser: ToolParser | None) -> SamplingParams:
+    """The request's sampling params, with the grammar of a forced ``tool_choice`` and special
+    tokens kept where the parser's marker is one."""
+    params = req.params
+    if parser is None:
+        return params
+    tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools]
+    grammar = grammar_for(parser, tools, req.tool_choice_value, req.parallel_tool_calls is not False)
+    if grammar is not None and params.structured_outputs is not None:
+        raise bad_request("tool_choice forces a tool call; it cannot be combined with a response_format or "
+                          "structured_outputs constraint", "tool_choice")
+    return dataclasses.replace(
+        params, skip_special_tokens=params.skip_special_tokens and parser.skip_special_tokens,
+        structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else params.structured_outputs)
 
 
 class ChatCall(GenerationCall):
     chunk_object = "chat.completion.chunk"
     prompt_param = "messages"
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str,
+                 parser: ToolParser | None) -> None:
+        super().__init__(state, req, request_id)
+        self.parser = parser
 
     def opening_chunks(self, num_choices: int) -> list[dict]:
         """OpenAI opens each choice with the role and an empty content."""
@@ -68,23 +123,47 @@ class ChatCall(GenerationCall):
 
     def deltas(self, choice: render.Choice, co: CompletionOutput) -> list[dict]:
         logprobs = self._logprobs(co)
-        if not co.text and logprobs is None:
+        if self.parser is None:
+            pieces = [{"content": co.text}] if co.text else []
+        else:
+            if choice.state is None:
+                choice.state = self.parser.stream()
+            pieces = choice.state.feed(co.text)
+        if not pieces and logprobs is not None:
+            pieces = [{"content": ""}]
+        return [render.chat_delta(choice.index, piece, logprobs if i == 0 else None)
+                for i, piece in enumerate(pieces)]
+
+    def closing_deltas(self, choice: render.Choice) -> list[dict]:
+        if self.parser is None or choice.state is None:
             return []
-        return [render.chat_delta(choice.index, {"content": co.text}, logprobs)]
+        return [render.chat_delta(choice.index, piece) for piece in choice.state.finish()]
+
+    def _finish_reason(self, choice: render.Choice, made_calls: bool) -> str | None:
+        """OpenAI's ``tool_calls`` when the model stopped after calling; ``length`` stays ``length``."""
+        return "tool_calls" if made_calls and choice.finish_reason == "stop" else choice.finish_reason
 
     def finish_delta(self, choice: render.Choice) -> dict:
-        return render.chat_delta(choice.index, {}, finish_reason=choice.finish_reason)
+        made_calls = self.parser is not None and choice.state is not None and bool(choice.state.tool_calls)
+        return render.chat_delta(choice.index, {}, finish_reason=self._finish_reason(choice, made_calls))
+
+    def _message(self, choice: render.Choice) -> tuple[dict, bool]:
+        if self.parser is None:
+            return {"role": "assistant", "content": choice.text, "refusal": None}, False
+        content, calls = self.parser.extract(choice.text)
+        message = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        return message, bool(calls)
 
     def response_body(self, choices: list[render.Choice]) -> dict:
         with_logprobs = self.req.logprob_width is not None
-        return {
-            "id": self.request_id, "object": "chat.completion", "created": self.created,
-            "model": self.state.model_name,
-            "choices": [{
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": render.chat_logprobs(c.logprobs, self.state.token_text) if with_logprobs else None,
-                "finish_reason": c.finish_reason,
-            } for c in choices],
-            "usage": self.usage.body(),
-        }
+        out = []
+        for c in choices:
+            message, made_calls = self._message(c)
+            out.append({"index": c.index, "message": message,
+                        "logprobs": render.chat_logprobs(c.logprobs, self.state.token_text) if with_logprobs
+                        else None,
+                        "finish_reason": self._finish_reason(c, made_calls)})
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.state.model_name, "choices": out, "usage": self.usage.body()}

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from slipstream.server.api.errors import APIError
+from slipstream.server.api.tools import get_parser, template_supports_tools
 from slipstream.server.metrics import RequestRecord, ServerMetrics
 
 logger = logging.getLogger("slipstream.server")
@@ -27,6 +28,8 @@ class ServerOptions:
     max_request_bytes: largest request body accepted (413 above it).
     shutdown_timeout: seconds a drain waits for in-flight requests before aborting them.
     log_interval: seconds between two periodic status lines (0: none).
+    tool_call_parser: the format tool calls are taught in and read back (``hermes``,
+        ``llama3_json``, ``mistral``; see ``slipstream.server.api.tools``).
     """
 
     served_model_name: str | None = None
@@ -36,6 +39,7 @@ class ServerOptions:
     max_request_bytes: int = 8 << 20
     shutdown_timeout: float = 30.0
     log_interval: float = 10.0
+    tool_call_parser: str = "hermes"
 
 
 class ServerState:
@@ -48,6 +52,8 @@ class ServerState:
         self.drain_expired = False  # the drain ran out of time and aborted what was left
         self.model_name = options.served_model_name or ""
         self.vocab_size: int | None = None
+        self.tool_parser = get_parser(options.tool_call_parser)  # an unknown name fails at start-up
+        self.template_supports_tools = False
         self.in_flight: dict[str, int] = {}  # API call id -> its sequences (prompts × n)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -58,6 +64,7 @@ class ServerState:
         self.llm = llm
         self.model_name = self.options.served_model_name or llm.model_name
         self.vocab_size = len(llm.tokenizer)
+        self.template_supports_tools = template_supports_tools(llm.tokenizer)
         llm.add_step_listener(self.metrics.on_step)
         self.metrics.start()
         decode = llm.tokenizer.decode

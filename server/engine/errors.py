@@ -11,10 +11,10 @@ class InvalidRequest(ValueError):
     Args:
         message: what was wrong and what to do.
         param: the offending field in the API's terms (``prompt``, ``max_tokens``, ``logit_bias``, ...).
-        code: machine-readable reason (``invalid_value``, ``context_length_exceeded``, ...).
+        code: machine-readable reason where one helps (``context_length_exceeded``), else None.
     """
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
         self.code = code

@@ -291,16 +291,23 @@ def _gguf_tokenizer(path: Path):
 
 
 def load_tokenizer(model: str = "builtin"):
-    """The tokenizer of ``model`` (``"builtin"`` or a GGUF file) without loading its weights;
-    the GGUF conversion is cached on disk as in :func:`load_model`.
+    """The tokenizer of ``model`` (``"builtin"``, a GGUF file or a Hugging Face directory) without
+    loading its weights; the GGUF conversion is cached on disk as in :func:`load_model`.
 
     Raises:
-        ModelLoadError: the model is missing or not a GGUF file.
+        ModelLoadError: the model is missing, or neither a GGUF file nor a directory with a tokenizer.
     """
     path = resolve_model_path(model)
-    if not (path.is_file() and path.suffix == ".gguf"):
-        raise ModelLoadError(f"{path}: load_tokenizer reads GGUF files only")
-    return _gguf_tokenizer(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_tokenizer(path)
+    if path.is_dir():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path}: no loadable tokenizer ({e})") from None
+    raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
 
 
 def _eos_ids(tokenizer) -> set[int]:
