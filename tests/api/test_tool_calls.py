@@ -531,3 +531,18 @@ def test_invalid_tools_or_choice_is_an_error_as_data(tools, choice, param):
     error = check_tools(tools, choice)
     assert isinstance(error, ToolCallError) and isinstance(error, InvalidRequest)
     assert (error.param, error.code) == (param, "invalid_value")
+
+
+@pytest.mark.parametrize("schema,problem", [
+    ({"type": "object", "properties": {"a": {"type": "strin"}}}, "strin"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=x)y"}}}, "look-around"),
+])
+def test_a_schema_the_grammar_cannot_enforce_is_an_error_only_when_a_call_is_forced(schema, problem):
+    tools = [TIME_TOOL, {"type": "function", "function": {"name": "bad", "parameters": schema}}]
+    for choice in ("required", {"type": "function", "function": {"name": "bad"}}):
+        error = check_tools(tools, choice)
+        assert (error.param, error.code) == ("tools[1].function.parameters", "invalid_function_parameters")
+        assert problem in str(error)
+    assert check_tools(tools, "auto") is None, "shown to the model, not enforced"
+    assert check_tools(tools, {"type": "function", "function": {"name": "get_time"}}) is None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from .parsers import ToolParser
-from .validate import chosen_function
+from .validate import chosen_function, parameters_schema
 
 # Fixed separators: a small model under a flexible-whitespace grammar can spin on spaces forever.
 _JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -59,8 +59,7 @@ def grammar_for(parser: ToolParser, tools: list[dict] | None, tool_choice,
 
 def _call_schema(args_key: str, function: dict) -> dict:
     """JSON schema of one call object: ``{"name": <const>, <args_key>: <parameters>}``, in order."""
-    params = dict(function.get("parameters") or {"properties": {}})
-    params.setdefault("type", "object")  # the parser takes object arguments only
+    params = parameters_schema(function)
     return {"type": "object", "properties": {"name": {"const": function["name"]}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False, "x-guidance": _JSON_STYLE}
 

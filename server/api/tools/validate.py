@@ -7,16 +7,19 @@ function names are unique.
 """
 from __future__ import annotations
 
+import llguidance
+
 from slipstream.server.engine.errors import InvalidRequest
 
 
 class ToolCallError(InvalidRequest):
     """A problem with ``tools``, ``tool_choice`` or the tool turns of ``messages``: ``param`` names
     the field (``tool_choice``, ``tools[2].function.name``, ``messages[3].tool_call_id``),
-    ``code`` is ``invalid_value``."""
+    ``code`` is ``invalid_value`` or, for a schema the grammar cannot enforce, OpenAI's
+    ``invalid_function_parameters``."""
 
-    def __init__(self, message: str, param: str):
-        super().__init__(message, param, "invalid_value")
+    def __init__(self, message: str, param: str, code: str = "invalid_value"):
+        super().__init__(message, param, code)
 
 
 def tool_names(tools: list[dict] | None) -> list[str]:
@@ -38,7 +41,10 @@ def check_tools(tools: list[dict] | None, tool_choice) -> ToolCallError | None:
 
     Problems: two tools with one name (param ``tools[i].function.name``); ``tool_choice``
     ``"required"`` or a named function without ``tools``, or naming a function not in ``tools``
-    (param ``tool_choice``).
+    (param ``tool_choice``); when ``tool_choice`` makes the grammar enforce a tool's
+    ``parameters``, a schema llguidance cannot compile (param ``tools[i].function.parameters``,
+    code ``invalid_function_parameters``; e.g. an unknown type, a dangling ``$ref``, a regex
+    look-around). With ``auto`` schemas are only shown to the model and not checked.
     """
     names = tool_names(tools)
     seen: set[str] = set()
@@ -54,4 +60,31 @@ def check_tools(tools: list[dict] | None, tool_choice) -> ToolCallError | None:
     if named is not None and named not in seen:
         return ToolCallError(f"tool_choice names function {named!r}, which is not in tools "
                              f"({', '.join(names)}); name one of those", "tool_choice")
+    if tool_choice == "required" or named is not None:
+        for i, tool in enumerate(tools):
+            if named is None or tool["function"]["name"] == named:
+                problem = _schema_problem(parameters_schema(tool["function"]))
+                if problem:
+                    return ToolCallError(
+                        f"tools[{i}].function.parameters of {tool['function']['name']!r} cannot be "
+                        f"enforced: {problem}; fix the JSON schema", f"tools[{i}].function.parameters",
+                        "invalid_function_parameters")
     return None
+
+
+def parameters_schema(function: dict) -> dict:
+    """The JSON schema that a call's arguments must match: the function's ``parameters``; none
+    means any object (OpenAI's rule), and the type is always object (the parsers' rule)."""
+    params = dict(function.get("parameters") or {"properties": {}})
+    params.setdefault("type", "object")
+    return params
+
+
+def _schema_problem(schema: dict) -> str | None:
+    """llguidance's error for a JSON schema, or None."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except Exception as e:  # a schema that is not even JSON-serialisable
+        return str(e)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else None
