@@ -70,8 +70,10 @@ class ToolCallStream:
       their concatenation is call ``i``'s ``arguments``.
 
     ``finish()`` reads the end of the output and returns the last deltas. ``tool_calls`` lists the
-    calls announced so far (finish_reason ``tool_calls`` when non-empty). Text is any ``str``
-    split, e.g. inside a marker, a JSON string or an escape.
+    calls announced so far, ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+    with the arguments sent so far (finish_reason ``tool_calls`` when non-empty). Deltas may split
+    text anywhere, e.g. inside a marker, a JSON string or an escape. ``eager=False`` announces a
+    call only once its object has closed (what :meth:`ToolParser.extract` uses).
     """
 
     def __init__(self, fmt: ToolFormat, *, eager: bool = True):
