@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from slipstream.server.api.errors import APIError, bad_request
+from slipstream.server.api.tools import check_tools
 from slipstream.server.engine.errors import InvalidRequest
 from slipstream.server.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -287,25 +288,21 @@ class ChatCompletionRequest(_GenerationRequest):
                                              structured=self.structured_outputs_params())
 
     def _check_tools(self) -> None:
-        names = [t.function.name for t in self.tools or []]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise bad_request(f"tools[{i}].function.name {name!r} is declared twice", f"tools[{i}].function.name")
         choice = self.tool_choice
-        if choice is None or choice in ("none", "auto"):
-            return
-        if choice == "required":
-            if not names:
-                raise bad_request("tool_choice=required needs at least one tool in tools", "tool_choice")
-            return
-        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
-                and isinstance(choice["function"].get("name"), str) and set(choice) == {"type", "function"}
-                and set(choice["function"]) == {"name"}):
+        shaped = choice in (None, "none", "auto", "required") or (
+            isinstance(choice, dict) and set(choice) == {"type", "function"} and choice["type"] == "function"
+            and isinstance(choice["function"], dict) and set(choice["function"]) == {"name"}
+            and isinstance(choice["function"]["name"], str))
+        if not shaped:
             raise bad_request('tool_choice must be "none", "auto", "required" or '
                               '{"type": "function", "function": {"name": ...}}', "tool_choice")
-        if choice["function"]["name"] not in names:
-            raise bad_request(f"tool_choice names the function {choice['function']['name']!r:.64}, which is not in "
-                              "tools", "tool_choice")
+        error = check_tools(self.tool_dicts(), choice)
+        if error is not None:
+            raise bad_request(str(error), error.param, error.code)
+
+    def tool_dicts(self) -> list[dict] | None:
+        """``tools`` as OpenAI sends them (plain dicts), or None."""
+        return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def forced_tool(self) -> str | None | bool:

@@ -71,7 +71,7 @@ def conversation_text(state: ServerState, req: Any, parser: ToolParser | None) -
     """The conversation of a chat (or ``/tokenize``) request as the model sees it. Tool turns in
     the history are rendered in the parser's format; the tools are shown when ``parser`` is given."""
     messages = req.template_messages()
-    tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None
+    tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None  # chat, tokenize
     has_tool_turns = any(m.role == "tool" or m.tool_calls for m in req.messages or [])
     template_tools = None
     if parser is not None or has_tool_turns:
@@ -93,8 +93,7 @@ def tool_params(req: ChatCompletionRequest, parser: ToolParser | None) -> Sampli
     params = req.params
     if parser is None:
         return params
-    tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools]
-    grammar = grammar_for(parser, tools, req.tool_choice_value, req.parallel_tool_calls is not False)
+    grammar = grammar_for(parser, req.tool_dicts(), req.tool_choice_value, req.parallel_tool_calls is not False)
     if grammar is not None and params.structured_outputs is not None:
         raise bad_request("tool_choice forces a tool call; it cannot be combined with a response_format or "
                           "structured_outputs constraint", "tool_choice")

@@ -1,0 +1,79 @@
+"""``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (as vLLM serves them) and
+``slipstream tokenizer export``: the counts a tool gets are the ones the generation endpoints use."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from .harness import Http, assert_error
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with Http(server.url) as client:
+        yield client
+
+
+def test_tokenize_a_prompt_counts_what_completions_bills(http):
+    r = http.post("/tokenize", json={"prompt": "The quick brown fox"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    usage = http.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 1}).json()["usage"]
+    assert body["count"] == len(body["tokens"]) == usage["prompt_tokens"]
+    assert body["max_model_len"] == 512 and body["token_strs"] is None
+
+
+def test_tokenize_messages_counts_what_chat_bills(http):
+    body = http.post("/tokenize", json={"messages": CHAT}).json()
+    usage = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).json()["usage"]
+    assert body["count"] == usage["prompt_tokens"]
+    without = http.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()
+    assert without["count"] < body["count"]  # the opened assistant turn is gone
+
+
+def test_detokenize_inverts_tokenize(http):
+    text = "Grüße, 世界! 🎉"
+    ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                       "return_token_strs": True}).json()
+    assert len(ids["token_strs"]) == ids["count"]
+    assert http.post("/detokenize", json={"tokens": ids["tokens"]}).json() == {"prompt": text}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1], "extra": 1}, "extra"),
+])
+def test_bad_tokenizer_requests_name_the_field(http, path, body, param):
+    status = 404 if param == "model" else 400
+    assert_error(http.post(path, json=body), status, param=param)
+
+
+def test_tokenizer_info_describes_the_served_tokenizer(http, engine):
+    info = http.get("/tokenizer_info").json()
+    tok = engine.tokenizer
+    assert info["eos_token"] == tok.eos_token and info["vocab_size"] == len(tok)
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == 512
+    assert str(tok.eos_token_id) in info["added_tokens_decoder"]
+
+
+def test_exported_tokenizer_encodes_like_the_server(http, tmp_path):
+    from transformers import AutoTokenizer
+
+    run = subprocess.run([sys.executable, "-I", "-m", "slipstream.server", "tokenizer", "export", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    local = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "Exported tokenizers must agree: ümlauts, 数字 123."
+    assert local.encode(text) == http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    rendered = local.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert local.encode(rendered, add_special_tokens=False) == \
+        http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
