@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from slipstream.server.api import serving_chat, serving_completions, serving_tokenize
+from slipstream.server.api import serving_chat, serving_completions, serving_responses, serving_tokenize
 from slipstream.server.api.errors import APIError, from_http_exception
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
@@ -102,6 +102,7 @@ def build_app(options: ServerOptions, llm=None) -> web.Application:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/chat/completions", serving_chat.create_chat_completion)
     app.router.add_post("/v1/completions", serving_completions.create_completion)
+    app.router.add_post("/v1/responses", serving_responses.ResponsesAPI().create)
     app.router.add_post("/tokenize", serving_tokenize.tokenize)
     app.router.add_post("/detokenize", serving_tokenize.detokenize)
     app.router.add_get("/tokenizer_info", serving_tokenize.tokenizer_info)

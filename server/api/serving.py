@@ -95,6 +95,14 @@ class GenerationCall:
     def on_first_outputs(self, outputs: list[RequestOutput]) -> None:
         """Called once every engine request has its first output (prompt-side data is there)."""
 
+    def open_sse(self, request: web.Request) -> SSEStream:
+        """The event stream the chunks are written to (the Responses API names each event)."""
+        return SSEStream(request)
+
+    def error_chunk(self, error: APIError) -> dict:
+        """What a stream sends when it fails after opening: OpenAI's error body."""
+        return error.body()
+
     # --- the flow ------------------------------------------------------------------------------
     async def run(self, request: web.Request, prompts: list, params: SamplingParams) -> web.StreamResponse:
         """Admit, start and answer; raises :class:`APIError` for anything refused before a stream opens."""
@@ -159,7 +167,7 @@ class GenerationCall:
                             self.req.include_usage or self.req.continuous_usage, usage)
 
     async def stream(self, request: web.Request, group: GenerationGroup) -> web.StreamResponse:
-        sse = SSEStream(request)
+        sse = self.open_sse(request)
         try:
             await sse.open()
             for prompt_index, out in enumerate(group.first_outputs):  # prompt_tokens fixed from the first chunk
@@ -176,7 +184,7 @@ class GenerationCall:
                 error = failure(self.state, out) if out.finished or out.error else None
                 if error is not None:
                     logger.warning("request %s failed mid-stream: %s", self.request_id, error.message)
-                    await sse.send(error.body())
+                    await sse.send(self.error_chunk(error))
                     return await sse.done()
             if self.req.include_usage:
                 await sse.send(self.chunk([], self.usage))
@@ -189,8 +197,8 @@ class GenerationCall:
                 raise
             logger.exception("request %s failed mid-stream", self.request_id)
             try:
-                await sse.send(APIError(500, "Internal server error; see the server log.",
-                                        code="internal_error").body())
+                await sse.send(self.error_chunk(APIError(500, "Internal server error; see the server log.",
+                                                         code="internal_error")))
                 return await sse.done()
             except ConnectionError:
                 return sse.response
