@@ -85,7 +85,8 @@ class AsyncLLM:
         """
         if self._thread is None or self._stopping:
             raise RuntimeError("engine is not running")
-        # Tokenizing a long prompt takes a while: keep it off the event loop.
+        # Tokenizing a long prompt and compiling a grammar take a while: off the event loop and the step
+        # loop both (the request is queued only once its grammar is built).
         reqs = await asyncio.to_thread(self.engine.make_requests, prompt, params, request_id)
         rid = reqs[0].group_id
         if rid in self._streams:

@@ -21,6 +21,7 @@ from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .structured_outputs import GrammarCompiler, GrammarMatcher
 from .trace import EngineStats, StepRecord
 
 log = logging.getLogger("slipstream.engine")
@@ -86,6 +87,7 @@ class LLMEngine:
         self.runner = runner or ModelRunner(loaded.model, num_blocks, config.block_size, self.device, self.dtype)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.groups: dict[str, list[Request]] = {}
         self._rng = random.Random(config.seed)
         self.num_steps = 0
@@ -130,9 +132,16 @@ class LLMEngine:
 
         Raises:
             RequestRejected: prompt + ``max_tokens`` over ``max_model_len``, or more blocks than the cache has.
-            ValueError: an empty prompt or token ids outside the vocabulary.
+            InvalidRequest: an empty prompt, or token ids (of the prompt or ``logit_bias``) outside the vocabulary.
+            StructuredOutputError: a structured-output constraint that does not compile (an InvalidRequest).
+
+        Compiles the structured-output constraint (cached; a large schema may take up to a second).
         """
         params = params or SamplingParams()
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or {} if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[0]!r}", "logit_bias")
         ids = self.tokenize(prompt)
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
@@ -159,16 +168,19 @@ class LLMEngine:
                                   "context_length_exceeded", "max_tokens")
         if params.max_tokens is None:
             params = replace(params, max_tokens=max_tokens)
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         gid = request_id or uuid.uuid4().hex
-        return [self._new_request(gid, 0, ids, params, arrival_time or time.monotonic())]
+        return [self._new_request(gid, 0, ids, params, arrival_time or time.monotonic(), grammar)]
 
-    def _new_request(self, gid: str, index: int, ids: list[int], params: SamplingParams, arrival: float) -> Request:
+    def _new_request(self, gid: str, index: int, ids: list[int], params: SamplingParams, arrival: float,
+                     grammar: GrammarMatcher | None = None) -> Request:
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
             seed = params.seed + index * 0x9E3779B1 if params.seed is not None else self._rng.getrandbits(62)
             generator.manual_seed(seed % (1 << 63))
         req = Request(f"{gid}-{index}" if index else gid, gid, index, ids, params, generator, RequestMetrics(arrival))
+        req.grammar = grammar
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                                 params.include_stop_str_in_output)
         return req
@@ -242,8 +254,14 @@ class LLMEngine:
     def _postprocess(self, requests: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
         now = time.monotonic()
         changed: dict[str, list[CompletionOutput]] = {}
+        failed: dict[str, Request] = {}
         for req, tok, lp in zip(requests, tokens, logprobs):
             if req.finished:
+                continue
+            if req.grammar is not None and not req.grammar.accept(tok):  # the mask allowed it: a bug, not the user's
+                log.error("request %s: structured output matcher refused token %d: %s", req.request_id, tok,
+                          req.grammar.error)
+                failed.setdefault(req.group_id, req)
                 continue
             req.token_ids.append(tok)
             self.generation_tokens_total += 1
@@ -258,7 +276,10 @@ class LLMEngine:
             changed.setdefault(req.group_id, []).append(CompletionOutput(
                 req.index, req.detokenizer.take(req.finished), [tok], req.finish_reason, req.stop_reason,
                 [lp] if lp is not None else None))
-        return [self._group_output(gid, outs) for gid, outs in changed.items()]
+        outputs = [self._group_output(gid, outs) for gid, outs in changed.items() if gid not in failed]
+        for req in failed.values():
+            outputs += self._fail([req], f"internal error in structured output: {req.grammar.error}")
+        return outputs
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params
@@ -270,6 +291,8 @@ class LLMEngine:
             self._finish(req, FinishReason.STOP, tok)
         elif stop_str is not None:
             self._finish(req, FinishReason.STOP, stop_str)
+        elif req.grammar is not None and req.grammar.done:  # complete: min_tokens and ignore_eos cannot extend it
+            self._finish(req, FinishReason.STOP, None)
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, FinishReason.LENGTH, None)
 
@@ -283,7 +306,7 @@ class LLMEngine:
         group = self.groups[parent.group_id]
         for i in range(parent.params.n - 1, 0, -1):
             child = self._new_request(parent.group_id, i, parent.prompt_token_ids, parent.params,
-                                      parent.metrics.arrival_time)
+                                      parent.metrics.arrival_time, parent.grammar and parent.grammar.fresh())
             self.kv.fork(parent, child)
             group.append(child)
             self.scheduler.add(child, front=True)

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured_outputs import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +47,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     detokenizer: object = None
+    grammar: GrammarMatcher | None = None  # structured outputs: advanced by each output token
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,16 +1,20 @@
 """Turn the step's last-position logits into one token per sampling request.
 
-Vectorized over the batch: penalties, temperature, top-k, top-p (nucleus, Holtzman et al.
-2020, §3.1), min-p (Nguyen et al. 2024) are tensor ops over ``[num_requests, vocab]``. The draw
-uses the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``, which picks index i with
-probability p_i) with each request's own generator, so a seeded request samples the same tokens
-whatever else shares its batch.
+Order: logit bias (OpenAI), penalties, the ``min_tokens`` stop mask, the structured-output
+grammar mask, then greedy or a sampled draw. Vectorized over the batch: penalties, temperature,
+top-k, top-p (nucleus, Holtzman et al. 2020, §3.1), min-p (Nguyen et al. 2024) are tensor ops
+over ``[num_requests, vocab]``; the grammar masks of all constrained rows are computed in parallel
+into one bitmask (llguidance). The draw uses the exponential race (argmax of ``p / E`` with
+``E ~ Exp(1)``, which picks index i with probability p_i) with each request's own generator, so a
+seeded request samples the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from llguidance import LLExecutor
+from llguidance.numpy import fill_next_token_bitmask_par  # llguidance.torch's apply would torch.compile
 
 from .outputs import Logprob
 from .request import Request
@@ -20,6 +24,30 @@ from .request import Request
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprob | None]
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each request's ``{token_id: bias}`` added to its row (ids already
+    checked against the vocabulary). ``logits``: ``[R, V]`` fp32, modified in place and returned."""
+    rows, ids, bias = [], [], []
+    for row, req in enumerate(requests):
+        for tok, value in (req.params.logit_bias or {}).items():
+            rows.append(row)
+            ids.append(tok)
+            bias.append(value)
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                          torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's token bitmask ``[R, ceil(V'/32)]`` int32 (bit j of word w: token ``32w + j``
+    allowed) as a bool mask ``[R, vocab_size]``, on the bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -81,19 +109,27 @@ class Sampler:
 
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = eos_token_ids
+        self._bitmask: torch.Tensor | None = None  # grammar masks' CPU buffer, grown to the most rows seen
+        self._executor = LLExecutor()  # llguidance's pool for computing many rows' masks in parallel
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per request.
 
         Args:
             logits: ``[R, V]`` fp32, row i the logits after request i's last scheduled token.
-            requests: the R requests, with their params, history and generator.
+            requests: the R requests, with their params, history, generator and grammar matcher.
+
+        A row with a grammar matcher samples only tokens its grammar allows; if the other masks
+        leave it none (``stop_token_ids`` under ``min_tokens`` covering every allowed token), the
+        token drawn fails the grammar and the engine fails that request alone.
         """
-        raw = logits
+        raw = logits  # logprobs are the model's own distribution: before bias, penalties and masks
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         logits = logits.clone()
+        apply_logit_bias(logits, requests)
         apply_penalties(logits, requests)
         self._mask_early_stop(logits, requests)
+        self._mask_grammar(logits, requests)
 
         greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
         tokens = logits.argmax(dim=-1)
@@ -119,12 +155,32 @@ class Sampler:
 
     def _mask_early_stop(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for row, req in enumerate(requests):
+            if req.grammar is not None and req.grammar.done:
+                continue  # a complete grammar allows only EOS: min_tokens cannot extend it
             if req.num_output_tokens < req.params.min_tokens:
                 stop_ids = list(req.params.stop_token_ids)
                 if not req.params.ignore_eos:
                     stop_ids += self.eos_token_ids
                 if stop_ids:
                     logits[row, stop_ids] = float("-inf")
+
+    def _mask_grammar(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Mask to -inf, in the rows of requests with a grammar matcher only, every token the
+        grammar does not allow next. The masks are computed on the CPU by llguidance, all rows
+        in parallel, into one int32 bitmask, then unpacked on the logits' device."""
+        rows = [row for row, req in enumerate(requests) if req.grammar is not None]
+        if not rows:
+            return
+        width = (requests[rows[0]].grammar.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != width:
+            self._bitmask = torch.empty(max(len(rows), 8), width, dtype=torch.int32,
+                                        pin_memory=logits.device.type == "cuda")
+        bitmask = self._bitmask[:len(rows)]
+        fill_next_token_bitmask_par(self._executor, [(requests[row].grammar.matcher, i) for i, row in enumerate(rows)],
+                                    bitmask.numpy())
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[Logprob | None]:
