@@ -84,14 +84,16 @@ class KVCacheManager:
     def match_prefix(self, req: Request) -> int:
         """Give a new request the cached blocks of its longest cached prefix of full blocks.
 
-        Never covers the last token: its logits must be computed. Sets ``req.block_table`` and
-        ``req.num_computed_tokens``; returns the number of tokens found.
+        Covers at most ``req.num_reusable_tokens``: never the last token (its logits must be
+        computed), and none of a prompt whose logprobs are asked for and not yet computed (as
+        vLLM: such a request bypasses the cache; its blocks are still cached for others). Sets
+        ``req.block_table`` and ``req.num_computed_tokens``; returns the number of tokens found.
         """
         assert not req.block_table and req.num_computed_tokens == 0
         self._extend_hashes(req)
         if not self.enable_prefix_caching:
             return 0
-        limit = (req.num_tokens - 1) // self.block_size
+        limit = req.num_reusable_tokens // self.block_size
         for h in req.block_hashes[:limit]:
             block = self.cached.get(h)
             if block is None:

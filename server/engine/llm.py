@@ -35,7 +35,8 @@ class LLM:
         """Generate for each prompt (a string or a list of token ids); one params or one per prompt.
 
         Returns one cumulative :class:`RequestOutput` per prompt, in order, each with
-        ``outputs[i].token_ids``, ``.text`` and ``.finish_reason`` per choice.
+        ``outputs[i].token_ids``, ``.text`` and ``.finish_reason`` per choice, and
+        ``prompt_logprobs`` where the params asked for them.
 
         Raises:
             RequestRejected, ValueError: a prompt that cannot run; nothing is queued then.
@@ -56,6 +57,8 @@ class LLM:
         while engine.has_unfinished():
             for out in engine.step():
                 merge(choices[out.request_id], out.outputs)
+                if out.prompt_logprobs is None and out.request_id in last:  # only the first output has them
+                    out.prompt_logprobs = last[out.request_id].prompt_logprobs
                 last[out.request_id] = out
         results = []
         for rid in ids:

@@ -45,6 +45,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One request's output (all its choices); ``outputs[i]`` is choice ``i``'s (or its increment)."""
+
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -52,3 +54,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when a step failed for this request (finish_reason "abort")
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, the first None (nothing
+    # predicts it), as vLLM. Only in the request's first output (the one with its first token).
+    prompt_logprobs: list[Logprob | None] | None = None
