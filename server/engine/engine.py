@@ -15,7 +15,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequest, RequestRejected
 from .kv_cache import KVCacheManager
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, prompt_spans
 from .outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from .request import Request
 from .sampler import Sampler
@@ -46,7 +46,8 @@ class LLMEngine:
             over one model); ``config.model`` is then only a name.
         runner: something with ModelRunner's ``run(batch, sample_rows) -> logits`` to use instead
             of the model's forward pass (a fake in tests, a cost model in the simulator);
-            ``loaded.model`` may then be None.
+            ``loaded.model`` may then be None. Requests with ``prompt_logprobs`` need a runner that
+            also has ModelRunner's ``run_with_prompt_logprobs``.
 
     Raises:
         ModelLoadError: the model could not be loaded.
@@ -142,6 +143,10 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or {} if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[0]!r}", "logit_bias")
+        if params.prompt_logprobs is not None and not hasattr(self.runner, "run_with_prompt_logprobs"):
+            raise InvalidRequest(f"prompt_logprobs needs the model's forward pass, which this engine's runner "
+                                 f"({type(self.runner).__name__}) does not run. Leave prompt_logprobs unset.",
+                                 "prompt_logprobs", "unsupported_parameter")
         ids = self.tokenize(prompt)
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:
@@ -181,6 +186,8 @@ class LLMEngine:
             generator.manual_seed(seed % (1 << 63))
         req = Request(f"{gid}-{index}" if index else gid, gid, index, ids, params, generator, RequestMetrics(arrival))
         req.grammar = grammar
+        if params.prompt_logprobs is not None and index == 0:  # the group's output carries them once
+            req.prompt_logprobs = [None]
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                                 params.include_stop_str_in_output)
         return req
@@ -235,7 +242,13 @@ class LLMEngine:
         record = self._record(batch)
         t_run = time.perf_counter()
         try:
-            logits = self.runner.run(batch, sample_idx)
+            spans = prompt_spans(batch)  # only requests that asked for prompt logprobs pay for them
+            if spans:
+                logits, computed = self.runner.run_with_prompt_logprobs(batch, sample_idx, spans)
+                for span, entries in zip(spans, computed):
+                    batch.requests[span.index].prompt_logprobs.extend(entries)
+            else:
+                logits = self.runner.run(batch, sample_idx)
             sampled = self.sampler(logits, to_sample)
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step %d failed; aborting its %d requests", self.num_steps, len(batch.requests))
@@ -254,6 +267,7 @@ class LLMEngine:
     def _postprocess(self, requests: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
         now = time.monotonic()
         changed: dict[str, list[CompletionOutput]] = {}
+        prompt_logprobs: dict[str, list] = {}
         failed: dict[str, Request] = {}
         for req, tok, lp in zip(requests, tokens, logprobs):
             if req.finished:
@@ -267,6 +281,8 @@ class LLMEngine:
             self.generation_tokens_total += 1
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+                if req.prompt_logprobs is not None:  # delivered once, with the first token
+                    prompt_logprobs[req.group_id] = req.prompt_logprobs
                 if req.index == 0 and req.params.n > 1:
                     self._fork(req)
             req.metrics.last_token_time = now
@@ -276,7 +292,8 @@ class LLMEngine:
             changed.setdefault(req.group_id, []).append(CompletionOutput(
                 req.index, req.detokenizer.take(req.finished), [tok], req.finish_reason, req.stop_reason,
                 [lp] if lp is not None else None))
-        outputs = [self._group_output(gid, outs) for gid, outs in changed.items() if gid not in failed]
+        outputs = [self._group_output(gid, outs, prompt_logprobs.get(gid)) for gid, outs in changed.items()
+                   if gid not in failed]
         for req in failed.values():
             outputs += self._fail([req], f"internal error in structured output: {req.grammar.error}")
         return outputs
@@ -311,14 +328,15 @@ class LLMEngine:
             group.append(child)
             self.scheduler.add(child, front=True)
 
-    def _group_output(self, gid: str, outs: list[CompletionOutput]) -> RequestOutput:
+    def _group_output(self, gid: str, outs: list[CompletionOutput],
+                      prompt_logprobs: list | None = None) -> RequestOutput:
         group = self.groups[gid]
         first = group[0]
         done = all(r.finished for r in group) and (first.params.n == len(group) or first.finish_reason == "abort")
         if done:
             del self.groups[gid]
         return RequestOutput(gid, first.prompt_token_ids, outs, done, first.metrics,
-                             first.num_cached_tokens)
+                             first.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         outputs = []

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .outputs import RequestMetrics
+from .outputs import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,10 +48,22 @@ class Request:
     num_preemptions: int = 0
     detokenizer: object = None
     grammar: GrammarMatcher | None = None  # structured outputs: advanced by each output token
+    # Prompt logprobs computed so far when asked for (first entry None: nothing predicts token 0).
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Tokens at the head that a prefix-cache hit may cover: all but the last (its logits are
+        needed), and while prompt logprobs are missing only those before the first missing one
+        (a hit skips the positions that would predict them)."""
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+            limit = min(limit, len(self.prompt_logprobs) - 1)
+        return limit
 
     @property
     def num_prompt_tokens(self) -> int:
