@@ -1,15 +1,18 @@
-"""Exact OpenAI logprobs objects from token bytes (pure functions and one small running state).
+r"""Exact OpenAI logprobs objects from token bytes (pure functions and one small running state).
 
 A token is a byte string, not a string: byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen) and
 SentencePiece byte fallback (``<0xE4>``) split a character over several tokens. So every entry is
 rendered from the token's own bytes:
 
-- ``bytes``: the token's raw bytes, so ``b"".join(bytes of every entry).decode() == text``.
-- ``token``: the bytes decoded as UTF-8 where they are valid on their own; bytes that are not
-  (part of a character) are escaped as ``\\xNN`` — ``b" \\xf0\\x9f"`` gives ``" \\\\xf0\\\\x9f"``, the
-  form OpenAI's chat API (and DeepSeek's) returns, where vLLM returns U+FFFD. The legacy
-  completions ``tokens`` prefix such a token with ``bytes:`` (``"bytes:\\\\xe2\\\\x80"``), as
-  OpenAI's legacy completions API does; a token that is valid UTF-8 is its text in both.
+- ``bytes``: the token's raw bytes, so ``b"".join(bytes of every entry).decode() == text``
+  (for a text that holds every token's text: a special token skipped in mid-output by
+  ``skip_special_tokens`` still has its own bytes).
+- ``token``: the bytes decoded as UTF-8 where they are valid on their own; each byte that is not
+  (part of a split character) is written as the four characters ``\xNN``: the token
+  ``b" \xf0\x9f"`` is the string `` \xf0\x9f`` (JSON ``" \\xf0\\x9f"``), as OpenAI's chat API
+  (and DeepSeek's) return it, where vLLM returns U+FFFD. The legacy completions ``tokens`` and
+  ``top_logprobs`` keys prefix such a token with ``bytes:`` (``bytes:\xe2\x80``), as OpenAI's
+  legacy completions API shows them; a token that is valid UTF-8 is its text in both.
 - ``text_offset`` (legacy): the character offset in the choice's text where a token begins; a
   token that begins inside a character (its first byte continues one) gets that character's
   offset. Offsets never decrease and never pass the end of the text given so far.
@@ -52,7 +55,7 @@ def _is_byte_level(tokenizer) -> bool:
 
 
 def _escape(data: bytes) -> str:
-    """UTF-8 text, with every byte that is not part of a valid character written ``\\xNN``."""
+    r"""UTF-8 text, with every byte that is not part of a valid character written ``\xNN``."""
     return data.decode("utf-8", errors="backslashreplace")
 
 
@@ -103,12 +106,12 @@ class TokenBytes:
         return token_id in self._special
 
     def token(self, token_id: int) -> str:
-        """The chat API's ``token``: the bytes as text, invalid UTF-8 escaped (``"\\\\xe2\\\\x80"``)."""
+        r"""The chat API's ``token``: the bytes as text, each byte outside valid UTF-8 as ``\xNN``."""
         return _escape(self.bytes_of(token_id))
 
     def legacy_token(self, token_id: int) -> str:
-        """The legacy completions ``tokens`` entry: the text, or ``"bytes:"`` + the escaped form
-        when the bytes are not valid UTF-8 on their own (OpenAI's legacy form)."""
+        r"""The legacy completions ``tokens`` entry: the text, or ``bytes:`` + :meth:`token`'s form
+        (``bytes:\xe2\x80``) when the bytes are not valid UTF-8 on their own (OpenAI's legacy form)."""
         data = self.bytes_of(token_id)
         try:
             return data.decode("utf-8")
