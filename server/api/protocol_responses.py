@@ -232,7 +232,8 @@ def _text(content: str | list[dict], i: int, field: str) -> str:
     return "".join(texts)
 
 
-def chat_messages(instructions: str | None, items: list[dict], origins: list[str]) -> tuple[list[dict], list[list[str]]]:
+def chat_messages(instructions: str | None, items: list[dict],
+                  origins: list[str]) -> tuple[list[dict], list[list[str]]]:
     """Items as chat messages, and for each message the request paths it came from.
 
     A ``function_call`` joins the assistant message right before it (text then calls, or

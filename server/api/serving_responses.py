@@ -279,7 +279,8 @@ class ResponsesCall(GenerationCall):
         usage = None
         if status != "in_progress":
             usage = {"input_tokens": self.usage.prompt_tokens,
-                     "input_tokens_details": {"cached_tokens": self.usage.cached_tokens},
+                     # cache_write_tokens: OpenAI counts explicit cache writes; the prefix cache's are not counted
+                     "input_tokens_details": {"cached_tokens": self.usage.cached_tokens, "cache_write_tokens": 0},
                      "output_tokens": self.usage.completion_tokens,
                      "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": self.usage.prompt_tokens + self.usage.completion_tokens}

@@ -5,11 +5,13 @@ named stream events, function tools, ``text.format`` structured output, the boun
 from __future__ import annotations
 
 import json
+import typing
 
 import jsonschema
 import openai
 import pydantic
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
 from slipstream.server.api.serving_responses import OutputItems, ResponseStore
 from slipstream.server.api.tools import get_parser
@@ -22,6 +24,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                "required": ["city", "unit"], "additionalProperties": False}}
 ASK = "What is the weather in Paris?"
+# The openai package's model of each stream event, by its type (validated strictly, unlike the client's parsing).
+EVENT_MODELS = {typing.get_args(m.model_fields["type"].annotation)[0]: m
+                for m in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
 
 
 class Person(pydantic.BaseModel):
@@ -66,6 +71,7 @@ def events_of(http, body: dict) -> list[dict]:
             assert line != "data: [DONE]", "the Responses API ends a stream without [DONE]"
             event = json.loads(line[len("data: "):])
             assert event["type"] == name, (name, event)
+            EVENT_MODELS[name].model_validate(event)
             events.append(event)
         else:
             assert line == "", line
@@ -140,13 +146,14 @@ def test_stream_events_come_in_documented_order_and_deltas_add_up_to_the_respons
     assert text == events[-4]["text"] == output_text(final)
     assert events[-2]["item"] == final["output"][0]
     whole = http.post("/v1/responses", json=body).json()
+    Response.model_validate(whole)  # every field the openai package requires, with its type
     assert output_text(whole) == text and whole["usage"]["output_tokens"] == final["usage"]["output_tokens"]
 
 
 @pytest.mark.slow
 def test_openai_client_stream_yields_typed_events_with_the_final_response(client, server):
-    with client.responses.stream(model=server.state.model_name, input=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-                                 max_output_tokens=120, temperature=0) as stream:
+    with client.responses.stream(model=server.state.model_name, input=ASK, tools=[WEATHER], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=120, temperature=0) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
