@@ -284,9 +284,15 @@ def responses_param(param: str | None, paths: list[list[str]]) -> str | None:
     return param
 
 
+_CHAT_PATH = re.compile(r"messages\[\d+\](?:\.tool_calls\[\d+\]\.function\.\w+|\.tool_call_id)?")
+
+
 def as_responses_error(exc: APIError, paths: list[list[str]]) -> APIError:
-    """``exc`` with its ``param`` named as the Responses request names it."""
+    """``exc`` with its ``param``, and the message paths in its text, named as the Responses request
+    names them."""
     exc.param = responses_param(exc.param, paths)
+    exc.message = _CHAT_PATH.sub(lambda m: responses_param(m[0], paths) or m[0], exc.message)
+    exc.args = (exc.message,)
     return exc
 
 
