@@ -5,14 +5,10 @@ Shapes follow OpenAI's API reference: ``chat.completion`` / ``chat.completion.ch
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.server.engine.outputs import Logprob
-
-TokenText = Callable[[int], str]
-
 
 @dataclass
 class Choice:
@@ -38,28 +34,6 @@ class Usage:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
-def chat_logprobs(logprobs: list[Logprob], text_of: TokenText) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        text = text_of(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [dict(entry(lp.token_id, lp.logprob),
-                             top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in logprobs],
-            "refusal": None}
-
-
-def completion_logprobs(logprobs: list[Logprob], text_of: TokenText, text_offset: int) -> tuple[dict, int]:
-    """Returns the legacy ``logprobs`` object and the offset after its last token."""
-    tokens, offsets = [], []
-    for lp in logprobs:
-        tokens.append(text_of(lp.token_id))
-        offsets.append(text_offset)
-        text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{text_of(t): v for t, v in lp.top} for lp in logprobs],
-            "text_offset": offsets}, text_offset
 
 
 def chunk(request_id: str, created: int, model: str, obj: str, choices: list[dict],

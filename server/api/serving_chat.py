@@ -19,6 +19,7 @@ from aiohttp import web
 
 from slipstream.server.api import render
 from slipstream.server.api.errors import bad_request
+from slipstream.server.api.logprobs import chat_logprobs, drop_hidden_stop_token
 from slipstream.server.api.protocol import ChatCompletionRequest, check_model, parse_chat_request
 from slipstream.server.api.serving import GenerationCall, read_json
 from slipstream.server.api.state import STATE, ServerState
@@ -115,10 +116,15 @@ class ChatCall(GenerationCall):
         """OpenAI opens each choice with the role and an empty content."""
         return [render.chat_delta(i, {"role": "assistant", "content": ""}) for i in range(num_choices)]
 
+    def _entries(self, logprobs: list, finish_reason: str | None, stop_reason: str | int | None) -> list:
+        """A choice's (or an increment's) logprob entries without a stop token the text leaves out."""
+        return drop_hidden_stop_token(logprobs, finish_reason, stop_reason, self.state.token_bytes,
+                                      self.req.params.skip_special_tokens)
+
     def _logprobs(self, co: CompletionOutput) -> dict | None:
         if self.req.logprob_width is None or not co.logprobs:
             return None
-        return render.chat_logprobs(co.logprobs, self.state.token_text)
+        return chat_logprobs(self._entries(co.logprobs, co.finish_reason, co.stop_reason), self.state.token_bytes)
 
     def deltas(self, choice: render.Choice, co: CompletionOutput) -> list[dict]:
         logprobs = self._logprobs(co)
@@ -161,8 +167,8 @@ class ChatCall(GenerationCall):
         for c in choices:
             message, made_calls = self._message(c)
             out.append({"index": c.index, "message": message,
-                        "logprobs": render.chat_logprobs(c.logprobs, self.state.token_text) if with_logprobs
-                        else None,
+                        "logprobs": chat_logprobs(self._entries(c.logprobs, c.finish_reason, c.stop_reason),
+                                                  self.state.token_bytes) if with_logprobs else None,
                         "finish_reason": self._finish_reason(c, made_calls)})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.state.model_name, "choices": out, "usage": self.usage.body()}

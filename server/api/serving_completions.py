@@ -11,6 +11,7 @@ import uuid
 from aiohttp import web
 
 from slipstream.server.api import render
+from slipstream.server.api.logprobs import CompletionLogprobs, concat_completion_logprobs, drop_hidden_stop_token
 from slipstream.server.api.protocol import check_model, parse_completion_request
 from slipstream.server.api.serving import GenerationCall, read_json
 from slipstream.server.api.state import STATE, ServerState
@@ -32,46 +33,58 @@ class CompletionCall(GenerationCall):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.prompt_texts: list[str] = []
+        self.prompts: list[RequestOutput] = []
 
     def on_first_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.prompts = outputs  # prompt token ids and, when asked, their logprobs
         if self.req.echo:  # a string prompt echoes as sent; token ids as their text
             decode = self.state.llm.tokenizer.decode
             self.prompt_texts = [p if isinstance(p, str) else decode(p) for p in self.req.prompts]
 
-    def _echo(self, choice: render.Choice) -> str:
-        """The prompt text a choice starts with, once (on its first increment)."""
-        if not self.req.echo or choice.state is not None:
-            return ""
-        choice.state = {"text_offset": 0}
-        return self.prompt_texts[choice.prompt_index]
+    def _start(self, choice: render.Choice) -> tuple[str, dict | None]:
+        """A choice's opening: its echoed prompt text and that text's logprobs fragment (once)."""
+        if choice.state is not None:
+            return "", None
+        choice.state = CompletionLogprobs(self.state.token_bytes, self.req.params.skip_special_tokens)
+        if not self.req.echo:
+            return "", None
+        text = self.prompt_texts[choice.prompt_index]
+        if self.req.logprobs is None:
+            return text, None
+        prompt = self.prompts[choice.prompt_index]
+        return text, choice.state.add_prompt(prompt.prompt_token_ids, prompt.prompt_logprobs or [], text)
+
+    def _entries(self, logprobs: list, finish_reason: str | None, stop_reason: str | int | None) -> list:
+        return drop_hidden_stop_token(logprobs, finish_reason, stop_reason, self.state.token_bytes,
+                                      self.req.params.skip_special_tokens)
 
     def deltas(self, choice: render.Choice, co: CompletionOutput) -> list[dict]:
-        text = self._echo(choice) + co.text
-        with_logprobs = self.req.logprobs is not None and co.logprobs
-        if not text and not with_logprobs:
+        echoed, fragment = self._start(choice)
+        text = echoed + co.text
+        with_logprobs = self.req.logprobs is not None
+        if not text and not (with_logprobs and co.logprobs):
             return []
         logprobs = None
         if with_logprobs:
-            state = choice.state if choice.state is not None else {"text_offset": 0}
-            choice.state = state
-            logprobs, state["text_offset"] = render.completion_logprobs(co.logprobs, self.state.token_text,
-                                                                        state["text_offset"])
+            entries = self._entries(co.logprobs or [], co.finish_reason, co.stop_reason)
+            fragments = ([fragment] if fragment else []) + [choice.state.add(entries, co.text)]
+            logprobs = concat_completion_logprobs(fragments)
         return [render.completion_delta(choice.index, text, logprobs)]
 
     def finish_delta(self, choice: render.Choice) -> dict:
         return render.completion_delta(choice.index, "", finish_reason=choice.finish_reason)
 
+    def _choice_body(self, choice: render.Choice) -> dict:
+        echoed, fragment = self._start(choice)
+        logprobs = None
+        if self.req.logprobs is not None:
+            entries = self._entries(choice.logprobs, choice.finish_reason, choice.stop_reason)
+            logprobs = concat_completion_logprobs(([fragment] if fragment else [])
+                                                  + [choice.state.add(entries, choice.text)])
+        return {"index": choice.index, "text": echoed + choice.text, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason}
+
     def response_body(self, choices: list[render.Choice]) -> dict:
-        with_logprobs = self.req.logprobs is not None
-        return {
-            "id": self.request_id, "object": "text_completion", "created": self.created,
-            "model": self.state.model_name,
-            "choices": [{
-                "index": c.index,
-                "text": (self.prompt_texts[c.prompt_index] if self.req.echo else "") + c.text,
-                "logprobs": render.completion_logprobs(c.logprobs, self.state.token_text, 0)[0]
-                if with_logprobs else None,
-                "finish_reason": c.finish_reason,
-            } for c in choices],
-            "usage": self.usage.body(),
-        }
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.state.model_name, "choices": [self._choice_body(c) for c in choices],
+                "usage": self.usage.body()}

@@ -3,7 +3,6 @@ the API calls in flight, which bound the queue (``--max-waiting``) and let a dra
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from slipstream.server.api.errors import APIError
+from slipstream.server.api.logprobs import TokenBytes
 from slipstream.server.api.tools import get_parser, template_supports_tools
 from slipstream.server.metrics import RequestRecord, ServerMetrics
 
@@ -67,8 +67,7 @@ class ServerState:
         self.template_supports_tools = template_supports_tools(llm.tokenizer)
         llm.add_step_listener(self.metrics.on_step)
         self.metrics.start()
-        decode = llm.tokenizer.decode
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: decode([token_id]))
+        self.token_bytes = TokenBytes(llm.tokenizer)
 
     def stats(self) -> Any:
         return self.llm.stats() if self.llm is not None else None
