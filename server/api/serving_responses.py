@@ -81,6 +81,12 @@ class ResponsesAPI:
         self.store = store if store is not None else ResponseStore()
 
     async def create(self, request: web.Request) -> web.StreamResponse:
+        """A ``response`` object, or its event stream with ``stream: true``.
+
+        Raises:
+            APIError: 400 naming the Responses field (``input[2].call_id``, ``previous_response_id``
+                unknown, ...), 404 for another ``model``, 429/503 from admission.
+        """
         state: ServerState = request.app[STATE]
         state.check_accepting()
         req = validate(ResponsesRequest, await read_json(request))
