@@ -16,7 +16,7 @@ from slipstream.server.engine import LLM, InvalidRequest, SamplingParams
 from slipstream.server.engine.async_llm import AsyncLLM
 from slipstream.server.engine.outputs import RequestMetrics
 from slipstream.server.engine.request import Request
-from slipstream.server.engine.sampler import Sampler, unpack_bitmask
+from slipstream.server.engine.sampler import Sampler, bitmask_bias
 from slipstream.server.engine.sampling_params import StructuredOutputsParams as Constraint
 from slipstream.server.engine.structured_outputs import GrammarCompiler, StructuredOutputError
 
@@ -211,11 +211,13 @@ def test_sampler_masks_only_the_constrained_row_and_leaves_others_bitwise_identi
     assert masked.logprobs[1].top == free.logprobs[1].top
 
 
-def test_unpack_bitmask_reads_llguidance_bit_order():
-    words = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # tokens 0, 2 and 63
-    allowed = unpack_bitmask(words, 64)
-    assert allowed[0].nonzero().flatten().tolist() == [0, 2, 63]
-    assert unpack_bitmask(words, 40).shape == (1, 40)
+def test_bitmask_bias_reads_llguidance_bit_order():
+    words = torch.tensor([[0b101 | 1 << 9, -(2**31)], [0, 1 << 30]], dtype=torch.int32)  # bit j of word w: 32w + j
+    bias = bitmask_bias(words, 64)
+    assert (bias[0] == 0).nonzero().flatten().tolist() == [0, 2, 9, 63]
+    assert (bias[1] == 0).nonzero().flatten().tolist() == [62]
+    assert set(bias.flatten().tolist()) == {0.0, float("-inf")}
+    assert bitmask_bias(words, 40).shape == (2, 40)
 
 
 def test_a_complete_grammar_ends_the_output_despite_min_tokens_and_ignore_eos(llm, no_leaks):

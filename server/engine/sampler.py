@@ -10,6 +10,7 @@ seeded request samples the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,27 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     return logits
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's token bitmask ``[R, ceil(V'/32)]`` int32 (bit j of word w: token ``32w + j``
-    allowed) as a bool mask ``[R, vocab_size]``, on the bitmask's device."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+@functools.lru_cache(maxsize=8)
+def _byte_bias(device: torch.device) -> torch.Tensor:
+    """``[256, 8]`` fp32: for each byte value, 0 where bit k is set, -inf where it is clear."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bits == 1, 0.0, float("-inf")).to(device)
+
+
+def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's token bitmask as an additive bias.
+
+    Args:
+        bitmask: ``[R, W]`` int32, contiguous; bit j of word w set = token ``32w + j`` allowed.
+        vocab_size: columns wanted (≤ 32·W).
+
+    Returns:
+        ``[R, vocab_size]`` fp32 on the bitmask's device: 0 where allowed, -inf elsewhere. Adding
+        it (x + 0 == x) is several times faster on a CPU than ``masked_fill`` with a bool mask.
+    """
+    byte_values = bitmask.view(torch.uint8).long()  # little-endian: byte b of word w holds tokens 32w+8b..+7
+    bias = torch.nn.functional.embedding(byte_values, _byte_bias(bitmask.device))
+    return bias.reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -167,7 +183,7 @@ class Sampler:
     def _mask_grammar(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Mask to -inf, in the rows of requests with a grammar matcher only, every token the
         grammar does not allow next. The masks are computed on the CPU by llguidance, all rows
-        in parallel, into one int32 bitmask, then unpacked on the logits' device."""
+        in parallel, into one int32 bitmask, then added to those rows as 0/-inf on the logits' device."""
         rows = [row for row, req in enumerate(requests) if req.grammar is not None]
         if not rows:
             return
@@ -178,9 +194,8 @@ class Sampler:
         bitmask = self._bitmask[:len(rows)]
         fill_next_token_bitmask_par(self._executor, [(requests[row].grammar.matcher, i) for i, row in enumerate(rows)],
                                     bitmask.numpy())
-        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        bias = bitmask_bias(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+        logits.index_add_(0, torch.tensor(rows, device=logits.device), bias)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[Logprob | None]:
