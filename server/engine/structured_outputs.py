@@ -1,9 +1,10 @@
 """Structured outputs: a request's constraint compiled to a grammar, and its own matcher over it.
 
 The grammar library is llguidance (guidance-ai/llguidance, MIT): an Earley parser over a lazily
-built derivative-based lexer, computing a whole-vocabulary token mask on the CPU in tens of
-microseconds per token (its README, "Performance"), from a Rust core shipped as abi3 wheels with
-no torch pin; it is one of vLLM's structured-output backends. JSON Schema, regular expressions and
+built derivative-based lexer, computing a whole-vocabulary token mask in about 50 µs of one CPU
+core for a 128k-token vocabulary (its README, "About"; design in "Making Structured Outputs Go
+Brrr", 2025), from a Rust core shipped as abi3 wheels with no torch pin; vLLM, SGLang and
+llama.cpp integrate it. JSON Schema, regular expressions and
 Lark grammars (which may embed ``%json {...}``) all compile to its grammar format.
 
 Compiling builds a matcher once per distinct constraint (a bounded LRU cache keyed by the
