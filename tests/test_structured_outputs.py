@@ -361,3 +361,15 @@ async def test_async_generate_compiles_off_the_event_loop_and_the_step_loop(make
     assert seen["released"], "the plain request could not finish while a grammar compiled"
     assert seen["thread"] not in (threading.main_thread().name, "slipstream-engine")
     assert len(other) == 3 and choice in ("yes", "no")
+
+
+def test_vocabulary_rows_past_the_tokenizer_are_never_allowed(llm):
+    """A model whose vocabulary (logit rows) outgrows its tokenizer: the extra ids have no bytes."""
+    tokenizer_len = len(llm.tokenizer)
+    compiler = GrammarCompiler(llm.tokenizer, tokenizer_len + 40, llm.engine.eos_token_ids)
+    grammar = compiler.compile(Constraint(regex="[a-z ]*"))
+    assert grammar.vocab_size == tokenizer_len + 40
+    logits = torch.zeros(1, tokenizer_len + 40)
+    Sampler(llm.engine.eos_token_ids)._mask_grammar(logits, [_request(SamplingParams(), grammar)])
+    allowed = (logits[0] == 0).nonzero().flatten()
+    assert len(allowed) > 100 and int(allowed.max()) < tokenizer_len
