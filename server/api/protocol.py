@@ -131,6 +131,7 @@ class _GenerationRequest(_Strict):
     metadata: dict[str, str] | None = None
 
     _params: SamplingParams = PrivateAttr()
+    _constraint_param: str | None = PrivateAttr(None)
 
     @property
     def params(self) -> SamplingParams:
@@ -208,7 +209,15 @@ class _GenerationRequest(_Strict):
         if len(given) > 1:
             raise bad_request(f"{given[0][0]} and {given[1][0]} both constrain the output; send one",
                               given[1][0])
+        self._constraint_param = given[0][0] if given else None
         return given[0][1] if given else None
+
+    def engine_param(self, param: str | None) -> str | None:
+        """The request field behind an engine refusal's ``param``: a constraint the grammar library
+        refused is reported under the field that carried it (``response_format``, ``guided_regex``)."""
+        if param and param.startswith("structured_outputs") and self._constraint_param:
+            return self._constraint_param
+        return param
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -113,7 +113,7 @@ class GenerationCall:
                 try:
                     await group.start()
                 except InvalidRequest as exc:
-                    param = self.prompt_param if exc.param in ("prompt", "messages") else exc.param
+                    param = self.prompt_param if exc.param in ("prompt", "messages") else self.req.engine_param(exc.param)
                     raise APIError(400, str(exc), param=param, code=exc.code) from None
                 for out in group.first_outputs:  # failed at its first step: a real status, not a 200 stream
                     error = failure(state, out)
