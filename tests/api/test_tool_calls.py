@@ -408,7 +408,7 @@ def test_tool_result_answering_no_earlier_call_is_an_error_naming_the_message(su
     bad = CONVERSATION[:3] + [{"role": "tool", "tool_call_id": "call_zzz", "content": "?"}]
     with pytest.raises(ToolCallError, match="call_zzz") as e:
         prepare_messages(bad, TOOLS, get_parser("hermes"), supports_tools)
-    assert (e.value.param, e.value.code) == ("messages[3].tool_call_id", "invalid_value")
+    assert (e.value.param, e.value.code) == ("messages[3].tool_call_id", None)
 
 
 def test_call_arguments_that_are_not_a_json_object_are_an_error_naming_the_field():
@@ -530,7 +530,7 @@ def test_valid_tools_and_choices_have_no_error():
 def test_invalid_tools_or_choice_is_an_error_as_data(tools, choice, param):
     error = check_tools(tools, choice)
     assert isinstance(error, ToolCallError) and isinstance(error, InvalidRequest)
-    assert (error.param, error.code) == (param, "invalid_value")
+    assert (error.param, error.code) == (param, None)
 
 
 @pytest.mark.parametrize("schema,problem", [

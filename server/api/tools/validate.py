@@ -15,10 +15,10 @@ from slipstream.server.engine.errors import InvalidRequest
 class ToolCallError(InvalidRequest):
     """A problem with ``tools``, ``tool_choice`` or the tool turns of ``messages``: ``param`` names
     the field (``tool_choice``, ``tools[2].function.name``, ``messages[3].tool_call_id``),
-    ``code`` is ``invalid_value`` or, for a schema the grammar cannot enforce, OpenAI's
+    ``code`` is None (as for other bad values) or, for a schema the grammar cannot enforce, OpenAI's
     ``invalid_function_parameters``."""
 
-    def __init__(self, message: str, param: str, code: str = "invalid_value"):
+    def __init__(self, message: str, param: str, code: str | None = None):
         super().__init__(message, param, code)
 
 
