@@ -128,6 +128,10 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="format of tool calls, taught in the prompt when the chat template has no tools section "
                         "and read back from the output: hermes (Hermes, Qwen2.5 <tool_call>), llama3_json "
                         "(Llama 3.x JSON), mistral ([TOOL_CALLS])")
+    a.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="return the model's <think>...</think> reasoning as reasoning_content apart from the "
+                        "content (default: none): qwen3 (the model opens <think> itself), deepseek_r1 (the "
+                        "template opens it: the output starts inside the reasoning)")
     return p
 
 
@@ -143,7 +147,8 @@ def run_serve(argv: list[str]) -> int:
     options = ServerOptions(served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
-                            log_interval=args.log_interval, tool_call_parser=args.tool_call_parser)
+                            log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
+                            reasoning_parser=args.reasoning_parser)
     return asyncio.run(serve(engine, options, args.host, args.port))
 
 

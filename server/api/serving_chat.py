@@ -5,8 +5,10 @@ The conversation is rendered with the model's own chat template (Hugging Face
 ``continue_final_message``. With ``tools``, the ``--tool-call-parser`` format is taught in the
 prompt (or passed to a template that renders tools), ``tool_choice`` ``required`` or a named
 function is enforced by a grammar, and calls in the output come back as OpenAI ``tool_calls`` —
-whole, or streamed as OpenAI's tool-call deltas. Responses are ``chat.completion`` objects or
-``chat.completion.chunk`` streams, as OpenAI's API reference shows them.
+whole, or streamed as OpenAI's tool-call deltas. With ``--reasoning-parser``, the model's
+``<think>`` block comes back as ``reasoning_content`` apart from the content (see ``reasoning``).
+Responses are ``chat.completion`` objects or ``chat.completion.chunk`` streams, as OpenAI's API
+reference shows them.
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from slipstream.server.api import render
 from slipstream.server.api.errors import bad_request
 from slipstream.server.api.logprobs import chat_logprobs, drop_hidden_stop_token
 from slipstream.server.api.protocol import ChatCompletionRequest, check_model, parse_chat_request
+from slipstream.server.api.reasoning import ReasoningStream
 from slipstream.server.api.serving import GenerationCall, read_json
 from slipstream.server.api.state import STATE, ServerState
-from slipstream.server.api.tools import ToolParser, grammar_for, prepare_messages
+from slipstream.server.api.tools import ToolCallStream, ToolParser, grammar_for, prepare_messages
 from slipstream.server.engine.errors import InvalidRequest
 from slipstream.server.engine.outputs import CompletionOutput
 from slipstream.server.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -36,9 +39,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_model(req.model, state.model_name)
     parser = state.tool_parser if req.tools and req.tool_choice_value != "none" else None
     # Off the event loop: a long conversation takes a while to render and tokenize.
-    prompt = await asyncio.to_thread(prompt_token_ids, state, req, parser)
-    call = ChatCall(state, req, f"chatcmpl-{uuid.uuid4().hex}", parser)
-    return await call.run(request, [prompt], tool_params(req, parser))
+    text = await asyncio.to_thread(conversation_text, state, req, parser)
+    prompt = await asyncio.to_thread(state.llm.tokenizer.encode, text, add_special_tokens=False)
+    params = tool_params(req, parser)
+    reasoning = state.reasoning_parser
+    # A grammar shapes the output from its first token: it starts outside any reasoning.
+    inside = reasoning is not None and reasoning.starts_inside(text) and params.structured_outputs is None
+    call = ChatCall(state, req, f"chatcmpl-{uuid.uuid4().hex}", parser, reasoning_inside=inside)
+    return await call.run(request, [prompt], params)
 
 
 def render_template(tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None,
@@ -103,14 +111,28 @@ def tool_params(req: ChatCompletionRequest, parser: ToolParser | None) -> Sampli
         structured_outputs=StructuredOutputsParams(grammar=grammar) if grammar else params.structured_outputs)
 
 
+@dataclasses.dataclass(slots=True)
+class ChoiceStreams:
+    """One streamed choice's readers: the reasoning is split off first, then tool calls are read
+    out of the content (either is None when not configured for the call)."""
+
+    reasoning: ReasoningStream | None
+    tools: ToolCallStream | None
+
+
 class ChatCall(GenerationCall):
+    """A chat completion; with ``--reasoning-parser``, ``reasoning_inside`` says whether the output
+    starts inside the reasoning (:meth:`ReasoningParser.starts_inside` of the prompt)."""
+
     chunk_object = "chat.completion.chunk"
     prompt_param = "messages"
 
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str,
-                 parser: ToolParser | None) -> None:
+                 parser: ToolParser | None, *, reasoning_inside: bool = False) -> None:
         super().__init__(state, req, request_id)
         self.parser = parser
+        self.reasoning = state.reasoning_parser
+        self.reasoning_inside = reasoning_inside
 
     def opening_chunks(self, num_choices: int) -> list[dict]:
         """OpenAI opens each choice with the role and an empty content."""
@@ -126,37 +148,62 @@ class ChatCall(GenerationCall):
             return None
         return chat_logprobs(self._entries(co.logprobs, co.finish_reason, co.stop_reason), self.state.token_bytes)
 
+    def _pieces(self, choice: render.Choice, text: str, final: bool) -> list[dict]:
+        """The delta bodies of one increment of text (``final``: and of the end of the output)."""
+        if choice.state is None:
+            choice.state = ChoiceStreams(
+                self.reasoning.stream(inside=self.reasoning_inside) if self.reasoning is not None else None,
+                self.parser.stream() if self.parser is not None else None)
+        streams: ChoiceStreams = choice.state
+        if streams.reasoning is None:
+            split = [{"content": text}] if text else []
+        else:
+            split = streams.reasoning.feed(text) + (streams.reasoning.finish() if final else [])
+        pieces = []
+        for piece in split:
+            if "reasoning_content" in piece:  # newer vLLM also names it ``reasoning``
+                pieces.append({**piece, "reasoning": piece["reasoning_content"]})
+            elif streams.tools is not None:
+                pieces += streams.tools.feed(piece["content"])
+            else:
+                pieces.append(piece)
+        if final and streams.tools is not None:
+            pieces += streams.tools.finish()
+        return pieces
+
     def deltas(self, choice: render.Choice, co: CompletionOutput) -> list[dict]:
         logprobs = self._logprobs(co)
-        if self.parser is None:
-            pieces = [{"content": co.text}] if co.text else []
-        else:
-            if choice.state is None:
-                choice.state = self.parser.stream()
-            pieces = choice.state.feed(co.text)
+        pieces = self._pieces(choice, co.text, final=False)
         if not pieces and logprobs is not None:
             pieces = [{"content": ""}]
         return [render.chat_delta(choice.index, piece, logprobs if i == 0 else None)
                 for i, piece in enumerate(pieces)]
 
     def closing_deltas(self, choice: render.Choice) -> list[dict]:
-        if self.parser is None or choice.state is None:
-            return []
-        return [render.chat_delta(choice.index, piece) for piece in choice.state.finish()]
+        return [render.chat_delta(choice.index, piece) for piece in self._pieces(choice, "", final=True)]
 
     def _finish_reason(self, choice: render.Choice, made_calls: bool) -> str | None:
         """OpenAI's ``tool_calls`` when the model stopped after calling; ``length`` stays ``length``."""
         return "tool_calls" if made_calls and choice.finish_reason == "stop" else choice.finish_reason
 
     def finish_delta(self, choice: render.Choice) -> dict:
-        made_calls = self.parser is not None and choice.state is not None and bool(choice.state.tool_calls)
+        streams: ChoiceStreams | None = choice.state
+        made_calls = streams is not None and streams.tools is not None and bool(streams.tools.tool_calls)
         return render.chat_delta(choice.index, {}, finish_reason=self._finish_reason(choice, made_calls))
 
     def _message(self, choice: render.Choice) -> tuple[dict, bool]:
-        if self.parser is None:
-            return {"role": "assistant", "content": choice.text, "refusal": None}, False
-        content, calls = self.parser.extract(choice.text)
+        """The choice's message and whether it made tool calls: reasoning split off first, then
+        calls read out of the content."""
+        content: str | None = choice.text
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract(choice.text, inside=self.reasoning_inside)
+        calls: list[dict] = []
+        if self.parser is not None:
+            content, calls = self.parser.extract(content or "")
         message = {"role": "assistant", "content": content, "refusal": None}
+        if self.reasoning is not None:  # newer vLLM also names it ``reasoning``
+            message["reasoning_content"] = message["reasoning"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return message, bool(calls)

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from slipstream.server.api.errors import APIError
 from slipstream.server.api.logprobs import TokenBytes
+from slipstream.server.api.reasoning import get_reasoning_parser
 from slipstream.server.api.tools import get_parser, template_supports_tools
 from slipstream.server.metrics import RequestRecord, ServerMetrics
 
@@ -30,6 +31,8 @@ class ServerOptions:
     log_interval: seconds between two periodic status lines (0: none).
     tool_call_parser: the format tool calls are taught in and read back (``hermes``,
         ``llama3_json``, ``mistral``; see ``slipstream.server.api.tools``).
+    reasoning_parser: the format the model's reasoning is split off in (``qwen3``,
+        ``deepseek_r1``; see ``slipstream.server.api.reasoning``); None: no reasoning split.
     """
 
     served_model_name: str | None = None
@@ -40,6 +43,7 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     log_interval: float = 10.0
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
 
 
 class ServerState:
@@ -53,6 +57,8 @@ class ServerState:
         self.model_name = options.served_model_name or ""
         self.vocab_size: int | None = None
         self.tool_parser = get_parser(options.tool_call_parser)  # an unknown name fails at start-up
+        self.reasoning_parser = (get_reasoning_parser(options.reasoning_parser)
+                                 if options.reasoning_parser is not None else None)
         self.template_supports_tools = False
         self.in_flight: dict[str, int] = {}  # API call id -> its sequences (prompts × n)
         self._idle = asyncio.Event()
