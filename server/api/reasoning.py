@@ -68,6 +68,8 @@ class ReasoningStream:
         inside: the output starts inside the reasoning (see :meth:`ReasoningParser.starts_inside`).
     """
 
+    __slots__ = ("inside", "_phase", "_held")
+
     def __init__(self, inside: bool) -> None:
         self.inside = inside
         self._phase = _Phase.OPENING
