@@ -254,7 +254,7 @@ def test_client_disconnect_mid_stream_aborts_the_generation(http, server):
     assert r.status_code == 200
     next(r.iter_lines())
     r.close()
-    assert_engine_idle(server.llm)
+    assert_engine_idle(server.llm, timeout=30)  # the abort lands at the next token; slow on a loaded machine
 
 
 ITEM = {"role": "user", "content": "Hi"}
@@ -269,17 +269,17 @@ ITEM = {"role": "user", "content": "Hi"}
     ({"input": "x", "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "tools": [WEATHER]},
      "tool_choice", None),
     ({"input": "x", "tool_choice": {"type": "function", "name": "get_time"}, "tools": [WEATHER]}, "tool_choice",
-     "invalid_value"),
-    ({"input": "x", "tool_choice": "required"}, "tool_choice", "invalid_value"),
-    ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name", "invalid_value"),
+     None),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", None),
+    ({"input": "x", "tools": [WEATHER, WEATHER]}, "tools[1].name", None),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", None),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "nonsense"}}],
       "tool_choice": "required"}, "tools[0].parameters", "invalid_function_parameters"),
     ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id", "previous_response_not_found"),
     ({"input": [ITEM, {"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[1].call_id",
-     "invalid_value"),
+     None),
     ({"input": [ITEM, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
-     "input[1].arguments", "invalid_value"),
+     "input[1].arguments", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type", None),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", None),
