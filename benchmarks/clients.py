@@ -6,19 +6,21 @@
    hf run is the oracle: every item's chosen answer must be equal and every log-likelihood within
    ``--tolerance`` (1e-3). The table: items, agreement, max |Δ loglik|, accuracy of each.
 2. ``--model local-chat-completions`` on the same questions as a generation task (``facts_gen.yaml``).
-3. ``guidellm run``: a short streaming sweep (synthetic prompts, a few constant rates), its summary.
+3. ``guidellm run``: a short streaming sweep (synchronous, throughput, then constant rates between;
+   synthetic 64-token prompts, 32 output tokens), its summary.
 
 Everything offline: the tokenizer the tools need comes from ``slipstream tokenizer export``; only
 127.0.0.1 is used. Needs the ``bench`` extra (``pip install -e '.[bench]'``). Not part of ``make test``.
 
 Usage: ``python -I benchmarks/clients.py [--parts mc,gen,guidellm] [--tolerance 1e-3]
-[--guidellm-requests 24]``; exits 1 if the two lm-eval runs disagree.
+[--guidellm-requests 16]``; exits 1 if the two lm-eval runs disagree.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -158,7 +160,7 @@ def part_guidellm(url: str, tokenizer: Path, num_requests: int) -> dict:
         "profile": {"kind": "sweep", "sweep_size": 4, "strategy_type": "constant"},
         "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer)},
         "data": [{"kind": "synthetic_text", "prompt_tokens": 64, "output_tokens": 32}],
-        "constraints": [{"kind": "max_requests", "value": num_requests}],
+        "constraints": [{"kind": "max_requests", "count": num_requests}],
         "outputs": [{"kind": "json", "path": str(out)}, {"kind": "console"}],
     }}, indent=1))
     seconds = run([str(Path(sys.executable).parent / "guidellm"), "run", "--scenario", str(scenario),
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="mc,gen,guidellm")
     parser.add_argument("--tolerance", type=float, default=1e-3)
-    parser.add_argument("--guidellm-requests", type=int, default=24)
+    parser.add_argument("--guidellm-requests", type=int, default=16)
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     run([sys.executable, "-I", "-m", "slipstream.server", "tokenizer", "export", str(tokenizer)],
         OUT / "tokenizer.log", OUT)
     from slipstream.server.models.loader import builtin_model_path
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the server
     proc, url = start_server(OUT / "serve.log")
     results: dict = {}
     try:
