@@ -373,3 +373,22 @@ def test_vocabulary_rows_past_the_tokenizer_are_never_allowed(llm):
     Sampler(llm.engine.eos_token_ids)._mask_grammar(logits, [_request(SamplingParams(), grammar)])
     allowed = (logits[0] == 0).nonzero().flatten()
     assert len(allowed) > 100 and int(allowed.max()) < tokenizer_len
+
+
+def test_objects_that_list_properties_are_closed_unless_the_schema_says_otherwise():
+    from slipstream.server.engine.structured_outputs import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+        "c": {"type": "array", "items": {"type": "object", "properties": {"d": {"type": "string"}}}},
+        "e": {"type": "object", "properties": {}, "additionalProperties": True},
+        "f": {"type": "object"}},
+        "$defs": {"g": {"anyOf": [{"type": "object", "properties": {"h": {"type": "null"}}}]}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["e"]["additionalProperties"] is True  # said so: kept open
+    assert "additionalProperties" not in closed["properties"]["f"]  # any object: stays open
+    assert closed["$defs"]["g"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the input is not modified

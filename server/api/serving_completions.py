@@ -55,6 +55,11 @@ class CompletionCall(GenerationCall):
         return text, choice.state.add_prompt(prompt.prompt_token_ids, prompt.prompt_logprobs or [], text)
 
     def _entries(self, logprobs: list, finish_reason: str | None, stop_reason: str | int | None) -> list:
+        """Without a stop token the text leaves out — except with ``echo``: log-likelihood clients
+        (lm-eval) read ``token_logprobs[len(prompt):-1]`` and count on one entry per generated token,
+        as OpenAI's legacy API and vLLM give them."""
+        if self.req.echo:
+            return logprobs
         return drop_hidden_stop_token(logprobs, finish_reason, stop_reason, self.state.token_bytes,
                                       self.req.params.skip_special_tokens)
 

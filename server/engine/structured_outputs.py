@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -46,6 +47,35 @@ class StructuredOutputError(InvalidRequest):
         self.constraint = constraint
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` but leaves ``additionalProperties``
+    unset closed to other keys (a new dict; the input is not modified).
+
+    JSON Schema leaves such objects open, and a small model under an open object invents keys
+    until ``max_tokens``; vLLM's default backend (xgrammar's strict mode) closes them the same way,
+    and OpenAI's strict mode requires it. An object without ``properties`` (``{"type": "object"}``)
+    stays open.
+    """
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in (*_SUBSCHEMA_LISTS, "items", "additionalProperties", "not", "if", "then", "else", "contains"):
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed_objects(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_source(spec: StructuredOutputsParams) -> tuple[tuple, str]:
     """The cache key and llguidance grammar text of a constraint (no compilation; pure).
 
@@ -64,7 +94,7 @@ def grammar_source(spec: StructuredOutputsParams) -> tuple[tuple, str]:
                 raise StructuredOutputError(f"the JSON schema is not valid JSON: {e}", "json") from None
         if not isinstance(schema, dict):
             raise StructuredOutputError(f"a JSON schema must be a JSON object, got {type(schema).__name__}", "json")
-        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        text = json.dumps(closed_objects(schema), separators=(",", ":"), ensure_ascii=False)
         return ("json", text), _from_json_schema(text, "json")
     if spec.json_object:
         return ("json_object",), _from_json_schema('{"type":"object"}', "json_object")

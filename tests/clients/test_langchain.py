@@ -27,13 +27,6 @@ class GetWeather(BaseModel):
     unit: Literal["celsius", "fahrenheit"]
 
 
-# LangChain's tool schemas leave additionalProperties unset (open). The server's tool grammar embeds
-# them as they are, so the forced call may add invented keys until max_tokens and never closes; vLLM's
-# default backend (xgrammar, strict mode) treats an unset additionalProperties as false.
-OPEN_OBJECTS = pytest.mark.xfail(strict=True, reason="tool grammar keeps parameters' objects open when "
-                                 "additionalProperties is unset (vLLM/xgrammar closes them)")
-
-
 @pytest.fixture(scope="module")
 def chat(server):
     return langchain_openai.ChatOpenAI(base_url=server.base_url, api_key=server.api_key, model=server.model,
@@ -66,7 +59,6 @@ def test_with_structured_output_json_schema_returns_the_pydantic_object(chat):
 
 
 @pytest.mark.slow
-@OPEN_OBJECTS
 def test_with_structured_output_function_calling_returns_the_pydantic_object(chat):
     # function calling forces the one tool by name: the grammar makes its arguments valid
     pet = chat.with_structured_output(Pet, method="function_calling").invoke("Invent a pet and describe it.")
@@ -74,7 +66,6 @@ def test_with_structured_output_function_calling_returns_the_pydantic_object(cha
 
 
 @pytest.mark.slow
-@OPEN_OBJECTS
 def test_bind_tools_with_forced_choice_returns_tool_calls(chat):
     message = chat.bind_tools([GetWeather], tool_choice="GetWeather", parallel_tool_calls=False).invoke(
         "What is the weather in Madrid?")

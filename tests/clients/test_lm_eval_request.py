@@ -36,8 +36,6 @@ def test_echo_scores_every_prompt_token_but_the_first_and_then_the_sampled_one(s
     assert len(continuation) == len(ids) - len(context)
 
 
-@pytest.mark.xfail(strict=True, reason="the sampled EOS has no logprobs entry (issue 13's 'no EOS entry' "
-                   "rule), so lm-eval's [ctxlen:-1] drops the continuation's last token; vLLM keeps the entry")
 def test_echo_keeps_the_sampled_tokens_entry_when_it_is_eos(server):
     # greedy after "Answer: spring" is the end of the turn: the one sampled token is EOS
     context = _tokenize(server, "Question: Which season comes after winter?\nAnswer:")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+from slipstream.server.engine.structured_outputs import closed_objects
+
 from .parsers import ToolParser
 from .validate import chosen_function, parameters_schema
 
@@ -59,7 +61,7 @@ def grammar_for(parser: ToolParser, tools: list[dict] | None, tool_choice,
 
 def _call_schema(args_key: str, function: dict) -> dict:
     """JSON schema of one call object: ``{"name": <const>, <args_key>: <parameters>}``, in order."""
-    params = parameters_schema(function)
+    params = closed_objects(parameters_schema(function))
     return {"type": "object", "properties": {"name": {"const": function["name"]}, args_key: params},
             "required": ["name", args_key], "additionalProperties": False, "x-guidance": _JSON_STYLE}
 
