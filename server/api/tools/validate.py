@@ -75,7 +75,7 @@ def check_tools(tools: list[dict] | None, tool_choice) -> ToolCallError | None:
 def parameters_schema(function: dict) -> dict:
     """The JSON schema that a call's arguments must match: the function's ``parameters``; none
     means any object (OpenAI's rule), and the type is always object (the parsers' rule)."""
-    params = dict(function.get("parameters") or {"properties": {}})
+    params = dict(function.get("parameters") or {})
     params.setdefault("type", "object")
     return params
 
