@@ -85,7 +85,15 @@ class GenerationGroup:
                 remaining -= 1
 
     async def close(self) -> None:
-        """Abort whatever has not finished; safe to call more than once."""
+        """Abort whatever has not finished; safe to call more than once.
+
+        The aborts are queued first, before anything here can be suspended: a handler cancelled
+        again while it cleans up (the client went away) must still free the engine's blocks.
+        """
+        for rid, done in zip(self._ids, self._finished):
+            if not done:
+                self._llm.abort_nowait(rid)
+        self._finished = [True] * len(self._finished)
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -93,10 +101,6 @@ class GenerationGroup:
         self._tasks = []
         for gen in self._gens:
             await gen.aclose()
-        for rid, done in zip(self._ids, self._finished):
-            if not done:
-                await self._llm.abort(rid)
-        self._finished = [True] * len(self._finished)
 
     async def __aenter__(self) -> GenerationGroup:
         return self

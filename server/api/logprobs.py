@@ -252,3 +252,21 @@ def concat_completion_logprobs(fragments: list[dict]) -> dict:
     """One legacy ``logprobs`` object from :class:`CompletionLogprobs` fragments, in order."""
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     return {k: [v for f in fragments for v in f[k]] for k in keys}
+
+
+def vllm_prompt_logprobs(prompt_token_ids: list[int], entries: list[Logprob | None],
+                         token_bytes: TokenBytes) -> list[dict | None]:
+    """vLLM's ``choices[i].prompt_logprobs``: per prompt token None (the first: nothing predicts
+    it) or ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` for the prompt's own token and
+    the top-N. ``rank`` is 1 for the most likely token; the prompt's own token has a rank only when
+    it is among the top-N (null otherwise: the full ranking is not computed)."""
+    out: list[dict | None] = []
+    for token_id, e in zip(prompt_token_ids, entries):
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {t: (v, r) for r, (t, v) in enumerate(e.top, start=1)}
+        ranked.setdefault(token_id, (e.logprob, None))
+        out.append({str(t): {"logprob": v, "rank": r, "decoded_token": token_bytes.token(t)}
+                    for t, (v, r) in ranked.items()})
+    return out

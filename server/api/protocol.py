@@ -9,7 +9,8 @@ path (``messages[2].content``) taken from where the check failed — never parse
 """
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
@@ -20,6 +21,7 @@ from slipstream.server.engine.sampling_params import SamplingParams, StructuredO
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+_TOKEN_ID = re.compile(r"-?[0-9]{1,10}")  # ASCII digits: str.isdigit() also takes "²" and "٣"
 
 
 class _Strict(BaseModel):
@@ -95,13 +97,13 @@ class _GenerationRequest(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=1 << 30)
     min_p: float | None = Field(None, ge=0, le=1)
     n: int | None = Field(None, ge=1, le=MAX_N)
     best_of: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -227,7 +229,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit():
+        if not _TOKEN_ID.fullmatch(key):
             raise bad_request(f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias")
         if not -100 <= value <= 100:
             raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for token {key}", "logit_bias")
@@ -506,7 +508,10 @@ def _from_validation_error(error: dict) -> APIError:
     shown = f", got {got!r:.60}" if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else ""
     if error["type"] == "missing":
         return bad_request(f"{param} is required", param, "missing_required_parameter")
-    return bad_request(f"Invalid value for {param}: {error['msg'].lower()}{shown}", param)
+    msg = error["msg"][:1].lower() + error["msg"][1:]
+    if not param:  # a check of the whole request, not of one field
+        return bad_request(f"Invalid request: {msg}")
+    return bad_request(f"Invalid value for {param}: {msg}{shown}", param)
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:

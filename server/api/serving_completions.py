@@ -11,7 +11,8 @@ import uuid
 from aiohttp import web
 
 from slipstream.server.api import render
-from slipstream.server.api.logprobs import CompletionLogprobs, concat_completion_logprobs, drop_hidden_stop_token
+from slipstream.server.api.logprobs import CompletionLogprobs, concat_completion_logprobs, drop_hidden_stop_token, \
+    vllm_prompt_logprobs
 from slipstream.server.api.protocol import check_model, parse_completion_request
 from slipstream.server.api.serving import GenerationCall, read_json
 from slipstream.server.api.state import STATE, ServerState
@@ -64,17 +65,22 @@ class CompletionCall(GenerationCall):
                                       self.req.params.skip_special_tokens)
 
     def deltas(self, choice: render.Choice, co: CompletionOutput) -> list[dict]:
+        first = choice.state is None
         echoed, fragment = self._start(choice)
         text = echoed + co.text
         with_logprobs = self.req.logprobs is not None
-        if not text and not (with_logprobs and co.logprobs):
+        with_prompt_logprobs = first and self.req.prompt_logprobs is not None
+        if not text and not (with_logprobs and co.logprobs) and not with_prompt_logprobs:
             return []
         logprobs = None
         if with_logprobs:
             entries = self._entries(co.logprobs or [], co.finish_reason, co.stop_reason)
             fragments = ([fragment] if fragment else []) + [choice.state.add(entries, co.text)]
             logprobs = concat_completion_logprobs(fragments)
-        return [render.completion_delta(choice.index, text, logprobs)]
+        delta = render.completion_delta(choice.index, text, logprobs)
+        if with_prompt_logprobs:  # vLLM sends them with the choice's first chunk
+            delta["prompt_logprobs"] = self._prompt_logprobs(choice)
+        return [delta]
 
     def finish_delta(self, choice: render.Choice) -> dict:
         return render.completion_delta(choice.index, "", finish_reason=choice.finish_reason)
@@ -86,8 +92,15 @@ class CompletionCall(GenerationCall):
             entries = self._entries(choice.logprobs, choice.finish_reason, choice.stop_reason)
             logprobs = concat_completion_logprobs(([fragment] if fragment else [])
                                                   + [choice.state.add(entries, choice.text)])
-        return {"index": choice.index, "text": echoed + choice.text, "logprobs": logprobs,
+        body = {"index": choice.index, "text": echoed + choice.text, "logprobs": logprobs,
                 "finish_reason": choice.finish_reason}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(choice)
+        return body
+
+    def _prompt_logprobs(self, choice: render.Choice) -> list[dict | None]:
+        prompt = self.prompts[choice.prompt_index]
+        return vllm_prompt_logprobs(prompt.prompt_token_ids, prompt.prompt_logprobs or [], self.state.token_bytes)
 
     def response_body(self, choices: list[render.Choice]) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,

@@ -111,7 +111,10 @@ class ResponsesAPI:
         except APIError as exc:
             raise as_responses_error(exc, paths) from None
         call = ResponsesCall(state, chat, f"resp_{uuid.uuid4().hex}", req, parser, items, self.store)
-        return await call.run(request, [prompt], params)
+        try:
+            return await call.run(request, [prompt], params)
+        except APIError as exc:  # the engine's refusals, named as the Responses request names them
+            raise as_responses_error(exc, paths) from None
 
 
 class EventStream(SSEStream):

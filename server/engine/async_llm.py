@@ -109,6 +109,10 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the next step."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """:meth:`abort` without awaiting: safe in cleanup code that may be cancelled."""
         self._commands.put(("abort", request_id))
         self._wake.set()
 

@@ -185,3 +185,14 @@ def test_draining_server_is_unready_and_refuses_new_requests(loop_thread, engine
         r = Http(served.url).post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert_error(r, 503, code="server_shutting_down")
         assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 2**63), ("seed", 2**70), ("stop_token_ids", [-1]), ("stop_token_ids", [2**40]),
+    ("logit_bias", {"²": 5}), ("logit_bias", {"٣": 5}), ("logit_bias", {"--5": 1}),
+])
+def test_values_that_would_overflow_the_sampler_are_400s_and_spare_the_batch(http, server, field, value):
+    """One client's giant number must not fail the step that other requests share."""
+    error = assert_error(http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, field: value}), 400)
+    assert error["param"].startswith(field), error  # stop_token_ids[0] names the element
+    still_serves(http, server)

@@ -86,3 +86,18 @@ def test_a_skipped_eos_has_no_logprobs_entry(http):
     content = choice["logprobs"]["content"]
     assert bytes(b for e in content for b in e["bytes"]).decode() == choice["message"]["content"]
     assert r.json()["usage"]["completion_tokens"] == len(content) + 1  # the EOS is billed, not listed
+
+
+def test_prompt_logprobs_come_back_as_vllm_returns_them(http, engine):
+    ids = engine.tokenizer.encode(PROMPT)
+    choice = complete(http, max_tokens=2, prompt_logprobs=2)["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for token_id, entry in zip(ids[1:], plp[1:]):
+        assert str(token_id) in entry and 2 <= len(entry) <= 3
+        assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None)[:2] == [1, 2]
+        assert all(e["logprob"] <= 0 for e in entry.values())
+    echo = complete(http, max_tokens=1, logprobs=0, echo=True)["choices"][0]["logprobs"]["token_logprobs"]
+    assert [plp[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(echo[1:len(ids)])
+    chunks = stream_chunks(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 0})
+    assert [c["choices"][0].get("prompt_logprobs") is not None for c in chunks if c["choices"]][0]

@@ -146,3 +146,14 @@ def test_logit_bias_steers_greedy_choice(http, engine):
                                            "logit_bias": {str(token): 100}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"].startswith(" banana")
+
+
+def test_tool_parameters_that_are_not_an_object_schema_are_refused(http):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    assert_error(http.post("/v1/chat/completions", json={"messages": ASK, "tools": [tool]}), 400,
+                 param="tools[0].function.parameters", code="invalid_function_parameters")
+
+
+def test_a_responses_schema_error_names_text_format(http):
+    body = {"input": "a", "text": {"format": {"type": "json_schema", "name": "c", "schema": {"type": "wat"}}}}
+    assert_error(http.post("/v1/responses", json=body), 400, param="text.format")

@@ -53,6 +53,11 @@ def check_tools(tools: list[dict] | None, tool_choice) -> ToolCallError | None:
             return ToolCallError(f"tools[{i}]: function name {name!r} is declared twice; tool names "
                                  "must be unique", f"tools[{i}].function.name")
         seen.add(name)
+    for i, tool in enumerate(tools or ()):
+        kind = (tool["function"].get("parameters") or {}).get("type", "object")
+        if kind != "object":  # calls carry their arguments as a JSON object (OpenAI's rule, every format's)
+            return ToolCallError(f"tools[{i}].function.parameters must be a JSON schema of type object, got "
+                                 f"type {kind!r:.40}", f"tools[{i}].function.parameters", "invalid_function_parameters")
     named = chosen_function(tool_choice)
     if (tool_choice == "required" or named is not None) and not names:
         return ToolCallError(f"tool_choice {tool_choice!r} needs tools; declare them in tools or "
