@@ -159,7 +159,8 @@ class _GenerationRequest(_Strict):
                               "best_of")
 
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                         structured: StructuredOutputsParams | None) -> SamplingParams:
+                         structured: StructuredOutputsParams | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         if top_p == 0.0:  # the limit of nucleus sampling as p -> 0 keeps only the most likely token
@@ -173,7 +174,7 @@ class _GenerationRequest(_Strict):
                 max_tokens=max_tokens, min_tokens=self.min_tokens or 0,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
-                logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens is not False,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 logit_bias=_logit_bias(self.logit_bias), structured_outputs=structured)
@@ -312,8 +313,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request(str(error), error.param, error.code)
 
     def tool_dicts(self) -> list[dict] | None:
-        """``tools`` as OpenAI sends them (plain dicts), or None."""
-        return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools] if self.tools else None
+        return tool_dicts(self.tools)
 
     @property
     def forced_tool(self) -> str | None | bool:
@@ -339,6 +339,11 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    """``tools`` as OpenAI sends them (plain dicts), or None."""
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in tools] if tools else None
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -403,9 +408,7 @@ class CompletionRequest(_GenerationRequest):
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         self._params = self._sampling_params(
             max_tokens=16 if self.max_tokens is None else self.max_tokens, logprobs=self.logprobs,
-            structured=self.structured_outputs_params())
-        if prompt_logprobs != self.prompt_logprobs:
-            self._params.prompt_logprobs = prompt_logprobs
+            structured=self.structured_outputs_params(), prompt_logprobs=prompt_logprobs)
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -458,6 +461,9 @@ class TokenizeRequest(_Strict):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages or [])
+
+    def tool_dicts(self) -> list[dict] | None:
+        return tool_dicts(self.tools)
 
 
 class DetokenizeRequest(_Strict):

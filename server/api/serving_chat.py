@@ -80,7 +80,7 @@ def conversation_text(state: ServerState, req: Any, parser: ToolParser | None) -
     """The conversation of a chat (or ``/tokenize``) request as the model sees it. Tool turns in
     the history are rendered in the parser's format; the tools are shown when ``parser`` is given."""
     messages = req.template_messages()
-    tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools] if req.tools else None  # chat, tokenize
+    tools = req.tool_dicts()
     has_tool_turns = any(m.role == "tool" or m.tool_calls for m in req.messages or [])
     template_tools = None
     if parser is not None or has_tool_turns:
