@@ -10,18 +10,10 @@ recently freed first.
 """
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
-
+from ..kv_hash import block_hash
 from .request import Request
 
-
-def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
-    """Chained hash of one full block: 16 bytes of BLAKE2b over the parent hash and the token ids.
-    A cryptographic hash, so one client cannot craft a prompt that collides with another's prefix."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
-    return h.digest()
+__all__ = ["KVCacheManager", "block_hash"]
 
 
 class KVCacheManager:
