@@ -15,7 +15,8 @@ Policies (``--routing``):
   hold (llm-d's precise prefix-cache scorer does the same with vLLM's KV events).
 
 Scores combine weighted terms in [0, 1] as llm-d's scorers do: the fraction of the prompt's full
-blocks cached on the endpoint, a queue term (1 for the least loaded endpoint, 0 for the most),
+blocks cached on the endpoint, a queue term (1 for the least loaded endpoint, less the more
+requests it holds beyond it),
 free KV cache, and session affinity (the endpoint that served the same session before). An
 endpoint whose in-flight count has reached its capacity is skipped; when every endpoint is
 skipped or none exists, :meth:`Router.pick` returns None and the caller holds the request.
@@ -70,11 +71,16 @@ class Weights:
     queue: float = 1.0
     kv_cache: float = 0.5
     affinity: float = 0.5
+    # Requests of load difference that cost the whole queue weight: below it the queue term
+    # shrinks in proportion, so one request more does not outweigh a cached prompt.
+    queue_scale: float = 8.0
 
     def __post_init__(self) -> None:
         for name in ("prefix", "queue", "kv_cache", "affinity"):
             if getattr(self, name) < 0:
                 raise ValueError(f"routing weight {name} must be >= 0, got {getattr(self, name)}")
+        if self.queue_scale <= 0:
+            raise ValueError(f"routing queue_scale must be > 0, got {self.queue_scale}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +249,9 @@ def score_endpoints(endpoints: Sequence[EndpointLoad], request: RouteRequest, ma
 
     matches: endpoint → leading blocks of the request it holds. affine: the endpoint that served
     the request's session before, or None. Terms, each in [0, 1]: prefix = matched / the
-    prompt's full blocks; queue = (most load - this load) / (most - least), 1 when all are
-    equal; kv_cache = 1 - usage; affinity = 1 on the affine endpoint.
+    prompt's full blocks; queue = (most load - this load) / max(most - least,
+    ``weights.queue_scale``), so 1 for the least loaded; kv_cache = 1 - usage; affinity = 1 on
+    the affine endpoint.
     """
     blocks = len(request.block_hashes)
     loads = [e.load for e in endpoints]
@@ -252,7 +259,7 @@ def score_endpoints(endpoints: Sequence[EndpointLoad], request: RouteRequest, ma
     scored = []
     for e in endpoints:
         prefix = matches.get(e.name, 0) / blocks if blocks else 0.0
-        queue = 1.0 if high == low else (high - e.load) / (high - low)
+        queue = (high - e.load) / max(high - low, weights.queue_scale)
         kv = 1.0 - min(1.0, max(0.0, e.kv_cache_usage))
         affinity = 1.0 if affine is not None and e.name == affine else 0.0
         scored.append((weights.prefix * prefix + weights.queue * queue + weights.kv_cache * kv
