@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 HISTORY_LIMIT = 10
@@ -33,18 +34,37 @@ class PodSample:
     kv_cache_usage_perc: float
 
 
+# camelCase key of ``spec.autoscaling`` → AutoscalingSpec attribute; the one key map of the spec.
+# The operator (spec.py) and the simulator (server/simulate.py) both parse with from_dict.
+CRD_KEYS: Mapping[str, str] = MappingProxyType({
+    "enabled": "enabled",
+    "minReplicas": "min_replicas",
+    "maxReplicas": "max_replicas",
+    "targetQueueDepth": "target_queue_depth",
+    "targetKVCacheUtilization": "target_kv_cache_utilization",
+    "stableWindowSeconds": "stable_window_seconds",
+    "panicWindowSeconds": "panic_window_seconds",
+    "panicThreshold": "panic_threshold",
+    "scaleDownDelaySeconds": "scale_down_delay_seconds",
+    "tolerance": "tolerance",
+})
+
+
 @dataclass(frozen=True, slots=True)
 class AutoscalingSpec:
-    """``spec.autoscaling`` of an InferenceService (see :meth:`from_dict` for the keys);
-    the defaults are the CRD's (crds/inferenceservice.yaml).
+    """``spec.autoscaling`` of an InferenceService: its defaults (the fields' defaults, equal to
+    the CRD's ``default:`` values in crds/inferenceservice.yaml; a test keeps them equal), its
+    validation (here, at construction) and its parser (:meth:`from_dict`), for the operator and
+    the simulator alike.
 
     Targets are per ready pod: waiting requests (``targetQueueDepth``) and KV-cache utilization
-    0..1 (``targetKVCacheUtilization``). Windows and delays are seconds. ``tolerance`` is the
-    dead band around the target (Kubernetes HPA's default 0.1; not a CRD field).
+    0..1 (``targetKVCacheUtilization``). Windows and the delay are whole seconds, as the CRD
+    wants them. ``tolerance`` is the dead band around the targets, a fraction in [0, 1)
+    (Kubernetes HPA's default 0.1; per object here, as newer HPA's ``behavior`` and AIBrix's
+    fluctuation tolerance are).
 
     Raises ValueError naming the CRD field when a value is out of range or of the wrong type;
-    ``slipstream.operator.spec`` turns that into the InvalidSpec condition and further wants the
-    CRD's whole seconds.
+    ``slipstream.operator.spec`` turns that into the InvalidSpec condition.
     """
 
     enabled: bool = False
@@ -52,29 +72,19 @@ class AutoscalingSpec:
     max_replicas: int = 4
     target_queue_depth: float = 5.0
     target_kv_cache_utilization: float = 0.8
-    stable_window_seconds: float = 60  # whole seconds, as the CRD wants them
-    panic_window_seconds: float = 6
+    stable_window_seconds: int = 60
+    panic_window_seconds: int = 6
     panic_threshold: float = 2.0
-    scale_down_delay_seconds: float = 300
+    scale_down_delay_seconds: int = 300
     tolerance: float = 0.1
-
-    _KEYS = {
-        "enabled": "enabled",
-        "minReplicas": "min_replicas",
-        "maxReplicas": "max_replicas",
-        "targetQueueDepth": "target_queue_depth",
-        "targetKVCacheUtilization": "target_kv_cache_utilization",
-        "stableWindowSeconds": "stable_window_seconds",
-        "panicWindowSeconds": "panic_window_seconds",
-        "panicThreshold": "panic_threshold",
-        "scaleDownDelaySeconds": "scale_down_delay_seconds",
-        "tolerance": "tolerance",
-    }
 
     def __post_init__(self) -> None:
         # The messages name the CRD's fields; the operator shows them in the InvalidSpec condition.
         def number(value: Any) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def integer(value: Any, low: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
         def check(ok: bool, key: str, rule: str, value: Any) -> None:
             if not ok:
@@ -82,8 +92,7 @@ class AutoscalingSpec:
 
         check(isinstance(self.enabled, bool), "enabled", "true or false", self.enabled)
         for key, value in (("minReplicas", self.min_replicas), ("maxReplicas", self.max_replicas)):
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key,
-                  "an integer ≥ 1 (no scale to zero)", value)
+            check(integer(value, 1), key, "an integer ≥ 1 (no scale to zero)", value)
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"spec.autoscaling.minReplicas ({self.min_replicas}) must be ≤ maxReplicas "
                              f"({self.max_replicas})")
@@ -91,33 +100,43 @@ class AutoscalingSpec:
         check(number(q) and q > 0, "targetQueueDepth", "a number > 0 (waiting requests per pod)", q)
         check(number(kv) and 0 < kv <= 1, "targetKVCacheUtilization", "a number in (0, 1]", kv)
         stable, panic = self.stable_window_seconds, self.panic_window_seconds
-        check(number(stable) and stable > 0, "stableWindowSeconds", "a number > 0", stable)
-        check(number(panic) and panic > 0, "panicWindowSeconds", "a number > 0", panic)
+        check(integer(stable, 1), "stableWindowSeconds", "an integer ≥ 1", stable)
+        check(integer(panic, 1), "panicWindowSeconds", "an integer ≥ 1", panic)
         if panic > stable:
             raise ValueError(f"spec.autoscaling.panicWindowSeconds ({panic}) must be ≤ stableWindowSeconds "
                              f"({stable})")
         check(number(self.panic_threshold) and self.panic_threshold >= 1, "panicThreshold", "a number ≥ 1",
               self.panic_threshold)
-        check(number(self.scale_down_delay_seconds) and self.scale_down_delay_seconds >= 0,
-              "scaleDownDelaySeconds", "a number ≥ 0", self.scale_down_delay_seconds)
+        check(integer(self.scale_down_delay_seconds, 0), "scaleDownDelaySeconds", "an integer ≥ 0",
+              self.scale_down_delay_seconds)
         check(number(self.tolerance) and 0 <= self.tolerance < 1, "tolerance", "a number in [0, 1)", self.tolerance)
 
     @classmethod
     def from_dict(cls, autoscaling: Mapping[str, Any] | None) -> AutoscalingSpec:
-        """Build from the CRD's camelCase ``spec.autoscaling``; None means autoscaling is off.
+        """Parse the CRD's camelCase ``spec.autoscaling``; None (or a key set to null) means
+        the default. Keys: :data:`CRD_KEYS`.
 
-        Keys: enabled (default false, as in the CRD), minReplicas, maxReplicas,
-        targetQueueDepth, targetKVCacheUtilization, stableWindowSeconds, panicWindowSeconds,
-        panicThreshold, scaleDownDelaySeconds, tolerance. Unknown keys are ignored.
-        Raises ValueError naming the field when a value is out of range.
+        Raises ValueError naming the key for an unknown key (``spec.autoscaling has unknown
+        field(s) …; known: …``), for a value that is not an object, and, from the constructor,
+        for a value out of range or of the wrong type.
         """
         if autoscaling is None:
-            return cls(enabled=False)
-        return cls(**{name: autoscaling[key] for key, name in cls._KEYS.items() if key in autoscaling})
+            return cls()
+        if not isinstance(autoscaling, Mapping):
+            raise ValueError(f"spec.autoscaling must be an object, got {autoscaling!r}")
+        unknown = sorted(str(key) for key in set(autoscaling) - set(CRD_KEYS))
+        if unknown:
+            raise ValueError(f"spec.autoscaling has unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(CRD_KEYS)}")
+        return cls(**{CRD_KEYS[key]: value for key, value in autoscaling.items() if value is not None})
 
     def to_dict(self) -> dict[str, Any]:
         """The camelCase form :meth:`from_dict` reads."""
-        return {key: getattr(self, name) for key, name in self._KEYS.items()}
+        return {key: getattr(self, name) for key, name in CRD_KEYS.items()}
+
+    def clamp(self, replicas: int) -> int:
+        """``replicas`` pulled into [minReplicas, maxReplicas]; the one clamp of replica counts."""
+        return min(max(replicas, self.min_replicas), self.max_replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +221,6 @@ class Decision:
     @property
     def scaled(self) -> bool:
         return self.desired_replicas != self.current_replicas
-
-
-def _clamp(spec: AutoscalingSpec, replicas: int) -> int:
-    return min(max(replicas, spec.min_replicas), spec.max_replicas)
 
 
 def _pods_needed(total: float, target: float) -> int:
@@ -307,7 +322,7 @@ def decide(
 
     panic_time = state.panic_time
     if not observations:
-        recommendation = _clamp(spec, current_replicas)
+        recommendation = spec.clamp(current_replicas)
         why = f"no metrics from any ready pod in the last {spec.stable_window_seconds:g}s"
     else:
         stable_need = _need(spec, observations, capacity, current_replicas, spec.tolerance)
@@ -320,7 +335,7 @@ def decide(
             panic_time = None
         if panic_time is not None and recent:
             in_band_need = _need(spec, recent, capacity, current_replicas, spec.tolerance)
-            recommendation = _clamp(spec, max(in_band_need, stable_need, current_replicas))
+            recommendation = spec.clamp(max(in_band_need, stable_need, current_replicas))
             if panic_time == now:
                 trigger = f"{panic_need} pods needed >= {spec.panic_threshold:g}x capacity {capacity}"
             else:
@@ -330,10 +345,10 @@ def decide(
             why = (f"panic ({trigger}): {_describe(spec, recent, ready_replicas)} "
                    f"over {spec.panic_window_seconds:g}s")
         elif panic_time is not None:
-            recommendation = _clamp(spec, max(stable_need, current_replicas))
+            recommendation = spec.clamp(max(stable_need, current_replicas))
             why = f"panic mode, no scale-down: {stable_text} over {spec.stable_window_seconds:g}s"
         else:
-            recommendation = _clamp(spec, stable_need)
+            recommendation = spec.clamp(stable_need)
             why = f"{stable_text} over {spec.stable_window_seconds:g}s"
 
     delay_window = [r.replicas for r in previous] + [recommendation]
@@ -351,7 +366,7 @@ def decide(
     limited = max(limited, current_replicas - current_replicas // 2)
     if limited != desired:
         why += f"; rate-limited from {desired}"
-    desired = _clamp(spec, limited)
+    desired = spec.clamp(limited)
 
     if desired != current_replicas:
         reason = f"scaling {current_replicas} -> {desired}: {why}"

@@ -159,7 +159,7 @@ class Autoscaler:
         if writer is None:
             expected = self.written.get(key, status.get("desiredReplicas"))
             if expected is not None:  # the reconcile loop may have pulled it into new bounds
-                expected = st.clamp(int(expected), scaling.min_replicas, scaling.max_replicas)
+                expected = scaling.clamp(int(expected))
             writer = foreign_writer(deployment, expected, owner_only=was_held)
         if writer is not None and still_writing(deployment, writer, now, seen[1]):
             self.foreign[key] = writer

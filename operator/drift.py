@@ -17,7 +17,6 @@ from kubernetes.utils.quantity import parse_quantity
 
 from slipstream.operator.resources import INSTANCE_LABEL, SPEC_HASH_ANNOTATION
 from slipstream.operator.spec import InferenceServiceSpec
-from slipstream.operator.status import clamp
 
 
 def _quantity(value: Any) -> Decimal | None:
@@ -96,8 +95,7 @@ def plan_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
     if spec.autoscaling.enabled and hold_replicas:
         want["spec"]["replicas"] = live_replicas
     elif spec.autoscaling.enabled:
-        want["spec"]["replicas"] = clamp(live_replicas, spec.autoscaling.min_replicas,
-                                         spec.autoscaling.max_replicas)
+        want["spec"]["replicas"] = spec.autoscaling.clamp(live_replicas)
     if contains(live, want):  # the spec-hash annotation included: removals count too
         return None, ""
     live_hash = (live.get("metadata", {}).get("annotations") or {}).get(SPEC_HASH_ANNOTATION)

@@ -118,7 +118,7 @@ async def apply_scale(kube: Kube, namespace: str, name: str, *, replicas: int,
     deployment = await kube.get(DEPLOYMENTS, namespace, name)
     if deployment is None:
         return None
-    target = st.clamp(int(replicas), scaling.min_replicas, scaling.max_replicas)
+    target = scaling.clamp(int(replicas))
     current = deployment.get("spec", {}).get("replicas", 1)
     scaled = target != current and not hold
     if scaled:

@@ -98,17 +98,10 @@ class InferenceServiceSpec:
 
 
 # CRD field name → dataclass field name, per object. Anything not listed is an unknown field.
+# spec.autoscaling has its own parser, shared with the simulator (AutoscalingSpec.from_dict).
 _FIELDS: dict[type, dict[str, str]] = {
     ModelSpec: {"source": "source", "path": "path", "claimName": "claim_name",
                 "profile": "profile", "servedModelName": "served_model_name"},
-    AutoscalingSpec: {
-        "enabled": "enabled", "minReplicas": "min_replicas", "maxReplicas": "max_replicas",
-        "targetQueueDepth": "target_queue_depth",
-        "targetKVCacheUtilization": "target_kv_cache_utilization",
-        "stableWindowSeconds": "stable_window_seconds",
-        "panicWindowSeconds": "panic_window_seconds", "panicThreshold": "panic_threshold",
-        "scaleDownDelaySeconds": "scale_down_delay_seconds",
-    },
     EngineSpec: {"maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
                  "kvCacheMemory": "kv_cache_memory", "maxModelLen": "max_model_len",
                  "blockSize": "block_size"},
@@ -126,6 +119,11 @@ _NESTED = {"model": ModelSpec, "autoscaling": AutoscalingSpec, "engine": EngineS
 
 
 def _build(cls: type, raw: Mapping[str, Any] | None, where: str) -> Any:
+    if cls is AutoscalingSpec:
+        try:
+            return AutoscalingSpec.from_dict(raw)
+        except ValueError as exc:
+            raise SpecError("InvalidSpec", str(exc)) from None
     if raw is None:
         return cls()
     if not isinstance(raw, Mapping):
@@ -148,10 +146,7 @@ def _build(cls: type, raw: Mapping[str, Any] | None, where: str) -> Any:
         elif crd_name in ("kvCacheMemory", "cpu", "memory"):
             value = str(value)
         kwargs[names[crd_name]] = value
-    try:
-        return cls(**kwargs)
-    except ValueError as exc:  # AutoscalingSpec checks its own values
-        raise SpecError("InvalidSpec", str(exc)) from None
+    return cls(**kwargs)
 
 
 def _quantity(value: str, where: str) -> Decimal:
@@ -190,7 +185,7 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     if name is not None:
         validate_name(name)
     spec: InferenceServiceSpec = _build(InferenceServiceSpec, raw or {}, "spec")
-    model, scaling, engine, res = spec.model, spec.autoscaling, spec.engine, spec.resources
+    model, engine, res = spec.model, spec.engine, spec.resources  # autoscaling: checked when built
 
     if model.source not in MODEL_SOURCES:
         raise SpecError("InvalidSpec", f"spec.model.source must be one of "
@@ -224,11 +219,6 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     _check_int(spec.port, "spec.port", 1, 65535)
     _check_int(spec.shutdown_timeout_seconds, "spec.shutdownTimeoutSeconds", 0, 3600)
     _check_int(spec.startup_timeout_seconds, "spec.startupTimeoutSeconds", 10, 7200)
-
-    # AutoscalingSpec checked its ranges when it was built; the CRD also wants whole seconds.
-    _check_int(scaling.stable_window_seconds, "spec.autoscaling.stableWindowSeconds", 1)
-    _check_int(scaling.panic_window_seconds, "spec.autoscaling.panicWindowSeconds", 1)
-    _check_int(scaling.scale_down_delay_seconds, "spec.autoscaling.scaleDownDelaySeconds", 0)
 
     _check_int(engine.max_num_seqs, "spec.engine.maxNumSeqs", 1)
     _check_int(engine.max_num_batched_tokens, "spec.engine.maxNumBatchedTokens", 1)

@@ -151,10 +151,6 @@ def scaling_condition(spec: InferenceServiceSpec, conditions: list[Mapping[str, 
     return "Unknown", "AwaitingMetrics", "the autoscaler has not read the pods' metrics yet"
 
 
-def clamp(value: int, low: int, high: int) -> int:
-    return max(low, min(high, value))
-
-
 def desired_replicas(spec: InferenceServiceSpec, status: Mapping[str, Any],
                      deployment: Mapping[str, Any] | None) -> int:
     """How many replicas the service should have now: ``spec.replicas`` without autoscaling;
@@ -167,7 +163,7 @@ def desired_replicas(spec: InferenceServiceSpec, status: Mapping[str, Any],
         current = deployment.get("spec", {}).get("replicas")
     if current is None:
         current = scaling.min_replicas
-    return clamp(current, scaling.min_replicas, scaling.max_replicas)
+    return scaling.clamp(current)
 
 
 def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,

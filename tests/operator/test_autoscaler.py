@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -109,7 +111,7 @@ def test_spike_enters_panic_scales_up_at_once_and_holds_while_panicking():
 
 
 def test_panic_alone_blocks_scale_down_until_a_stable_window_after_the_last_trigger():
-    c = Cluster(spec(scale_down_delay_seconds=0.0), replicas=2)
+    c = Cluster(spec(scale_down_delay_seconds=0), replicas=2)
     c.run(lambda t: (24.0 if 20 <= t < 24 else 8.0, 0.0), 0, 200)  # 6 pods' worth for two ticks
 
     assert c.replicas_at(22) == 5  # panic window mean (8 + 24 + 24) / 3 waiting
@@ -122,7 +124,7 @@ def test_panic_alone_blocks_scale_down_until_a_stable_window_after_the_last_trig
 def test_panic_lasts_a_stable_window_after_the_condition_last_held():
     # maxReplicas 3 keeps 28 waiting (7 pods' worth) over 2x capacity from t=20 until the
     # tick at t=60, whose panic window still averages (28 + 28 + 8) / 3 -> 6 pods
-    c = Cluster(spec(max_replicas=3, scale_down_delay_seconds=0.0), replicas=2)
+    c = Cluster(spec(max_replicas=3, scale_down_delay_seconds=0), replicas=2)
     c.run(lambda t: (28.0 if 20 <= t < 60 else 8.0, 0.0), 0, 200)
 
     assert c.replicas_at(20) == 3
@@ -134,7 +136,7 @@ def test_panic_lasts_a_stable_window_after_the_condition_last_held():
 def test_reasons_say_durations_not_clock_readings():
     """The operator's clock is epoch seconds: a reason that printed it read `at 1.79608e+09`."""
     start = 1_796_080_000.0
-    c = Cluster(spec(max_replicas=3, scale_down_delay_seconds=0.0), replicas=2)
+    c = Cluster(spec(max_replicas=3, scale_down_delay_seconds=0), replicas=2)
     c.run(lambda t: (28.0 if t < start + 6 else 8.0, 0.0), start, start + 30)
     held = [d.reason for t, d in c.log if t >= start + 10 and d.panicking]
     assert held and "after the last trigger 4s ago" in held[0]  # last trigger at +6, tick +10
@@ -161,14 +163,14 @@ def test_slow_decline_scales_down_only_after_the_delay_and_at_most_halving():
 
 
 def test_scale_down_to_zero_load_halves_per_tick_to_min_replicas():
-    s = spec(scale_down_delay_seconds=0.0, min_replicas=2)
+    s = spec(scale_down_delay_seconds=0, min_replicas=2)
     c = Cluster(s, replicas=16)
     c.run(lambda t: (0.0, 0.0), 0, 20)
     assert [new for _, _, new in c.changes()] == [8, 4, 2]
 
 
 def test_a_pod_that_stops_reporting_is_not_taken_for_lost_load():
-    s = spec(scale_down_delay_seconds=0.0)
+    s = spec(scale_down_delay_seconds=0)
     state = AutoscalerState()
     for tick in range(60):
         now = tick * TICK
@@ -180,7 +182,7 @@ def test_a_pod_that_stops_reporting_is_not_taken_for_lost_load():
 
 
 def test_no_metrics_at_all_holds_the_count():
-    s = spec(scale_down_delay_seconds=0.0)
+    s = spec(scale_down_delay_seconds=0)
     d = decide(s, AutoscalerState(), samples(4, 16.0), 0.0, 4, 4)
     for tick in range(1, 100):
         d = decide(s, d.state, [], tick * TICK, 4, 4)
@@ -260,13 +262,37 @@ def test_state_survives_a_json_round_trip_and_decide_does_not_mutate_it():
 def test_spec_from_the_crd_dict():
     s = AutoscalingSpec.from_dict({"enabled": True, "minReplicas": 2, "maxReplicas": 9, "targetQueueDepth": 8,
                                    "targetKVCacheUtilization": 0.7, "panicThreshold": 3.0,
-                                   "scaleDownDelaySeconds": 120, "futureKnob": 1})
+                                   "scaleDownDelaySeconds": 120, "tolerance": 0.25, "panicWindowSeconds": None})
     assert (s.enabled, s.min_replicas, s.max_replicas, s.target_queue_depth) == (True, 2, 9, 8)
     assert (s.target_kv_cache_utilization, s.panic_threshold, s.scale_down_delay_seconds) == (0.7, 3.0, 120)
-    assert (s.stable_window_seconds, s.panic_window_seconds, s.tolerance) == (60, 6, 0.1)
+    assert (s.stable_window_seconds, s.panic_window_seconds, s.tolerance) == (60, 6, 0.25)  # null: the default
     assert AutoscalingSpec.from_dict(s.to_dict()) == s
-    assert not AutoscalingSpec.from_dict(None).enabled
+    assert AutoscalingSpec.from_dict(None) == AutoscalingSpec.from_dict({}) == AutoscalingSpec()
     assert not AutoscalingSpec.from_dict({"maxReplicas": 3}).enabled  # the CRD's default
+
+
+def test_an_unknown_key_is_refused_naming_it_and_the_known_ones():
+    with pytest.raises(ValueError) as caught:
+        AutoscalingSpec.from_dict({"enabled": True, "targetQueueDepht": 4, "futureKnob": 1})
+    assert str(caught.value) == (
+        "spec.autoscaling has unknown field(s) futureKnob, targetQueueDepht; known: enabled, minReplicas, "
+        "maxReplicas, targetQueueDepth, targetKVCacheUtilization, stableWindowSeconds, panicWindowSeconds, "
+        "panicThreshold, scaleDownDelaySeconds, tolerance")
+    with pytest.raises(ValueError, match=r"spec.autoscaling must be an object, got \[1\]"):
+        AutoscalingSpec.from_dict([1])
+
+
+def test_the_spec_clamps_replicas_into_min_and_max():
+    s = AutoscalingSpec(min_replicas=2, max_replicas=5)
+    assert [s.clamp(n) for n in (0, 2, 3, 5, 9)] == [2, 2, 3, 5, 5]
+
+
+def test_replica_counts_have_one_clamp():
+    """status.py and autoscaler.py each had their own; every caller now uses AutoscalingSpec.clamp."""
+    root = Path(__file__).resolve().parents[2] / "operator"
+    defined = [(p.name, m.group(0)) for p in sorted(root.glob("*.py"))
+               for m in re.finditer(r"def _?clamp\w*\(\w*", p.read_text())]
+    assert defined == [("autoscaler.py", "def clamp(self")]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -280,6 +306,10 @@ def test_spec_from_the_crd_dict():
     ({"panicThreshold": 0.5}, "panicThreshold must be a number ≥ 1"),
     ({"enabled": "yes"}, "enabled must be true or false"),
     ({"tolerance": 1}, r"tolerance must be a number in \[0, 1\)"),
+    ({"tolerance": -0.1}, r"tolerance must be a number in \[0, 1\)"),
+    ({"stableWindowSeconds": 60.5}, r"spec.autoscaling.stableWindowSeconds must be an integer ≥ 1, got 60.5"),
+    ({"panicWindowSeconds": 0}, r"panicWindowSeconds must be an integer ≥ 1, got 0"),
+    ({"scaleDownDelaySeconds": -1}, r"scaleDownDelaySeconds must be an integer ≥ 0, got -1"),
 ])
 def test_spec_rejects_out_of_range_values_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -21,6 +21,7 @@ from invalid_specs import INVALID, header
 from operator_helpers import EXAMPLES
 from kube_emulator import KUBERNETES_VERSION, schema_defaults
 from slipstream.operator import spec as spec_module
+from slipstream.operator.autoscaler import CRD_KEYS, AutoscalingSpec
 from slipstream.operator.resources import render_children
 from slipstream.operator.spec import SpecError, parse_spec
 
@@ -140,13 +141,44 @@ def test_crd_defaults_equal_the_operators_defaults(crd_schema):
     checked = 0
     for cls, node in nodes.items():
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        for crd_name, py_name in spec_module._FIELDS[cls].items():
+        keys = CRD_KEYS if cls is AutoscalingSpec else spec_module._FIELDS[cls]
+        for crd_name, py_name in keys.items():
             sub = node["properties"][crd_name]
             if "default" in sub and not (cls is spec_module.InferenceServiceSpec
                                          and crd_name in spec_module._NESTED):
                 assert sub["default"] == defaults[py_name], f"{cls.__name__}.{crd_name}"
                 checked += 1
     assert checked >= 20
+
+
+def test_the_crd_and_the_autoscaling_parser_name_the_same_fields(crd_schema):
+    node = crd_schema["properties"]["spec"]["properties"]["autoscaling"]
+    assert list(node["properties"]) == list(CRD_KEYS)
+    assert AutoscalingSpec.from_dict(schema_defaults(crd_schema, {"spec": {}})["spec"]["autoscaling"]) == \
+        AutoscalingSpec()
+
+
+PROBES = (-1, 0, 0.05, 0.5, 1, 1.0, 1.5, 2, 7, 99.5, 1000, True, "5", [])
+
+
+@pytest.mark.parametrize("key", list(CRD_KEYS))
+def test_the_api_server_and_the_parser_accept_the_same_autoscaling_values(key, crd_schema):
+    """Schema bounds and CEL rules (after defaulting, as the API server runs them) against
+    AutoscalingSpec's checks, value by value, including the bounds themselves."""
+    disagree = []
+    for value in PROBES:
+        obj = {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
+               "metadata": {"name": "probe"}, "spec": {"autoscaling": {key: value}}}
+        api = not schema_errors(crd_schema, obj) and not cel_violations(crd_schema, schema_defaults(crd_schema, obj))
+        try:
+            parse_spec(obj["spec"], name="probe")
+            ours = True
+        except SpecError:
+            ours = False
+        if api != ours:
+            disagree.append(f"{key}={value!r}: API server {'accepts' if api else 'refuses'}, parser "
+                            f"{'accepts' if ours else 'refuses'}")
+    assert disagree == []
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
