@@ -9,6 +9,7 @@ engine code. The bytes are stable across processes, machines and Python versions
 from __future__ import annotations
 
 import hashlib
+import struct
 from typing import Sequence
 
 DIGEST_BYTES = 16
@@ -19,7 +20,7 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     first block) and the token ids as 4-byte little-endian signed integers. A cryptographic hash,
     so one client cannot craft a prompt that collides with another's prefix."""
     h = hashlib.blake2b(parent or b"", digest_size=DIGEST_BYTES)
-    h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
     return h.digest()
 
 

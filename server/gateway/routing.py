@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
 POLICIES = ("round-robin", "least-loaded", "prefix", "kv-events")
+TIE = 1e-9  # scores this close are equal (sums of float terms)
 DEFAULT_POLICY = "kv-events"
 
 
@@ -308,7 +309,12 @@ class Router:
         matches = index.match(request.block_hashes) if index is not None and request.block_hashes else {}
         affine = self._sessions.get(request.session) if request.session is not None else None
         scored = score_endpoints(open_, request, matches, affine, self.weights)
-        score, best = max(scored, key=lambda se: (se[0], -se[1].load, se[1].name))
+        top = max(score for score, _ in scored)
+        tied = [e for score, e in scored if score >= top - TIE]
+        least = min(e.load for e in tied)
+        tied = [e for e in tied if e.load == least]
+        # Equal scores take turns: always the same one would pile new prefixes onto one idle pod.
+        best, score = tied[next(self._turn) % len(tied)], top
         matched = matches.get(best.name, 0)
         reason = "prefix-hit" if matched else "affinity" if best.name == affine else "load"
         return Choice(best.name, reason, matched, score)
