@@ -1,4 +1,4 @@
-"""The ``slipstream`` command: ``serve`` here; ``operator``, ``bench`` and ``simulate`` dispatched lazily.
+"""The ``slipstream`` command: ``serve`` here; ``operator``, ``gateway``, ``bench`` and ``simulate`` dispatched lazily.
 
 ``slipstream serve`` runs the OpenAI-compatible server (see ``slipstream serve --help``). The
 other subcommands live in their own packages and are imported only when asked for, so serving
@@ -19,6 +19,7 @@ from dataclasses import fields
 _DISPATCH = {
     "tokenizer": "slipstream.server.tokenizer_cli",
     "operator": "slipstream.operator.cli",
+    "gateway": "slipstream.server.gateway.cli",
     "bench": "slipstream.server.bench",
     "simulate": "slipstream.server.simulate",
 }
@@ -180,7 +181,7 @@ def _main(argv: list[str] | None) -> int:
         epilog="Run 'slipstream COMMAND --help' for a command's options.")
     top.add_argument("command", choices=["serve", *_DISPATCH],
                      help="serve: the OpenAI-compatible server; tokenizer: export the served model's tokenizer; "
-                          "operator: the Kubernetes operator; "
+                          "operator: the Kubernetes operator; gateway: the routing proxy in front of serve pods; "
                           "bench: benchmarks; simulate: the autoscaling simulation")
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()

@@ -4,7 +4,10 @@ Gauges are read from the engine at scrape time (``AsyncLLM.stats()``), so they a
 moment. Token counters count what was served to clients: prompt tokens once per engine request,
 generation tokens as they are delivered. Preemption and prefix-cache counters are the engine's
 own totals. Latency histograms come from each request's engine timestamps; ``iteration_tokens``
-from the engine's per-step listener.
+from the engine's per-step listener. ``engine_config_info`` (value 1, as vLLM's
+``vllm:cache_config_info``) carries the engine's settings as labels — ``block_size``,
+``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching`` (``true``/``false``) —
+so a gateway learns how to hash prompts for this pod; it appears once the engine is loaded.
 """
 from __future__ import annotations
 
@@ -64,6 +67,18 @@ class _EngineCollector:
         }
         for metric, (doc, attr) in counters.items():
             yield family(CounterMetricFamily, PREFIX + metric, doc, getattr(stats, attr, 0) if stats else 0)
+        if stats is not None:
+            info = GaugeMetricFamily(PREFIX + "engine_config_info", "The engine's settings, as labels (value 1).",
+                                     labels=_LABELS + list(_CONFIG_LABELS))
+            info.add_metric([name] + [_label_value(getattr(stats, attr)) for attr in _CONFIG_LABELS], 1)
+            yield info
+
+
+_CONFIG_LABELS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+
+
+def _label_value(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 class ServerMetrics:

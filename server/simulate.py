@@ -3,48 +3,68 @@
 Given arrivals (a rate schedule or a trace file), a cost-model profile and an autoscaling spec,
 it plays the arrivals against simulated replicas (the engine's scheduler and KV cache, steps
 timed by the cost model, pods ready ``--startup-delay`` seconds after they are asked for) with
-the operator's own policy deciding the replica count every ``--tick`` seconds; it prints
-replicas, queue depth, KV utilization and TTFT p50/p99 over time and plots them to a PNG.
-Nothing sleeps: an hour of traffic takes seconds. ``--example head-of-line`` prints static vs
-continuous batching on the textbook case instead.
+the operator's own policy deciding the replica count every ``--tick`` seconds and the gateway's
+own router (``--routing``) picking a replica per request; it prints replicas, queue depth, KV
+utilization and TTFT p50/p99 over time, TTFT p50/p90/p99 and the prefix-cache hit ratio of the
+run, and plots them to a PNG. ``--workload prefix-groups`` gives prompts real token content
+(shared system prompts, multi-turn sessions) so the prefix-aware policies have something to find;
+``--routing all`` (or a comma-separated list) plays the same arrivals once per policy and prints
+them side by side. Nothing sleeps: an hour of traffic takes seconds. ``--example head-of-line``
+prints static vs continuous batching on the textbook case instead.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from slipstream.operator.autoscaler import AutoscalingSpec
+from slipstream.operator.autoscaler import CRD_KEYS, AutoscalingSpec
 
 from .cli import HelpFormatter
-from .sim.cluster import ROUTING, Cluster, ReplicaConfig, SimResult
+from .gateway.routing import POLICIES
+from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
-from .sim.trace import parse_length, parse_rate_schedule, poisson_arrivals, read_trace
+from .sim.trace import Arrival, parse_length, parse_rate_schedule, poisson_arrivals, read_trace
+from .sim.workloads import PrefixGroups
 
 DEFAULT_RATE = "10rps for 60s, 40rps for 120s, 5rps for 600s"
-# AutoscalingSpec field -> (type, help); flags drop "_seconds" (the CRD's names are in --autoscaling files)
+# AutoscalingSpec field -> (type, help); flags drop "_seconds" (the CRD's names are in --autoscaling files).
+# Types, bounds and defaults are the CRD's: AutoscalingSpec.from_dict checks them.
 _SPEC_FLAGS = {
     "min_replicas": (int, "fewest replicas (minReplicas, default 1)"),
     "max_replicas": (int, "most replicas (maxReplicas, default 8 here)"),
     "target_queue_depth": (float, "waiting requests per ready pod (targetQueueDepth, default 5)"),
     "target_kv_cache_utilization": (float, "KV-cache use per ready pod, 0..1 (default 0.8)"),
-    "stable_window_seconds": (float, "seconds averaged for the stable decision (default 60)"),
-    "panic_window_seconds": (float, "seconds averaged for the panic decision (default 6)"),
+    "stable_window_seconds": (int, "whole seconds averaged for the stable decision (default 60)"),
+    "panic_window_seconds": (int, "whole seconds averaged for the panic decision (default 6)"),
     "panic_threshold": (float, "panic when the panic window needs this × current capacity (default 2)"),
-    "scale_down_delay_seconds": (float, "seconds of lower recommendations before scaling down (default 300)"),
-    "tolerance": (float, "dead band around the targets (default 0.1)"),
+    "scale_down_delay_seconds": (int, "whole seconds of lower recommendations before scaling down (default 300)"),
+    "tolerance": (float, "dead band around the targets, 0..1 (tolerance, default 0.1)"),
 }
+
+
+def parse_routing(text: str) -> list[str]:
+    """``"kv-events"``, ``"round-robin,prefix"`` or ``"all"`` → policy names. Raises
+    argparse.ArgumentTypeError naming the known ones."""
+    names = list(POLICIES) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"routing policies are {', '.join(POLICIES)} (or all, or a "
+                                         f"comma-separated list), got {text!r}")
+    return list(dict.fromkeys(names))
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slipstream simulate",
-        description="Replay arrivals against simulated replicas with the operator's autoscaling policy, "
-                    "in virtual time; print and plot replicas, queue depth, KV use and TTFT.",
+        description="Replay arrivals against simulated replicas behind the gateway's router, with the "
+                    "operator's autoscaling policy, in virtual time; print and plot replicas, queue depth, "
+                    "KV use, TTFT and the prefix-cache hit ratio.",
         formatter_class=HelpFormatter)
     p.add_argument("--example", choices=["head-of-line"],
                    help="print a textbook example instead (head-of-line: static vs continuous batching)")
@@ -55,6 +75,19 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--prompt-tokens", type=parse_length, default="512", help="prompt length, N or A-B (uniform)")
     load.add_argument("--output-tokens", type=parse_length, default="256", help="output length, N or A-B (uniform)")
     load.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths")
+    load.add_argument("--workload", choices=["distinct", "prefix-groups"], default="distinct",
+                      help="distinct: prompts share nothing; prefix-groups: each prompt starts with one of "
+                           "--groups system prompts and sessions of --turns turns extend their previous turn "
+                           "(--output-tokens must be one N; --prompt-tokens is not used)")
+    groups = PrefixGroups()
+    load.add_argument("--groups", type=int, default=groups.groups, help="prefix-groups: system prompts")
+    load.add_argument("--prefix-tokens", type=int, default=groups.prefix_tokens,
+                      help="prefix-groups: tokens of each system prompt")
+    load.add_argument("--turn-tokens", type=int, default=groups.turn_tokens,
+                      help="prefix-groups: tokens of each user message")
+    load.add_argument("--turns", type=int, default=groups.turns, help="prefix-groups: turns per session")
+    load.add_argument("--think-time", type=float, default=groups.think_time,
+                      help="prefix-groups: mean seconds between a session's turns (exponential)")
     pod = p.add_argument_group("replicas")
     pod.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES), help="cost-model profile")
     pod.add_argument("--max-num-seqs", type=int, help="per replica (default: the profile's)")
@@ -63,8 +96,10 @@ def parser() -> argparse.ArgumentParser:
                                                                  "× 0.9 − weights)")
     pod.add_argument("--startup-delay", type=float, default=60.0,
                      help="seconds from scale-up to a new replica taking requests")
-    pod.add_argument("--routing", choices=ROUTING, default="round-robin",
-                     help="round-robin (a ClusterIP Service) or least-loaded (an inference-aware gateway)")
+    pod.add_argument("--no-prefix-caching", action="store_true", help="replicas share no KV blocks between requests")
+    pod.add_argument("--routing", type=parse_routing, default="round-robin", metavar="POLICY[,POLICY...]|all",
+                     help=f"the gateway's policy ({', '.join(POLICIES)}); round-robin is what a ClusterIP "
+                          "Service does; several (or all): one run each on the same arrivals, side by side")
     auto = p.add_argument_group("autoscaling (defaults: the CRD's, with maxReplicas 8)")
     auto.add_argument("--autoscaling", type=Path,
                       help="YAML: an InferenceService or its spec.autoscaling (camelCase keys); flags override it")
@@ -82,38 +117,56 @@ def parser() -> argparse.ArgumentParser:
 
 
 def autoscaling_spec(args: argparse.Namespace) -> AutoscalingSpec:
-    """The policy's spec: the file's ``autoscaling`` (or the file itself), then the flags.
-    Raises ValueError for a bad value or file."""
+    """The policy's spec: the file's ``autoscaling`` (or the file itself), then the flags, parsed
+    by the operator's own parser (:meth:`AutoscalingSpec.from_dict`: same keys, defaults, checks).
+    Raises ValueError for a bad value, an unknown key (named) or a bad file."""
     values: dict[str, Any] = {"maxReplicas": 8}
     if args.autoscaling is not None:
         data = yaml.safe_load(args.autoscaling.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{args.autoscaling}: expected a mapping")
         data = (data.get("spec") or {}).get("autoscaling", data) if "spec" in data else data.get("autoscaling", data)
-        values.update(data)
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"{args.autoscaling}: spec.autoscaling must be an object, got {data!r}")
+        values.update(data or {})
     values["enabled"] = not args.no_autoscaling
-    spec = AutoscalingSpec.from_dict(values).to_dict()
-    keys = {name: key for key, name in AutoscalingSpec._KEYS.items()}
-    spec.update({keys[name]: getattr(args, name) for name in _SPEC_FLAGS if getattr(args, name) is not None})
-    return AutoscalingSpec.from_dict(spec)
+    values.update({key: getattr(args, name) for key, name in CRD_KEYS.items()
+                   if name in _SPEC_FLAGS and getattr(args, name) is not None})
+    return AutoscalingSpec.from_dict(values)
 
 
-def run(args: argparse.Namespace) -> SimResult:
-    """Build the arrivals and the cluster from ``args`` and play them."""
-    profile = get_profile(args.profile)
+def arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None]:
+    """The arrivals ``args`` ask for and the run's duration (None: the trace's last arrival).
+    Raises ValueError for a bad schedule, file or workload."""
     if args.trace is not None:
-        arrivals = read_trace(args.trace, args.prompt_tokens, args.output_tokens, args.seed)
-        duration = None
-    else:
-        phases = parse_rate_schedule(args.rate or DEFAULT_RATE)
-        arrivals = poisson_arrivals(phases, args.prompt_tokens, args.output_tokens, args.seed)
-        duration = sum(p.duration for p in phases)
+        if args.workload != "distinct":
+            raise ValueError(f"--workload {args.workload} makes its own arrivals from --rate; drop --trace")
+        return read_trace(args.trace, args.prompt_tokens, args.output_tokens, args.seed), None
+    phases = parse_rate_schedule(args.rate or DEFAULT_RATE)
+    duration = sum(p.duration for p in phases)
+    if args.workload == "prefix-groups":
+        low, high = args.output_tokens
+        if low != high:
+            raise ValueError(f"--workload prefix-groups needs one --output-tokens N, got {low}-{high}")
+        workload = PrefixGroups(args.groups, args.prefix_tokens, args.turn_tokens, args.turns, low, args.think_time)
+        return workload.arrivals(phases, args.seed), duration
+    return poisson_arrivals(phases, args.prompt_tokens, args.output_tokens, args.seed), duration
+
+
+def run(args: argparse.Namespace, routing: str | None = None) -> SimResult:
+    """Build the arrivals and the cluster from ``args`` and play them, routed by ``routing``
+    (default: the first of ``--routing``)."""
+    profile = get_profile(args.profile)
+    played, duration = arrivals(args)
     config = ReplicaConfig.for_profile(profile, max_num_seqs=args.max_num_seqs,
                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                        kv_cache_bytes=args.kv_cache_memory_bytes)
+    if args.no_prefix_caching:
+        config = replace(config, prefix_caching=False)
+    policies = parse_routing(args.routing) if isinstance(args.routing, str) else args.routing
     cluster = Cluster(profile, config, autoscaling_spec(args), startup_delay=args.startup_delay, tick=args.tick,
-                      initial=args.initial_replicas, routing=args.routing)
-    return cluster.run(arrivals, duration)
+                      initial=args.initial_replicas, routing=routing or policies[0])
+    return cluster.run(played, duration)
 
 
 def _ms(value: float | None) -> str:
@@ -139,13 +192,27 @@ def table(result: SimResult, every: float) -> str:
 
 def summary(result: SimResult) -> str:
     done = [r for r in result.requests if r.finished is not None]
-    p50, p99 = result.ttft_percentiles()
+    p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
     lines = [f"{len(result.requests)} requests, {len(done)} finished by t={result.end_time:.0f}s; "
-             f"TTFT p50 {_ms(p50)} ms, p99 {_ms(p99)} ms; {result.replica_seconds / 3600:.2f} replica-hours",
+             f"TTFT p50 {_ms(p50)} ms, p90 {_ms(p90)} ms, p99 {_ms(p99)} ms; "
+             f"prefix cache hit {100 * result.prefix_hit_ratio:.1f}% of prompt tokens; "
+             f"{result.replica_seconds / 3600:.2f} replica-hours",
              "scaling:"]
     lines += [f"  t={t:7.1f}s {d.current_replicas} -> {d.desired_replicas}: {d.reason}" for t, d in result.scalings]
     if not result.scalings:
         lines.append("  none")
+    return "\n".join(lines)
+
+
+def comparison(results: dict[str, SimResult]) -> str:
+    """One row per routing policy: requests, TTFT p50/p90/p99, prefix-cache hit ratio, replica-hours."""
+    lines = [f"{'routing':<13} {'requests':>8} {'finished':>8} {'ttft_p50_ms':>11} {'ttft_p90_ms':>11} "
+             f"{'ttft_p99_ms':>11} {'prefix_hit%':>11} {'replica_h':>9}"]
+    for policy, result in results.items():
+        p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
+        done = sum(r.finished is not None for r in result.requests)
+        lines.append(f"{policy:<13} {len(result.requests):8d} {done:8d} {_ms(p50):>11} {_ms(p90):>11} "
+                     f"{_ms(p99):>11} {100 * result.prefix_hit_ratio:11.1f} {result.replica_seconds / 3600:9.2f}")
     return "\n".join(lines)
 
 
@@ -195,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         print(head_of_line_report())
         return 0
     try:
+        if len(args.routing) > 1:
+            print(comparison({policy: run(args, policy) for policy in args.routing}))
+            return 0
         result = run(args)
     except (ValueError, OSError) as exc:
         print(f"slipstream simulate: {exc}", file=sys.stderr)

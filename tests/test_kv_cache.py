@@ -106,3 +106,63 @@ def test_block_hash_is_chained():
     h1 = block_hash(None, [1, 2])
     assert block_hash(h1, [3, 4]) != block_hash(block_hash(None, [9, 9]), [3, 4])
     assert block_hash(None, [1, 2]) == h1
+
+
+# --- KV events (what /v1/kv_events streams to gateways) -------------------------------------------
+
+def test_no_kv_events_are_recorded_until_asked():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = req([1, 2, 3, 4, 5], "a")
+    kv.match_prefix(a)
+    compute(kv, a)
+    assert kv.events is None and kv.take_events() == []
+
+
+def test_a_full_block_reports_stored_once_under_the_gateways_hash():
+    from slipstream.server.engine.kv_cache import KVEvent
+    from slipstream.server.kv_hash import prompt_block_hashes
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.record_events(True)
+    a = req(range(10), "a")
+    kv.match_prefix(a)
+    compute(kv, a, 6)  # one full block so far
+    compute(kv, a)     # the second; the third is partial
+    expected = prompt_block_hashes(list(range(10)), 4)
+    assert kv.take_events() == [KVEvent("stored", expected)]
+    assert kv.take_events() == []
+    b = req(range(10), "b")  # shares both blocks: nothing new becomes shareable
+    kv.match_prefix(b)
+    compute(kv, b)
+    assert kv.take_events() == [] and sorted(kv.cached_hashes()) == sorted(expected)
+
+
+def test_evicting_a_cached_block_reports_removed_before_the_new_blocks_are_stored():
+    from slipstream.server.engine.kv_cache import KVEvent
+    from slipstream.server.kv_hash import prompt_block_hashes
+
+    kv = KVCacheManager(num_blocks=2, block_size=2)
+    kv.record_events(True)
+    a = req([1, 2, 3, 4], "a")
+    kv.match_prefix(a)
+    compute(kv, a)
+    kv.free_request(a)  # freed blocks keep their hashes: nothing removed yet
+    old = prompt_block_hashes([1, 2, 3, 4], 2)
+    assert kv.take_events() == [KVEvent("stored", old)]
+    b = req([7, 8, 9, 10], "b")
+    kv.match_prefix(b)
+    compute(kv, b)
+    new = prompt_block_hashes([7, 8, 9, 10], 2)
+    # the tail was freed first, so it is evicted first
+    assert kv.take_events() == [KVEvent("removed", [old[1], old[0]]), KVEvent("stored", new)]
+    assert sorted(kv.cached_hashes()) == sorted(new)
+
+
+def test_stopping_kv_events_drops_the_ones_not_taken():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv.record_events(True)
+    a = req([1, 2, 3], "a")
+    kv.match_prefix(a)
+    compute(kv, a)
+    kv.record_events(False)
+    assert kv.events is None and kv.take_events() == []

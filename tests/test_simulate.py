@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.operator.autoscaler import AutoscalingSpec
-from slipstream.server import cli
+import yaml
+
+from slipstream.operator.autoscaler import CRD_KEYS, AutoscalingSpec
+from slipstream.operator.spec import SpecError, parse_spec
+from slipstream.server import cli, simulate
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig, SimRequest, VirtualReplica
 from slipstream.server.sim.cost_model import PROFILES, batch_shape, step_time
 from slipstream.server.sim.head_of_line import continuous_batching, static_batching
@@ -179,6 +182,44 @@ def test_simulate_reads_the_autoscaling_spec_from_an_inference_service(tmp_path,
                      "--no-plot"]) == 0
     rows = capsys.readouterr().out.split("\n\n")[0].splitlines()[1:]
     assert {int(r.split()[3]) for r in rows} == {2}
+
+
+def _simulated_spec(*argv: str) -> AutoscalingSpec:
+    return simulate.autoscaling_spec(simulate.parser().parse_args(list(argv)))
+
+
+def test_an_unknown_autoscaling_key_gets_the_operators_message_in_the_simulator(tmp_path, capsys):
+    isvc = {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "x"},
+            "spec": {"autoscaling": {"enabled": True, "targetQueueDepht": 4}}}
+    path = tmp_path / "isvc.yaml"
+    path.write_text(yaml.safe_dump(isvc))
+    with pytest.raises(SpecError) as operator_error:
+        parse_spec(isvc["spec"], name="x")
+    with pytest.raises(ValueError) as simulator_error:
+        _simulated_spec("--autoscaling", str(path))
+    assert str(simulator_error.value) == operator_error.value.message
+    assert operator_error.value.message.startswith("spec.autoscaling has unknown field(s) targetQueueDepht; known:")
+    assert cli.main(["simulate", "--autoscaling", str(path), "--no-plot"]) == 2
+    assert "unknown field(s) targetQueueDepht" in capsys.readouterr().err
+
+
+def test_the_simulator_defaults_are_the_operators_but_for_max_replicas():
+    operator = parse_spec({"autoscaling": {"enabled": True, "maxReplicas": 8}}).autoscaling
+    assert _simulated_spec() == operator
+    assert _simulated_spec("--no-autoscaling") == parse_spec({"autoscaling": {"maxReplicas": 8}}).autoscaling
+
+
+def test_every_flag_sets_the_crd_field_the_operator_reads(tmp_path):
+    """Flags and files go through the operator's parser; tolerance is a CRD field like the others."""
+    path = tmp_path / "autoscaling.yaml"
+    path.write_text("autoscaling: {tolerance: 0.3, stableWindowSeconds: 30, panicThreshold: 3}\n")
+    spec = _simulated_spec("--autoscaling", str(path), "--tolerance", "0.2", "--panic-window", "5")
+    assert spec == parse_spec({"autoscaling": {"enabled": True, "maxReplicas": 8, "tolerance": 0.2,
+                                               "stableWindowSeconds": 30, "panicThreshold": 3,
+                                               "panicWindowSeconds": 5}}).autoscaling
+    assert set(simulate._SPEC_FLAGS) <= set(CRD_KEYS.values())
+    with pytest.raises(ValueError, match=r"spec.autoscaling.tolerance must be a number in \[0, 1\), got 1.5"):
+        _simulated_spec("--tolerance", "1.5")
 
 
 def test_simulate_reports_bad_input_with_exit_code_2(capsys):

@@ -6,7 +6,8 @@ import logging
 
 from aiohttp import web
 
-from slipstream.server.api import serving_chat, serving_completions, serving_responses, serving_tokenize
+from slipstream.server.api import kv_events, serving_chat, serving_completions, serving_responses, serving_tokenize, \
+    tokenizer_files
 from slipstream.server.api.errors import APIError, from_http_exception
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
@@ -106,4 +107,6 @@ def build_app(options: ServerOptions, llm=None) -> web.Application:
     app.router.add_post("/tokenize", serving_tokenize.tokenize)
     app.router.add_post("/detokenize", serving_tokenize.detokenize)
     app.router.add_get("/tokenizer_info", serving_tokenize.tokenizer_info)
+    kv_events.add_routes(app)  # GET /v1/kv_events
+    tokenizer_files.add_routes(app)  # GET /v1/tokenizer/files[/{name}]
     return app

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slipstream.server import chat_template
 from slipstream.server.api import render
 from slipstream.server.api.errors import bad_request
 from slipstream.server.api.logprobs import chat_logprobs, drop_hidden_stop_token
@@ -52,23 +53,19 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 def render_template(tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: dict | None = None) -> str:
-    """The conversation as text, by the model's own chat template.
+    """The conversation as text, by the model's own chat template (:func:`chat_template.render_template`,
+    which the gateway renders with too).
 
     Raises:
         APIError: 400 (param ``messages``) when the template refuses the conversation.
     """
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-    except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
-        raise bad_request(f"messages could not be rendered with the model's chat template: {exc}",
-                          "messages") from None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad_request(f"messages are not valid Unicode text: {exc.reason}", "messages") from None
-    return text
+        return chat_template.render_template(tokenizer, messages, tools=tools,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             chat_template_kwargs=chat_template_kwargs)
+    except chat_template.ChatTemplateError as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
 def prompt_token_ids(state: ServerState, req: ChatCompletionRequest, parser: ToolParser | None) -> list[int]:

@@ -4,6 +4,11 @@ The step loop owns the engine; the event loop only hands it commands (add, abort
 thread-safe queue and receives increments via ``call_soon_threadsafe``. So a long forward pass
 never blocks HTTP handling, and an abort is applied before the next step: its blocks are free
 within one step.
+
+KV events take the same road: while a listener is registered the KV cache records them, and
+after each step the engine thread hands that step's events to the loop as one numbered
+:class:`KVEventBatch`. A :meth:`AsyncLLM.kv_snapshot` is taken on the engine thread between two
+steps, so it holds exactly the blocks of every batch up to its ``seq``.
 """
 from __future__ import annotations
 
@@ -12,17 +17,37 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from .config import EngineConfig
 from .engine import LLMEngine
 from .errors import RequestRejected
+from .kv_cache import KVEvent
 from .outputs import CompletionOutput, FinishReason, RequestOutput
 from .sampling_params import SamplingParams
 from .trace import EngineStats, StepRecord
 
 log = logging.getLogger("slipstream.engine")
 
-__all__ = ["AsyncLLM", "RequestRejected"]
+__all__ = ["AsyncLLM", "KVEventBatch", "KVSnapshot", "RequestRejected"]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    """One step's KV events. seq: 1, 2, 3, … per engine, without gaps."""
+
+    seq: int
+    events: list[KVEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """Every shareable block's hash, after the batches up to ``seq`` (0: before the first).
+    block_size: tokens per block."""
+
+    seq: int
+    block_size: int
+    block_hashes: list[bytes]
 
 
 class AsyncLLM:
@@ -43,6 +68,8 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._kv_listeners: list[Callable[[KVEventBatch], None]] = []  # called on the loop
+        self._kv_seq = 0  # engine thread: the last batch handed out
 
     # --- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -70,6 +97,13 @@ class AsyncLLM:
         for rid, q in list(self._streams.items()):
             q.put_nowait(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
                                        error="server shutting down"))
+        while True:  # commands the step loop will never apply: snapshots nobody will take
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "kv_snapshot" and not arg.done():
+                arg.set_exception(RuntimeError("engine is not running"))
 
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -123,6 +157,41 @@ class AsyncLLM:
         """Call ``fn(record)`` on the engine thread after every step."""
         self.engine.step_listeners.append(fn)
 
+    # --- KV events (loop side) --------------------------------------------------------------
+    def add_kv_event_listener(self, fn: Callable[[KVEventBatch], None]) -> None:
+        """Call ``fn(batch)`` on the event loop with every step's KV events from now on; the
+        cache records events only while some listener is registered."""
+        self._kv_listeners.append(fn)
+        if len(self._kv_listeners) == 1:
+            self._command("kv_events", True)
+
+    def remove_kv_event_listener(self, fn: Callable[[KVEventBatch], None]) -> None:
+        """Stop calling ``fn`` (a listener not registered is ignored)."""
+        if fn in self._kv_listeners:
+            self._kv_listeners.remove(fn)
+            if not self._kv_listeners:
+                self._command("kv_events", False)
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """The hashes of every block the KV cache can share now, taken between two steps.
+
+        Batches with ``seq`` up to the snapshot's were delivered to listeners before it returns.
+        Raises RuntimeError when the engine is not running."""
+        if self._thread is None or self._stopping:
+            raise RuntimeError("engine is not running")
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._command("kv_snapshot", future)
+        return await future
+
+    def _command(self, kind: str, arg) -> None:
+        self._commands.put((kind, arg))
+        self._wake.set()
+
+    def _publish_kv(self, batch: KVEventBatch) -> None:
+        for fn in list(self._kv_listeners):
+            fn(batch)
+
     # --- the step loop (engine thread) ------------------------------------------------------
     def _apply_commands(self) -> None:
         while True:
@@ -135,8 +204,21 @@ class AsyncLLM:
                     self.engine.add(arg)
                 except ValueError as e:
                     self._deliver_error(arg[0].group_id, str(e))
-            else:
+            elif kind == "abort":
                 self.engine.abort(arg)
+            elif kind == "kv_events":
+                self.engine.kv.record_events(arg)
+            else:  # kv_snapshot: after the batches already recorded
+                self._flush_kv_events()
+                kv = self.engine.kv
+                snapshot = KVSnapshot(self._kv_seq, kv.block_size, kv.cached_hashes())
+                self._loop.call_soon_threadsafe(_resolve, arg, snapshot)
+
+    def _flush_kv_events(self) -> None:
+        events = self.engine.kv.take_events()
+        if events:
+            self._kv_seq += 1
+            self._loop.call_soon_threadsafe(self._publish_kv, KVEventBatch(self._kv_seq, events))
 
     def _run(self) -> None:
         engine = self.engine
@@ -154,9 +236,11 @@ class AsyncLLM:
                 for rid in list(engine.groups):
                     engine.abort(rid)
                     self._deliver_error(rid, f"internal engine error: {type(e).__name__}: {e}")
+                self._flush_kv_events()
                 continue
             for out in outputs:
                 self._deliver(out)
+            self._flush_kv_events()
         for rid in list(engine.groups):
             engine.abort(rid)
 
@@ -172,3 +256,8 @@ class AsyncLLM:
     def _deliver_error(self, rid: str, message: str) -> None:
         self._deliver(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
                                     error=message))
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():  # the caller may have given up (cancelled) meanwhile
+        future.set_result(value)

@@ -384,4 +384,8 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps,
+            block_size=self.kv.block_size,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            enable_prefix_caching=self.kv.enable_prefix_caching,
         )

@@ -7,13 +7,35 @@ automatic prefix caching does), so equal prefixes map to the same physical block
 reference count. A block whose count drops to zero keeps its contents and hash and waits in an
 LRU free queue: a later request with the same prefix revives it, and allocation evicts the least
 recently freed first.
+
+KV events: while ``events`` is a list (:meth:`record_events`), the manager appends what changed
+in the set of shareable blocks, by hash — ``stored`` when a full block gets its hash,
+``removed`` when an evicted block loses it — as vLLM publishes ``BlockStored`` and
+``BlockRemoved``; the serving layer streams them to gateways (``GET /v1/kv_events``). While
+``events`` is None (the default) recording costs one test per hashed or evicted block.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from ..kv_hash import block_hash
 from .request import Request
 
-__all__ = ["KVCacheManager", "block_hash"]
+__all__ = ["KVCacheManager", "KVEvent", "block_hash"]
+
+STORED = "stored"
+REMOVED = "removed"
+
+
+@dataclass(slots=True)
+class KVEvent:
+    """One run of same-kind changes: ``kind`` is ``"stored"`` (the blocks became shareable under
+    these hashes) or ``"removed"`` (their hashes are gone: evicted); ``block_hashes`` in the order
+    they happened, each :data:`~slipstream.server.kv_hash.DIGEST_BYTES` bytes."""
+
+    kind: str
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -35,6 +57,7 @@ class KVCacheManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0  # tokens looked up at admission (counted by the scheduler)
         self.prefix_hits = 0     # of those, tokens found cached
+        self.events: list[KVEvent] | None = None  # KV events since the last take_events(); None: not recorded
 
     # --- accounting ---------------------------------------------------------------------------
     @property
@@ -68,6 +91,29 @@ class KVCacheManager:
                 n = min(self.block_size, max(0, req.num_computed_tokens - i * self.block_size))
                 filled[block] = max(filled.get(block, 0), n)
         return sum(filled.values()) / (len(filled) * self.block_size) if filled else 0.0
+
+    # --- KV events ----------------------------------------------------------------------------
+    def record_events(self, on: bool) -> None:
+        """Start (``on``) or stop recording KV events; stopping drops those not yet taken."""
+        self.events = ([] if self.events is None else self.events) if on else None
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (empty when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def cached_hashes(self) -> list[bytes]:
+        """Hash of every block that can be shared now (a snapshot for a new KV-event subscriber)."""
+        return list(self.cached)
+
+    def _emit(self, kind: str, h: bytes) -> None:
+        events = self.events
+        if events and events[-1].kind == kind:
+            events[-1].block_hashes.append(h)
+        else:
+            events.append(KVEvent(kind, [h]))
 
     # --- allocation ---------------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
@@ -138,6 +184,8 @@ class KVCacheManager:
             if self.hash_of[block] is None and h not in self.cached:
                 self.hash_of[block] = h
                 self.cached[h] = block
+                if self.events is not None:
+                    self._emit(STORED, h)
 
     def free_request(self, req: Request) -> None:
         """Drop the request's references; blocks reaching zero go to the free queue.
@@ -167,6 +215,8 @@ class KVCacheManager:
             self.hash_of[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.events is not None:
+                    self._emit(REMOVED, h)
 
     def _extend_hashes(self, req: Request) -> None:
         bs = self.block_size

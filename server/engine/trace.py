@@ -46,3 +46,8 @@ class EngineStats:
     prompt_tokens_total: int         # prompt tokens of admitted requests
     generation_tokens_total: int
     num_steps: int
+    # the engine's settings, for the ``engine_config_info`` gauge (a gateway reads them there)
+    block_size: int = 0              # tokens per KV block
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0  # tokens per step
+    enable_prefix_caching: bool = False

@@ -1,16 +1,24 @@
-"""Replicas on a virtual clock with the operator's autoscaling policy in the loop (``slipstream simulate``).
+"""Replicas on a virtual clock behind the gateway's router, with the operator's autoscaling
+policy in the loop (``slipstream simulate``).
 
-Each replica is the engine's real :class:`Scheduler` and :class:`KVCacheManager`; a step takes
-the cost model's time on the replica's own clock instead of running a model, so hours of traffic
-simulate in seconds and every scheduling effect (token budget, seat limit, KV exhaustion,
-preemption) is the engine's own. Every ``tick`` seconds the cluster does what the operator does:
-read each ready replica's gauges, call :func:`slipstream.operator.autoscaler.decide`, and
+Each replica is the engine's real :class:`Scheduler` and :class:`KVCacheManager` (prefix caching
+on, as a pod runs it); a step takes the cost model's time on the replica's own clock instead of
+running a model, so hours of traffic simulate in seconds and every scheduling effect (token
+budget, seat limit, KV exhaustion, preemption, prefix-cache hits) is the engine's own. A prefix
+hit advances a request's ``num_computed_tokens`` at admission, so the cost model charges prefill
+only for the uncached tokens, as it does for ``--model sim:`` pods. Requests are routed by the
+gateway's own :class:`~slipstream.server.gateway.routing.Router` (``routing``: round-robin,
+least-loaded, prefix or kv-events). Every ``tick`` seconds the cluster does what the operator
+does: read each ready replica's gauges, call :func:`slipstream.operator.autoscaler.decide`, and
 create (ready after ``startup_delay`` seconds) or drain replicas to match.
 
-Simplifications, each a choice: requests are routed when they arrive, to ready replicas only
-(round-robin like a ClusterIP Service, or least-loaded like an inference-aware gateway); a
-replica asked to go away first stops getting requests, finishes what it holds, then leaves;
-prompts are distinct (prefix caching off) and every step's outputs land at its end.
+Simplifications, each a choice: requests are routed when they arrive, to ready replicas only,
+with the replicas' gauges as they are at that instant (a perfectly fresh scrape); under
+``kv-events`` the router's block index is every replica's KV cache as it is at that instant
+(perfect, instant event delivery: every block stored or evicted reaches the index before the next
+decision); a replica asked to go away first stops getting requests, finishes what it holds, then
+leaves; every step's outputs land at its end; a request's output tokens are its content's reply
+(or zeros), so a later turn that repeats them hits the cache as a real conversation would.
 """
 from __future__ import annotations
 
@@ -22,16 +30,19 @@ from typing import Iterable
 
 from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, PodSample, decide
 
-from ..engine.kv_cache import KVCacheManager
+from ..engine.kv_cache import STORED, KVCacheManager
 from ..engine.outputs import RequestMetrics
 from ..engine.request import Request
 from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import Scheduler
+from ..gateway.routing import EndpointLoad, RouteRequest, Router
+from ..kv_hash import block_hash
 from .cost_model import Profile, batch_shape, step_time
-from .trace import Arrival
+from .trace import Arrival, Content
+from .workloads import distinct_prompt
 
 _PARAMS = SamplingParams()  # the scheduler never reads them; one shared instance
-ROUTING = ("round-robin", "least-loaded")
+_SERIALS = itertools.count(1)  # distinct prompts for requests without content
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +53,7 @@ class ReplicaConfig:
     max_num_batched_tokens: int
     kv_cache_bytes: int
     block_size: int = 16
+    prefix_caching: bool = True
 
     @classmethod
     def for_profile(cls, profile: Profile, **overrides) -> ReplicaConfig:
@@ -53,33 +65,76 @@ class ReplicaConfig:
 
 @dataclass(eq=False, slots=True)
 class SimRequest:
-    """One request's life in virtual seconds; ``first_token`` and ``finished`` None until then."""
+    """One request's life in virtual seconds; ``first_token`` and ``finished`` None until then.
+
+    content: its token ids (None: a distinct prompt of ``prompt_tokens`` tokens).
+    cached_tokens: prompt tokens its replica found in the prefix cache when it was admitted.
+    """
 
     arrival: float
     prompt_tokens: int
     output_tokens: int
+    content: Content | None = None
     first_token: float | None = None
     finished: float | None = None
     replica: str = ""
+    cached_tokens: int = 0
+    serial: int = field(default_factory=lambda: next(_SERIALS))
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+    def prompt_ids(self) -> list[int]:
+        return self.content.prompt_ids() if self.content is not None else distinct_prompt(self.serial,
+                                                                                            self.prompt_tokens)
+
+    @property
+    def session(self) -> str | None:
+        return self.content.session_key if self.content is not None else None
+
+
+class BlockHashes:
+    """Chained block hashes of prompts (:func:`~slipstream.server.kv_hash.prompt_block_hashes`'s),
+    memoized by (parent hash, block tokens): prompts of a group or a session share their head, so
+    most of a prompt's blocks were hashed before. A speed-up of the simulator only; at
+    ``capacity`` entries the memo starts over."""
+
+    def __init__(self, block_size: int, capacity: int = 200_000):
+        self.block_size, self.capacity = block_size, capacity
+        self._memo: dict[tuple[bytes | None, tuple[int, ...]], bytes] = {}
+
+    def __call__(self, token_ids: list[int]) -> tuple[bytes, ...]:
+        bs, memo = self.block_size, self._memo
+        hashes: list[bytes] = []
+        parent = None
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            key = (parent, tuple(token_ids[start:start + bs]))
+            parent = memo.get(key)
+            if parent is None:
+                if len(memo) >= self.capacity:
+                    memo.clear()
+                parent = memo[key] = block_hash(key[0], key[1])
+            hashes.append(parent)
+        return tuple(hashes)
 
 
 class VirtualReplica:
     """One pod: a scheduler and KV pool whose steps take the cost model's time.
 
     ``time`` is when its device is next free; ``ready_at`` when it starts taking requests.
+    kv_events: record the KV pool's block events (what a pod publishes for ``kv-events``).
     """
 
-    def __init__(self, name: str, profile: Profile, config: ReplicaConfig, created: float, ready_at: float):
+    def __init__(self, name: str, profile: Profile, config: ReplicaConfig, created: float, ready_at: float,
+                 kv_events: bool = False):
         self.name = name
         self.profile = profile
         num_blocks = config.kv_cache_bytes // (config.block_size * profile.model.kv_bytes_per_token)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens")
-        self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)
+        self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.prefix_caching)
+        self.kv.record_events(kv_events)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.time = created
         self.created = created
@@ -87,6 +142,7 @@ class VirtualReplica:
         self.draining = False
         self.stopped: float | None = None
         self._requests: dict[str, SimRequest] = {}
+        self._replies: dict[str, list[int]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -105,8 +161,11 @@ class VirtualReplica:
         """The gauges a scrape would read now."""
         return PodSample(self.name, now, self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage)
 
-    def add(self, sim: SimRequest, now: float) -> None:
-        """Queue a request that arrived at ``now``. Raises ValueError if it can never fit."""
+    def add(self, sim: SimRequest, now: float, prompt_ids: list[int] | None = None,
+            block_hashes: tuple[bytes, ...] = ()) -> None:
+        """Queue a request that arrived at ``now``. ``prompt_ids`` (default ``sim.prompt_ids()``)
+        and ``block_hashes``, when the caller already has them (the same chained hashes the pool
+        would compute). Raises ValueError if it can never fit."""
         total = sim.prompt_tokens + sim.output_tokens
         if self.kv.blocks_needed(total) > self.kv.num_blocks or total > self.profile.model.max_model_len:
             raise ValueError(f"a request of {total} tokens does not fit one replica "
@@ -114,7 +173,12 @@ class VirtualReplica:
         rid = f"{self.name}-{next(self._ids)}"
         sim.replica = self.name
         self._requests[rid] = sim
-        self.scheduler.add(Request(rid, rid, 0, [0] * sim.prompt_tokens, _PARAMS, None, RequestMetrics(now)))
+        if sim.content is not None:
+            self._replies[rid] = sim.content.reply_ids()
+        req = Request(rid, rid, 0, prompt_ids if prompt_ids is not None else sim.prompt_ids(), _PARAMS, None,
+                      RequestMetrics(now))
+        req.block_hashes = list(block_hashes)
+        self.scheduler.add(req)
         self.time = max(self.time, now)
 
     def advance(self, until: float) -> None:
@@ -127,17 +191,24 @@ class VirtualReplica:
             end = self.time + step_time(self.profile, batch_shape(
                 (r.num_computed_tokens, n) for r, n in zip(batch.requests, batch.num_new_tokens)))
             for req, n in zip(batch.requests, batch.num_new_tokens):
+                full = req.num_computed_tokens // self.kv.block_size
                 req.num_computed_tokens += n
+                if req.num_computed_tokens // self.kv.block_size > full:
+                    self.kv.cache_full_blocks(req)  # as the engine's step does; only a new full block adds a name
                 if req.num_computed_tokens < req.num_tokens:
                     continue  # mid-prompt chunk: nothing sampled
-                req.token_ids.append(0)
                 sim = self._requests[req.request_id]
+                reply = self._replies.get(req.request_id)
+                position = req.num_output_tokens
+                req.token_ids.append(reply[position] if reply is not None and position < len(reply) else 0)
                 if sim.first_token is None:
                     sim.first_token = end
+                    sim.cached_tokens = req.num_cached_tokens
                 if req.num_output_tokens >= sim.output_tokens:
                     self.scheduler.finish(req)
                     sim.finished = end
                     del self._requests[req.request_id]
+                    self._replies.pop(req.request_id, None)
             self.time = end
             self.num_steps += 1
 
@@ -170,6 +241,13 @@ class SimResult:
     scalings: list[tuple[float, Decision]] = field(default_factory=list)
     replica_seconds: float = 0.0  # pod time paid for, starting included
     end_time: float = 0.0
+    prefix_queries: int = 0  # prompt tokens looked up in the replicas' prefix caches at admission
+    prefix_hits: int = 0     # of those, tokens found cached (``slipstream:prefix_cache_*_total``)
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        """Prompt tokens found in the prefix cache / tokens looked up, over every replica, 0..1."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def ttft_percentiles(self, start: float = -math.inf, end: float = math.inf,
                          quantiles: Iterable[float] = (0.5, 0.99)) -> list[float | None]:
@@ -188,30 +266,32 @@ class Cluster:
         startup_delay: seconds from creating a replica to its taking requests (image pull, model
             load, warm-up). tick: seconds between autoscaler decisions (the operator's 2 s).
         initial: replicas ready at time 0 (default ``spec.min_replicas``).
-        routing: ``round-robin`` or ``least-loaded``.
+        routing: a :data:`~slipstream.server.gateway.routing.POLICIES` name (round-robin is what a
+            ClusterIP Service does; the rest are the gateway's), or a :class:`Router` to use.
+    Raises ValueError for an unknown policy or a bad tick or delay.
     """
 
     def __init__(self, profile: Profile, config: ReplicaConfig, spec: AutoscalingSpec, *,
                  startup_delay: float = 60.0, tick: float = 2.0, initial: int | None = None,
-                 routing: str = "round-robin"):
-        if routing not in ROUTING:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING)}, got {routing!r}")
+                 routing: str | Router = "round-robin"):
         if tick <= 0 or startup_delay < 0:
             raise ValueError(f"tick must be > 0 and startup_delay >= 0, got {tick}, {startup_delay}")
+        self.router = routing if isinstance(routing, Router) else Router(routing)
         self.profile, self.config, self.spec = profile, config, spec
-        self.startup_delay, self.tick, self.routing = startup_delay, tick, routing
+        self.startup_delay, self.tick, self.routing = startup_delay, tick, self.router.policy
         self.state = AutoscalerState()
         self.replicas: list[VirtualReplica] = []
         self.retired: list[VirtualReplica] = []
         self.pending: list[SimRequest] = []  # arrived while no replica was ready
         self._names = itertools.count()
-        self._rr = 0
+        self._hashes = BlockHashes(config.block_size)
         for _ in range(initial if initial is not None else spec.min_replicas):
             self._create(0.0, ready_at=0.0)
 
     # --- replicas -----------------------------------------------------------------------------
     def _create(self, now: float, ready_at: float) -> None:
-        self.replicas.append(VirtualReplica(f"pod-{next(self._names)}", self.profile, self.config, now, ready_at))
+        self.replicas.append(VirtualReplica(f"pod-{next(self._names)}", self.profile, self.config, now, ready_at,
+                                            kv_events=self.routing == "kv-events"))
 
     @property
     def active(self) -> list[VirtualReplica]:
@@ -231,19 +311,39 @@ class Cluster:
             replica.stopped = now
             self.replicas.remove(replica)
             self.retired.append(replica)
+            self.router.forget(replica.name)
 
     # --- requests -----------------------------------------------------------------------------
     def _route(self, sim: SimRequest, now: float) -> bool:
-        ready = [r for r in self.replicas if r.ready(now)]
+        """Hand ``sim`` to the replica the router picks among the ready ones; False if none is."""
+        ready = {r.name: r for r in self.replicas if r.ready(now)}
         if not ready:
             return False
-        if self.routing == "least-loaded":
-            target = min(ready, key=lambda r: r.load)
-        else:
-            target = ready[self._rr % len(ready)]
-            self._rr += 1
-        target.add(sim, now)
+        ids, hashes = None, ()
+        if sim.content is not None:  # hashed here once (memoized) for the router and the replica's pool
+            ids = sim.prompt_ids()
+            hashes = self._hashes(ids)
+        request = RouteRequest(hashes, sim.session)
+        self._deliver_kv_events()
+        loads = [EndpointLoad(r.name, r.scheduler.num_waiting, r.scheduler.num_running, r.kv.usage, r.load)
+                 for r in ready.values()]
+        choice = self.router.pick(request, loads)
+        if choice is None:  # no capacity limits here, so only with no endpoint at all
+            return False
+        ready[choice.endpoint].add(sim, now, ids, hashes)
+        self.router.record(request, choice)
         return True
+
+    def _deliver_kv_events(self) -> None:
+        """Apply every replica's KV events since the last decision to the router's block index
+        (kv-events only: perfect, instant delivery)."""
+        index = self.router.block_index
+        for replica in self.replicas:
+            for event in replica.kv.take_events():
+                if event.kind == STORED:
+                    index.stored(replica.name, event.block_hashes)
+                else:
+                    index.removed(replica.name, event.block_hashes)
 
     def _advance(self, until: float) -> None:
         for replica in self.replicas:
@@ -285,7 +385,7 @@ class Cluster:
             count = bisect.bisect_left(times, now, lo=i) - i
             for arrival in arrivals[i:i + count]:
                 self._advance(arrival.time)
-                sim = SimRequest(arrival.time, arrival.prompt_tokens, arrival.output_tokens)
+                sim = SimRequest(arrival.time, arrival.prompt_tokens, arrival.output_tokens, arrival.content)
                 result.requests.append(sim)
                 if not self._route(sim, arrival.time):
                     self.pending.append(sim)
@@ -299,4 +399,6 @@ class Cluster:
         result.end_time = now
         for replica in self.replicas + self.retired:
             result.replica_seconds += (replica.stopped if replica.stopped is not None else now) - replica.created
+            result.prefix_queries += replica.kv.prefix_queries
+            result.prefix_hits += replica.kv.prefix_hits
         return result

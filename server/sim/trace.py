@@ -7,7 +7,8 @@ Poisson process of that rate (exponential gaps), the usual open-loop model of in
 
 Trace file: one arrival per line, ``TIME [PROMPT_TOKENS [OUTPUT_TOKENS]]`` (seconds from the
 start; whitespace or commas between fields; ``#`` starts a comment; a header line of words is
-skipped); missing token counts are drawn from the defaults.
+skipped); missing token counts are drawn from the defaults. Arrivals from either carry no token
+content (each is a distinct prompt); :mod:`.workloads` makes arrivals that do.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 _PHASE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:rps|/s)\s+for\s+(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$", re.IGNORECASE)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -28,13 +30,31 @@ class Phase:
     duration: float
 
 
+class Content(Protocol):
+    """A request's token content (e.g. :class:`.workloads.Turn`).
+
+    prompt_ids(): the prompt's token ids (``prompt_tokens`` of them). reply_ids(): the output
+    tokens the request produces (a later turn's prompt repeats them). session_key: the session
+    it belongs to (a client's ``user``), or None.
+    """
+
+    @property
+    def session_key(self) -> str | None: ...
+
+    def prompt_ids(self) -> list[int]: ...
+
+    def reply_ids(self) -> list[int]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """One request: when it arrives (seconds from the start) and its lengths in tokens."""
+    """One request: when it arrives (seconds from the start), its lengths in tokens, and its
+    token content (None: a prompt that shares no prefix with any other)."""
 
     time: float
     prompt_tokens: int
     output_tokens: int
+    content: Content | None = None
 
 
 def parse_rate_schedule(text: str) -> list[Phase]:

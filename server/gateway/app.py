@@ -1,0 +1,179 @@
+"""The gateway's aiohttp application: its own probes and metrics, every other path proxied.
+
+``/health`` answers from the first moment; ``/ready`` once the gateway has started, with or
+without endpoints (scale from zero needs the gateway Ready while no pod exists: requests wait
+in it until one does). ``/metrics`` is the gateway's own (:mod:`.metrics`); the pods' metrics stay
+on the pods.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import signal
+
+import aiohttp
+from aiohttp import web
+
+from .config import GatewayConfig
+from .endpoints import EndpointSet
+from .load import LoadScraper
+from .metrics import CONTENT_TYPE, GatewayMetrics
+from .proxy import REQUEST_ID, Proxy, error_response
+from .routing import BlockIndex, Router
+
+log = logging.getLogger("slipstream.gateway")
+
+GATEWAY = web.AppKey("gateway", object)
+_OWN_PATHS = ("/health", "/ready", "/metrics")
+
+
+class Gateway:
+    """Everything one gateway process holds; built by :func:`build_app`, started on app startup."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.endpoints = EndpointSet(config)
+        self.metrics = GatewayMetrics(self.endpoints)
+        self.block_index = BlockIndex(config.block_index_capacity)
+        self.router = Router(config.policy, weights=config.weights, block_index=self.block_index,
+                             prefix_capacity=config.prefix_capacity, sessions=config.sessions)
+        self.endpoints.add_listener(on_removed=self.router.forget)
+        self.ready = False
+        self.session: aiohttp.ClientSession | None = None
+        self.scraper: LoadScraper | None = None
+        self.proxy: Proxy | None = None
+        self.subscriber = None
+        self.hasher = None
+
+    async def start(self) -> None:
+        # No total timeout (a stream lasts as long as the generation); a short connect timeout,
+        # so a dead address is retried elsewhere at once. limit=0: the queue bounds concurrency.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+        if self.config.policy in ("prefix", "kv-events"):
+            self.hasher = _optional("tokenize", "PromptHasher", self.session, max_blocks=self.config.max_prompt_blocks,
+                                    headers=self.config.upstream_headers)
+        if self.config.policy == "kv-events":
+            self.subscriber = _optional("kv_events", "KVEventSubscriber", self.block_index, self.session,
+                                        headers=self.config.upstream_headers)
+            if self.subscriber is not None:
+                for name in self.endpoints.names():
+                    self.subscriber.watch(name, name)
+                self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch)
+        self.proxy = Proxy(self.config, self.endpoints, self.router, self.session, self.metrics, self.hasher)
+        self.scraper = LoadScraper(self.endpoints, self.session)
+        self.endpoints.set_endpoints(self.config.endpoints)
+        self.scraper.start()
+        self.ready = True
+        log.info("gateway ready: policy %s, %d endpoints", self.config.policy, len(self.endpoints))
+
+    async def close(self) -> None:
+        self.ready = False
+        for part in (self.scraper, self.subscriber, self.hasher):
+            if part is not None:
+                try:
+                    await part.close()
+                except Exception:
+                    log.exception("closing %s failed", type(part).__name__)
+        if self.session is not None:
+            await self.session.close()
+
+
+def _optional(module: str, name: str, *args, **kwargs):
+    """``slipstream.server.gateway.<module>.<name>(*args, **kwargs)``, or None when that module is
+    not part of this installation (the gateway then routes without it)."""
+    try:
+        cls = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    except (ImportError, AttributeError) as exc:
+        log.warning("%s.%s unavailable (%s); routing without it", module, name, exc)
+        return None
+    return cls(*args, **kwargs)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """The gateway's own failures (body too large, a bug) in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {413: "request_too_large"}.get(exc.status)
+        request_id = request.headers.get(REQUEST_ID)
+        return error_response(exc.status, exc.text or exc.reason, code=code,
+                              headers={REQUEST_ID: request_id} if request_id else None)
+    except (ConnectionError, asyncio.CancelledError):  # the client went away: nobody to answer
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "Internal gateway error; see the gateway log.", code="internal_error")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    if not gateway.ready:
+        return web.json_response({"status": "starting"}, status=503)
+    return web.json_response({"status": "ready", "endpoints": len(gateway.endpoints),
+                              "routable": len(gateway.endpoints.routable_endpoints()),
+                              "waiting": gateway.endpoints.waiting})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[GATEWAY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    return await request.app[GATEWAY].proxy.handle(request)
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    """The gateway app; its startup starts the scraper (and the KV-event subscriber), its
+    cleanup stops them. ``app[GATEWAY]`` is the :class:`Gateway`."""
+    app = web.Application(middlewares=[json_errors], client_max_size=config.max_request_bytes)
+    gateway = Gateway(config)
+    app[GATEWAY] = gateway
+
+    async def lifecycle(app: web.Application):
+        await gateway.start()
+        yield
+        await gateway.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
+async def serve(config: GatewayConfig, host: str, port: int) -> int:
+    """Serve until SIGTERM/SIGINT; then stop taking connections and give in-flight requests up
+    to ``shutdown_timeout``. Returns the process exit code."""
+    app = build_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the
+    # upstream connection, so the pod aborts the request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.shutdown_timeout)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, backlog=4096).start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        await runner.cleanup()
+        return 1
+    log.info("gateway listening on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping: up to %.0fs for in-flight requests", config.shutdown_timeout)
+    await runner.cleanup()
+    return 0

@@ -1,0 +1,132 @@
+"""``slipstream gateway``: the OpenAI-compatible routing proxy in front of a service's pods."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from ..cli import HelpFormatter, byte_size
+from .config import GatewayConfig
+from .routing import DEFAULT_POLICY, POLICIES, Weights
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def gateway_parser() -> argparse.ArgumentParser:
+    d = GatewayConfig()
+    p = argparse.ArgumentParser(
+        prog="slipstream gateway",
+        description="Route OpenAI-compatible requests to model servers (slipstream serve pods): prefix-cache- "
+                    "and load-aware, holding requests while no server can take them (scale from zero). "
+                    "Serves /health, /ready and /metrics itself and proxies every other path.",
+        formatter_class=HelpFormatter)
+    e = p.add_argument_group("endpoints")
+    e.add_argument("--endpoint", dest="endpoints", action="append", default=[], metavar="URL",
+                   help="base URL of a model server, e.g. http://10.0.0.7:8000; repeat for each "
+                        "(by default none: requests "
+                        "wait until one is added)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--routing", default=DEFAULT_POLICY, choices=POLICIES,
+                   help="round-robin; least-loaded; prefix (the gateway's own table of where it sent each prompt "
+                        "block); kv-events (the pods' KV-cache events: what each pod really holds)")
+    w = Weights()
+    r.add_argument("--prefix-weight", type=_non_negative_float, default=w.prefix,
+                   help="score weight of the fraction of the prompt's blocks an endpoint holds")
+    r.add_argument("--queue-weight", type=_non_negative_float, default=w.queue, help="score weight of a short queue")
+    r.add_argument("--kv-cache-weight", type=_non_negative_float, default=w.kv_cache,
+                   help="score weight of free KV cache")
+    r.add_argument("--affinity-weight", type=_non_negative_float, default=w.affinity,
+                   help="score weight of the endpoint that served the same session (X-Session-Id, "
+                        "prompt_cache_key or user) before")
+    q = p.add_argument_group("queue and limits")
+    q.add_argument("--max-queue", type=_int_at_least(0), default=d.max_queue,
+                   help="most requests held while no endpoint can take them; one more gets 429")
+    q.add_argument("--queue-timeout", type=_positive_float, default=d.queue_timeout,
+                   help="seconds a request may wait for an endpoint before a 503 with Retry-After "
+                        "(at least the pods' startup time, for scale from zero)")
+    q.add_argument("--max-in-flight", type=_int_at_least(1), default=None,
+                   help="requests in flight per endpoint before it is full (default: the pod's max_num_seqs "
+                        "plus --queue-headroom, when the pod reports it; else no limit)")
+    q.add_argument("--queue-headroom", type=_int_at_least(0), default=None,
+                   help="requests queued on a pod beyond its max_num_seqs before it is full (default: max_num_seqs)")
+    q.add_argument("--max-tries", type=_int_at_least(1), default=d.max_tries,
+                   help="most endpoints one request is sent to (a connection error or 503 before the first "
+                        "byte moves it on; never after)")
+    q.add_argument("--retry-after", type=_int_at_least(0), default=d.retry_after,
+                   help="seconds in the Retry-After of the gateway's own 429 and 503")
+    q.add_argument("--max-request-bytes", type=byte_size, default=d.max_request_bytes,
+                   help="largest request body accepted; larger ones get 413")
+    q.add_argument("--max-prompt-blocks", type=_int_at_least(1), default=d.max_prompt_blocks,
+                   help="most leading prompt blocks hashed for prefix routing")
+    q.add_argument("--prefix-capacity", type=_int_at_least(1), default=d.prefix_capacity,
+                   help="block hashes the prefix policy's table keeps (LRU)")
+    q.add_argument("--block-index-capacity", type=_int_at_least(1), default=d.block_index_capacity,
+                   help="(block, endpoint) entries the kv-events index keeps")
+    l = p.add_argument_group("load and timeouts")
+    l.add_argument("--scrape-interval", type=_positive_float, default=d.scrape_interval,
+                   help="seconds between reads of each endpoint's /metrics")
+    l.add_argument("--scrape-timeout", type=_positive_float, default=d.scrape_timeout,
+                   help="seconds one /metrics read may take")
+    l.add_argument("--load-timeout", type=_positive_float, default=d.load_timeout,
+                   help="seconds without a good /metrics read after which an endpoint gets no new requests")
+    l.add_argument("--connect-timeout", type=_positive_float, default=d.connect_timeout,
+                   help="seconds to connect to an endpoint before trying another")
+    h = p.add_argument_group("HTTP server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    h.add_argument("--port", type=int, default=8080, help="port to listen on")
+    h.add_argument("--shutdown-timeout", type=_non_negative_float, default=d.shutdown_timeout,
+                   help="seconds a stopping gateway (SIGTERM) gives in-flight requests")
+    h.add_argument("--api-key", default=os.environ.get("SLIPSTREAM_API_KEY"),
+                   help="the pods' --api-key, sent with the gateway's own requests to them (tokenizer files, KV "
+                        "events); clients' requests keep their own Authorization header. "
+                        "By default $SLIPSTREAM_API_KEY; unset means none")
+    h.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """The :class:`GatewayConfig` of parsed :func:`gateway_parser` options. Raises ValueError."""
+    weights = Weights(args.prefix_weight, args.queue_weight, args.kv_cache_weight, args.affinity_weight)
+    return GatewayConfig(
+        endpoints=tuple(args.endpoints), policy=args.routing, weights=weights, max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout, max_in_flight=args.max_in_flight, queue_headroom=args.queue_headroom,
+        scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout, load_timeout=args.load_timeout,
+        connect_timeout=args.connect_timeout, max_tries=args.max_tries,
+        retry_after=args.retry_after,
+        max_request_bytes=args.max_request_bytes, prefix_capacity=args.prefix_capacity,
+        block_index_capacity=args.block_index_capacity, max_prompt_blocks=args.max_prompt_blocks,
+        shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or None)
+
+
+def main(argv: list[str]) -> int:
+    parser = gateway_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .app import serve
+    return asyncio.run(serve(config, args.host, args.port))

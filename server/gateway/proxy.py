@@ -1,0 +1,240 @@
+"""Forwarding one request: route, hold it while no endpoint can take it, send, relay the answer.
+
+A request's path through the gateway:
+
+1. Read the body (bounded by ``max_request_bytes``) and build a :class:`RouteRequest` from it
+   (the prompt's block hashes for the prefix policies, a session key) for the inference paths;
+   every other path goes to the least-loaded endpoint.
+2. Take a slot (:meth:`EndpointSet.acquire`): at once, or after waiting in the gateway's queue
+   until the request's deadline (429 when the queue is full, 503 past the deadline).
+3. Send it with the client's end-to-end headers (``Authorization`` included: the pods enforce
+   their ``--api-key``) and a request id. A connection error or a 503 before the first response
+   byte moves it to another endpoint (that one excluded, at most ``max_tries`` endpoints); once
+   a byte went to the client it is never sent again.
+4. Relay the response chunk by chunk as it arrives; each write waits for the client (backpressure
+   reaches the pod through TCP). A pod that fails mid-stream ends an event stream with an
+   OpenAI-shaped error event; a client that goes away closes the upstream connection, so the pod
+   aborts the request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from .config import GatewayConfig
+from .endpoints import DeadlineExceeded, EndpointSet, QueueFull
+from .metrics import GatewayMetrics
+from .routing import Choice, RouteRequest, Router
+
+log = logging.getLogger("slipstream.gateway")
+
+# Paths whose POST bodies are routed by the configured policy; all others go least-loaded.
+ROUTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+HASHED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# RFC 9110 §7.6.1: meaningful for one connection only, never forwarded.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                        "trailer", "trailers", "transfer-encoding", "upgrade", "proxy-connection"})
+REQUEST_ID = "X-Request-Id"
+SESSION_ID = "X-Session-Id"
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 502: "server_error",
+                503: "service_unavailable_error"}
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(status: int, message: str, *, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, code=code), status=status, headers=headers)
+
+
+def _forward_headers(request: web.Request, request_id: str) -> CIMultiDict:
+    """The client's end-to-end headers for the pod: hop-by-hop ones (and those the Connection
+    header names), Host and Content-Length dropped; the request id and X-Forwarded-For added."""
+    named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",") if h.strip()}
+    headers = [(k, v) for k, v in request.headers.items()
+               if k.lower() not in HOP_BY_HOP and k.lower() not in named
+               and k.lower() not in ("host", "content-length", "x-request-id")]
+    headers.append((REQUEST_ID, request_id))
+    peer = request.remote
+    if peer:
+        prior = request.headers.get("X-Forwarded-For")
+        headers = [(k, v) for k, v in headers if k.lower() != "x-forwarded-for"]
+        headers.append(("X-Forwarded-For", f"{prior}, {peer}" if prior else peer))
+    return CIMultiDict(headers)
+
+
+def _session_key(request: web.Request, payload: dict) -> str | None:
+    """The session for affinity: the X-Session-Id header, else ``prompt_cache_key``, else ``user``."""
+    for value in (request.headers.get(SESSION_ID), payload.get("prompt_cache_key"), payload.get("user")):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+class Proxy:
+    """Forwards requests to the endpoints of ``endpoints`` chosen by ``router``.
+
+    hasher: a ``PromptHasher`` (``block_hashes(path, body, endpoint_url, block_size)``) or None
+    (then every request routes by load and session only).
+    """
+
+    def __init__(self, config: GatewayConfig, endpoints: EndpointSet, router: Router,
+                 session: aiohttp.ClientSession, metrics: GatewayMetrics, hasher: Any = None):
+        self.config = config
+        self.endpoints = endpoints
+        self.router = router
+        self.fallback = Router("least-loaded")
+        self.session = session
+        self.metrics = metrics
+        self.hasher = hasher
+        self._hashing = hasher is not None and router.policy in ("prefix", "kv-events")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        start = time.monotonic()
+        request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        response = await self._handle(request, request_id, start)
+        self.metrics.requests.labels(str(response.status)).inc()
+        return response
+
+    async def _handle(self, request: web.Request, request_id: str, start: float) -> web.StreamResponse:
+        body = await request.read()  # bounded by client_max_size (413 past it)
+        route, router = await self._route_request(request, body)
+        headers = _forward_headers(request, request_id)
+        deadline = start + self.config.queue_timeout
+        tried: list[str] = []
+        last_error = ""
+        for attempt in range(self.config.max_tries):
+            try:
+                choice = await self.endpoints.acquire(lambda loads: router.pick(route, loads), deadline, tried)
+            except QueueFull:
+                return self._reject(429, "queue_full", request_id,
+                                    f"The gateway holds {self.config.max_queue} requests waiting for a model server "
+                                    "already; retry after a while.")
+            except DeadlineExceeded:
+                return self._reject(503, "deadline", request_id,
+                                    f"No model server could take the request within {self.config.queue_timeout:g}s "
+                                    "(none ready, or all at their limit); retry after a while.")
+            if attempt == 0:
+                self.metrics.queue_time.observe(time.monotonic() - start)
+            self._count_decision(router, route, choice)
+            try:
+                upstream = await self.session.request(
+                    request.method, URL(choice.endpoint + request.raw_path, encoded=True), headers=headers,
+                    data=body if body else None, allow_redirects=False)
+            except _UPSTREAM_ERRORS as exc:
+                self.endpoints.release(choice.endpoint)
+                self.endpoints.mark_unready(choice.endpoint, "connection failed")
+                last_error = f"{choice.endpoint}: {exc!r}"
+                log.warning("request %s: %s failed before the response (%r); trying another endpoint",
+                            request_id, choice.endpoint, exc)
+                tried.append(choice.endpoint)
+                self.metrics.retries.labels("connection").inc()
+                continue
+            except BaseException:  # cancelled (the client went away) while connecting
+                self.endpoints.release(choice.endpoint)
+                raise
+            if upstream.status == 503 and attempt + 1 < self.config.max_tries:
+                upstream.release()
+                self.endpoints.release(choice.endpoint)
+                self.endpoints.mark_unready(choice.endpoint, "answered 503")
+                log.info("request %s: %s answered 503; trying another endpoint", request_id, choice.endpoint)
+                tried.append(choice.endpoint)
+                self.metrics.retries.labels("unavailable").inc()
+                continue
+            try:
+                if upstream.status < 400:
+                    router.record(route, choice)
+                return await self._relay(request, upstream, request_id, start)
+            finally:
+                upstream.close()  # no-op once released; else the pod sees the connection go and aborts
+                self.endpoints.release(choice.endpoint)
+        return self._reject(502, "upstream_failed", request_id,
+                            f"No model server answered after {self.config.max_tries} tries (last: {last_error}); "
+                            "retry the request.")
+
+    async def _route_request(self, request: web.Request, body: bytes) -> tuple[RouteRequest, Router]:
+        if request.method != "POST" or request.path not in ROUTED_PATHS:
+            return RouteRequest(), self.fallback
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):  # the pod answers the 400
+            return RouteRequest(session=request.headers.get(SESSION_ID) or None), self.router
+        hashes: tuple[bytes, ...] = ()
+        if self._hashing and request.path in HASHED_PATHS:
+            reference = min(self.endpoints.routable_endpoints(), key=lambda e: e.name, default=None)
+            if reference is not None:
+                try:
+                    hashes = tuple(await self.hasher.block_hashes(request.path, payload, reference.name,
+                                                                  reference.block_size))
+                except Exception:  # routing by load alone is still right, only less cache-friendly
+                    log.exception("hashing the prompt failed; routing by load")
+        return RouteRequest(hashes, _session_key(request, payload)), self.router
+
+    def _count_decision(self, router: Router, route: RouteRequest, choice: Choice) -> None:
+        self.metrics.decisions.labels(router.policy, choice.reason).inc()
+        if route.block_hashes:
+            self.metrics.prefix_blocks_requested.inc(len(route.block_hashes))
+            self.metrics.prefix_blocks_matched.inc(choice.matched_blocks)
+
+    def _reject(self, status: int, reason: str, request_id: str, message: str) -> web.Response:
+        self.metrics.rejections.labels(reason).inc()
+        log.info("request %s rejected (%d, %s)", request_id, status, reason)
+        headers = {REQUEST_ID: request_id}
+        if status in (429, 503):
+            headers["Retry-After"] = str(self.config.retry_after)
+        return error_response(status, message, code=reason, headers=headers)
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, request_id: str,
+                     start: float) -> web.StreamResponse:
+        """Copy ``upstream``'s status, end-to-end headers and body to the client as it arrives."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for key, value in upstream.headers.items():
+            if key.lower() not in HOP_BY_HOP and key.lower() not in ("content-length", "x-request-id"):
+                response.headers.add(key, value)
+        response.headers[REQUEST_ID] = request_id
+        event_stream = upstream.content_type == "text/event-stream"
+        if upstream.content_length is not None and not event_stream:
+            response.content_length = upstream.content_length
+        await response.prepare(request)
+        first = True
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except _UPSTREAM_ERRORS as exc:
+                self.metrics.stream_errors.inc()
+                log.warning("request %s: %s failed mid-response (%r)", request_id, upstream.url.origin(), exc)
+                if event_stream:  # the client's SSE parser reads this as an API error, not a hang
+                    message = "The model server failed while streaming the response; retry the request."
+                    event = error_body(502, message, code="upstream_failed")
+                    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    await response.write_eof()
+                elif request.transport is not None:  # a truncated body must not look complete
+                    request.transport.close()
+                return response
+            if not chunk:
+                break
+            if first:
+                first = False
+                self.metrics.ttft.observe(time.monotonic() - start)
+            await response.write(chunk)
+        upstream.release()
+        await response.write_eof()
+        self.metrics.e2e.observe(time.monotonic() - start)
+        return response

@@ -1,0 +1,214 @@
+"""The gateway's cold path: requests wait in it while no endpoint can take them (scale from zero,
+every pod full), its own 503/429 past the deadline or a full queue, retries before the first
+byte (a killed pod, a draining one), an in-band error after it, and a silent endpoint that
+never holds up routing."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway_helpers import API_KEY, AUTH, MODEL, chat, metrics, running_gateway, total
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+SUCCESS = "slipstream:request_success_total"
+
+
+async def wait_until(predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, dict]:
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        return response.status, dict(response.headers), await response.json()
+
+
+async def test_ready_with_zero_endpoints_and_waiting_requests_all_succeed_once_one_is_added(pods):
+    async with running_gateway(endpoints=()) as (url, gateway), aiohttp.ClientSession(headers=AUTH) as session:
+        async with session.get(url + "/ready") as response:
+            assert response.status == 200
+        tasks = [asyncio.create_task(post(session, url, chat(f"hi {i}", max_tokens=4))) for i in range(12)]
+        await wait_until(lambda: gateway.endpoints.waiting == 12, what="12 requests waiting")
+        samples = await metrics(session, url)
+        assert total(samples, "slipstream:gateway_requests_waiting") == 12  # the autoscaler's demand at zero
+        gateway.endpoints.set_endpoints([pods["a"].url])
+        results = await asyncio.gather(*tasks)
+        assert [status for status, _, _ in results] == [200] * 12
+        assert all(body["usage"]["completion_tokens"] == 4 for _, _, body in results)
+        assert gateway.endpoints.waiting == 0
+
+
+async def test_past_the_deadline_the_gateway_answers_503_with_retry_after_in_openai_shape():
+    async with running_gateway(endpoints=(), queue_timeout=0.3, retry_after=7) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        start = time.monotonic()
+        status, headers, body = await post(session, url, chat())
+        assert status == 503 and time.monotonic() - start >= 0.3
+        assert headers["Retry-After"] == "7"
+        assert body["error"]["type"] == "service_unavailable_error" and body["error"]["code"] == "deadline"
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert gateway.endpoints.waiting == 0
+        assert total(await metrics(session, url), "slipstream:gateway_rejections_total", reason="deadline") == 1
+
+
+async def test_a_full_queue_answers_429_at_once_and_leaving_waiters_free_their_places():
+    async with running_gateway(endpoints=(), max_queue=2, queue_timeout=30) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        waiting = [asyncio.create_task(post(session, url, chat())) for _ in range(2)]
+        await wait_until(lambda: gateway.endpoints.waiting == 2, what="2 requests waiting")
+        status, headers, body = await post(session, url, chat())
+        assert status == 429 and headers["Retry-After"] == "5"
+        assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
+        for task in waiting:  # the clients go away: their places are freed
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await wait_until(lambda: gateway.endpoints.waiting == 0, what="the queue to empty")
+
+
+async def test_a_full_endpoint_holds_requests_in_the_gateway_in_arrival_order(pods):
+    pod = pods["a"].url
+    async with running_gateway(endpoints=(pod,), max_in_flight=2, policy="least-loaded") as (url, gateway), \
+            aiohttp.ClientSession(headers=AUTH) as session:
+        finished: list[int] = []
+
+        async def one(i: int) -> int:
+            status, _, _ = await post(session, url, chat(f"q{i}", max_tokens=10))
+            finished.append(i)
+            return status
+
+        tasks = []
+        for i in range(6):
+            tasks.append(asyncio.create_task(one(i)))
+            await wait_until(lambda: gateway.endpoints.waiting + gateway.endpoints.get(pod).in_flight == i + 1,
+                             what=f"request {i} to arrive")
+        assert gateway.endpoints.get(pod).in_flight == 2 and gateway.endpoints.waiting == 4
+        assert await asyncio.gather(*tasks) == [200] * 6
+        assert finished[:2] == sorted(finished[:2]) and set(finished[:2]) == {0, 1}
+
+
+@contextlib.asynccontextmanager
+async def draining_endpoint():
+    """An in-process 'pod' that starts draining at its first /v1 request: from then on /ready
+    and every /v1 request answer 503, as ``slipstream serve`` does after SIGTERM. Its /metrics
+    is idle throughout. Yields (url, paths of the /v1 requests it got)."""
+    hits: list[str] = []
+    metrics_text = ("slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
+                    "slipstream:kv_cache_usage_perc 0\n")
+
+    async def v1(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response({"error": {"message": "draining", "type": "service_unavailable_error",
+                                             "param": None, "code": "draining"}}, status=503)
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response({}, status=503 if hits else 200)
+
+    async def metrics_page(request: web.Request) -> web.Response:
+        return web.Response(text=metrics_text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/ready", ready)
+    app.router.add_route("*", "/v1/{tail:.*}", v1)
+    server = TestServer(app, host="127.0.0.41", port=0)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), hits
+    finally:
+        await server.close()
+
+
+async def test_a_503_before_the_first_byte_is_retried_on_another_endpoint(pods):
+    pod = pods["a"].url
+    async with draining_endpoint() as (draining, hits), \
+            running_gateway(endpoints=(draining, pod), policy="round-robin") as (url, gateway), \
+            aiohttp.ClientSession(headers=AUTH) as session:
+        before = await metrics(session, pod)
+        results = [await post(session, url, chat(f"r{i}", max_tokens=2)) for i in range(6)]
+        assert [status for status, _, _ in results] == [200] * 6
+        assert len(hits) == 1  # once it said 503 it gets nothing until its /ready says 200 again
+        assert not gateway.endpoints.get(draining).ready
+        assert total(await metrics(session, pod), SUCCESS) - total(before, SUCCESS) == 6
+        assert total(await metrics(session, url), "slipstream:gateway_retries_total", reason="unavailable") == 1
+
+
+async def test_a_silent_endpoint_does_not_stall_routing(pods):
+    """A socket that accepts and never answers: never routable, never waited on."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    silent_server = await asyncio.start_server(hold, "127.0.0.42", 0)
+    silent = f"http://127.0.0.42:{silent_server.sockets[0].getsockname()[1]}"
+    pod = pods["a"].url
+    try:
+        async with running_gateway(endpoints=(silent, pod), policy="round-robin", scrape_timeout=0.5,
+                                   wait_for=1) as (url, gateway), \
+                aiohttp.ClientSession(headers=AUTH) as session:
+            before = await metrics(session, pod)
+            start = time.monotonic()
+            results = await asyncio.gather(*(post(session, url, chat(f"s{i}", max_tokens=2)) for i in range(8)))
+            assert [status for status, _, _ in results] == [200] * 8
+            assert time.monotonic() - start < 5
+            assert total(await metrics(session, pod), SUCCESS) - total(before, SUCCESS) == 8
+            samples = await metrics(session, url)
+            assert total(samples, "slipstream:gateway_endpoint_routable", endpoint=silent) == 0
+            assert total(samples, "slipstream:gateway_endpoint_routable", endpoint=pod) == 1
+            assert accepted, "the gateway never tried to scrape the silent endpoint"
+    finally:
+        for writer in accepted:
+            writer.close()
+        silent_server.close()
+
+
+async def test_a_killed_pod_loses_no_unstarted_request_and_its_streams_end_with_an_error_event(pods):
+    victim, survivor = pods["victim"], pods["b"].url
+    async with running_gateway(endpoints=(victim.url, survivor), policy="round-robin") as (url, gateway), \
+            aiohttp.ClientSession(headers=AUTH) as session:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+
+        async def drain(stream) -> str:
+            try:
+                async for _ in stream:
+                    pass
+            except openai.APIError as exc:
+                return f"error: {exc.message}"
+            return "complete"
+
+        # four streams, alternating: two on each pod, each past its first chunk
+        streams = []
+        for i in range(4):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=150, stream=True)
+            await stream.__anext__()
+            streams.append(asyncio.create_task(drain(stream)))
+        # four whole (non-streamed) answers, two on each pod: no byte comes back before they end
+        wholes = [asyncio.create_task(post(session, url, chat(f"whole {i}", max_tokens=80))) for i in range(4)]
+        await wait_until(lambda: sum(gateway.endpoints.get(n).in_flight for n in (victim.url, survivor)) == 8,
+                         what="eight requests in flight")
+        assert gateway.endpoints.get(victim.url).in_flight == 4
+        await asyncio.sleep(0.2)
+        victim.kill()
+        outcomes = await asyncio.wait_for(asyncio.gather(*streams), 20)
+        assert sorted(o.split(":")[0] for o in outcomes) == ["complete", "complete", "error", "error"]
+        results = await asyncio.wait_for(asyncio.gather(*wholes), 20)
+        assert [status for status, _, _ in results] == [200] * 4
+        assert all(body["usage"]["completion_tokens"] == 80 for _, _, body in results)
+        # requests after the kill go to the survivor
+        after = await asyncio.gather(*(post(session, url, chat(f"after {i}", max_tokens=2)) for i in range(4)))
+        assert [status for status, _, _ in after] == [200] * 4
+        samples = await metrics(session, url)
+        assert total(samples, "slipstream:gateway_retries_total", reason="connection") == 2
+        assert total(samples, "slipstream:gateway_upstream_errors_after_first_byte_total") == 2
+        assert total(samples, "slipstream:gateway_endpoint_routable", endpoint=victim.url) == 0
+        await client.close()
