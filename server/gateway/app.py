@@ -8,7 +8,6 @@ on the pods.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import signal
 
@@ -17,10 +16,13 @@ from aiohttp import web
 
 from .config import GatewayConfig
 from .endpoints import EndpointSet
+from .endpointslices import EndpointSliceWatcher
+from .kv_events import KVEventSubscriber
 from .load import LoadScraper
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .proxy import REQUEST_ID, Proxy, error_response
 from .routing import BlockIndex, Router
+from .tokenize import PromptHasher
 
 log = logging.getLogger("slipstream.gateway")
 
@@ -43,8 +45,9 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self.scraper: LoadScraper | None = None
         self.proxy: Proxy | None = None
-        self.subscriber = None
-        self.hasher = None
+        self.subscriber: KVEventSubscriber | None = None
+        self.hasher: PromptHasher | None = None
+        self.watcher: EndpointSliceWatcher | None = None
 
     async def start(self) -> None:
         # No total timeout (a stream lasts as long as the generation); a short connect timeout,
@@ -54,25 +57,27 @@ class Gateway:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
         if self.config.policy in ("prefix", "kv-events"):
-            self.hasher = _optional("tokenize", "PromptHasher", self.session, max_blocks=self.config.max_prompt_blocks,
-                                    headers=self.config.upstream_headers)
+            self.hasher = PromptHasher(self.session, max_blocks=self.config.max_prompt_blocks,
+                                       headers=self.config.upstream_headers)
         if self.config.policy == "kv-events":
-            self.subscriber = _optional("kv_events", "KVEventSubscriber", self.block_index, self.session,
-                                        headers=self.config.upstream_headers)
-            if self.subscriber is not None:
-                for name in self.endpoints.names():
-                    self.subscriber.watch(name, name)
-                self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch)
+            self.subscriber = KVEventSubscriber(self.block_index, self.session, headers=self.config.upstream_headers)
+            self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch)
         self.proxy = Proxy(self.config, self.endpoints, self.router, self.session, self.metrics, self.hasher)
         self.scraper = LoadScraper(self.endpoints, self.session)
-        self.endpoints.set_endpoints(self.config.endpoints)
         self.scraper.start()
+        if self.config.service is not None:
+            self.watcher = EndpointSliceWatcher(
+                self.config.namespace, self.config.service, self.endpoints.set_endpoints,
+                port=self.config.target_port, port_name=self.config.target_port_name)
+            self.watcher.start()
+        else:
+            self.endpoints.set_endpoints(self.config.endpoints)
         self.ready = True
         log.info("gateway ready: policy %s, %d endpoints", self.config.policy, len(self.endpoints))
 
     async def close(self) -> None:
         self.ready = False
-        for part in (self.scraper, self.subscriber, self.hasher):
+        for part in (self.watcher, self.scraper, self.subscriber, self.hasher):
             if part is not None:
                 try:
                     await part.close()
@@ -80,17 +85,6 @@ class Gateway:
                     log.exception("closing %s failed", type(part).__name__)
         if self.session is not None:
             await self.session.close()
-
-
-def _optional(module: str, name: str, *args, **kwargs):
-    """``slipstream.server.gateway.<module>.<name>(*args, **kwargs)``, or None when that module is
-    not part of this installation (the gateway then routes without it)."""
-    try:
-        cls = getattr(importlib.import_module(f"{__package__}.{module}"), name)
-    except (ImportError, AttributeError) as exc:
-        log.warning("%s.%s unavailable (%s); routing without it", module, name, exc)
-        return None
-    return cls(*args, **kwargs)
 
 
 @web.middleware

@@ -5,10 +5,13 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 from ..cli import HelpFormatter, byte_size
 from .config import GatewayConfig
 from .routing import DEFAULT_POLICY, POLICIES, Weights
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 def _non_negative_float(text: str) -> float:
@@ -47,17 +50,26 @@ def gateway_parser() -> argparse.ArgumentParser:
                    help="base URL of a model server, e.g. http://10.0.0.7:8000; repeat for each "
                         "(by default none: requests "
                         "wait until one is added)")
+    e.add_argument("--service", default=None, metavar="NAME",
+                   help="in a cluster: route to the ready endpoints of this Service's EndpointSlices (watched; "
+                        "the gateway's service account needs get/list/watch on endpointslices)")
+    e.add_argument("--namespace", default=None,
+                   help="the Service's namespace (default: the gateway pod's own, else 'default')")
+    e.add_argument("--target-port-name", default=None, metavar="NAME",
+                   help="the EndpointSlice port to use, by name (default: the slice's only port)")
+    e.add_argument("--target-port", type=int, default=None, metavar="PORT",
+                   help="the port to use on every endpoint address, overriding the slices' ports")
     r = p.add_argument_group("routing")
     r.add_argument("--routing", default=DEFAULT_POLICY, choices=POLICIES,
                    help="round-robin; least-loaded; prefix (the gateway's own table of where it sent each prompt "
                         "block); kv-events (the pods' KV-cache events: what each pod really holds)")
     w = Weights()
-    r.add_argument("--prefix-weight", type=_non_negative_float, default=w.prefix,
+    r.add_argument("--weight-prefix", type=_non_negative_float, default=w.prefix,
                    help="score weight of the fraction of the prompt's blocks an endpoint holds")
-    r.add_argument("--queue-weight", type=_non_negative_float, default=w.queue, help="score weight of a short queue")
-    r.add_argument("--kv-cache-weight", type=_non_negative_float, default=w.kv_cache,
+    r.add_argument("--weight-queue", type=_non_negative_float, default=w.queue, help="score weight of a short queue")
+    r.add_argument("--weight-kv-cache", type=_non_negative_float, default=w.kv_cache,
                    help="score weight of free KV cache")
-    r.add_argument("--affinity-weight", type=_non_negative_float, default=w.affinity,
+    r.add_argument("--weight-affinity", type=_non_negative_float, default=w.affinity,
                    help="score weight of the endpoint that served the same session (X-Session-Id, "
                         "prompt_cache_key or user) before")
     q = p.add_argument_group("queue and limits")
@@ -106,11 +118,20 @@ def gateway_parser() -> argparse.ArgumentParser:
     return p
 
 
+def own_namespace() -> str:
+    """The namespace of the pod this runs in (its service account's), else ``default``."""
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The :class:`GatewayConfig` of parsed :func:`gateway_parser` options. Raises ValueError."""
-    weights = Weights(args.prefix_weight, args.queue_weight, args.kv_cache_weight, args.affinity_weight)
+    weights = Weights(args.weight_prefix, args.weight_queue, args.weight_kv_cache, args.weight_affinity)
     return GatewayConfig(
-        endpoints=tuple(args.endpoints), policy=args.routing, weights=weights, max_queue=args.max_queue,
+        endpoints=tuple(args.endpoints), service=args.service, namespace=args.namespace or own_namespace(),
+        target_port=args.target_port, target_port_name=args.target_port_name, policy=args.routing, weights=weights, max_queue=args.max_queue,
         queue_timeout=args.queue_timeout, max_in_flight=args.max_in_flight, queue_headroom=args.queue_headroom,
         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout, load_timeout=args.load_timeout,
         connect_timeout=args.connect_timeout, max_tries=args.max_tries,

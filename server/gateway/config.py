@@ -19,7 +19,9 @@ def normalize_url(url: str) -> str:
 class GatewayConfig:
     """What ``slipstream gateway`` runs with (``slipstream gateway --help`` has each flag).
 
-    endpoints: base URLs of the pods (static ``--endpoint`` flags; a watcher replaces them later).
+    endpoints: base URLs of the pods (static ``--endpoint`` flags), or
+    service / namespace: the headless Service whose EndpointSlices list the pods (in a cluster;
+        exclusive with ``endpoints``), with ``target_port`` or the port named ``target_port_name``.
     policy / weights: the routing policy and its score weights (:mod:`.routing`).
     max_queue: most requests held in the gateway while no endpoint can take them; one more gets 429.
     queue_timeout: seconds a request may wait there (its deadline, from arrival); then 503.
@@ -42,6 +44,10 @@ class GatewayConfig:
     """
 
     endpoints: tuple[str, ...] = ()
+    service: str | None = None
+    namespace: str = "default"
+    target_port: int | None = None
+    target_port_name: str | None = None
     policy: str = DEFAULT_POLICY
     weights: Weights = field(default_factory=Weights)
     max_queue: int = 1000
@@ -64,6 +70,10 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", tuple(dict.fromkeys(normalize_url(u) for u in self.endpoints)))
+        if self.service is not None and self.endpoints:
+            raise ValueError("give either endpoints (--endpoint) or a Service (--service), not both")
+        if self.target_port is not None and not 0 < self.target_port < 65536:
+            raise ValueError(f"target_port must be a TCP port, got {self.target_port}")
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("max_queue", "max_prompt_blocks", "sessions", "prefix_capacity", "block_index_capacity"):
