@@ -61,7 +61,8 @@ class Gateway:
                                        headers=self.config.upstream_headers)
         if self.config.policy == "kv-events":
             self.subscriber = KVEventSubscriber(self.block_index, self.session, headers=self.config.upstream_headers)
-            self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch)
+            self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch,
+                                        self.subscriber.nudge)
         self.proxy = Proxy(self.config, self.endpoints, self.router, self.session, self.metrics, self.hasher)
         self.scraper = LoadScraper(self.endpoints, self.session)
         self.scraper.start()

@@ -83,14 +83,16 @@ class EndpointSet:
         self._endpoints: dict[str, Endpoint] = {}
         self._retired: dict[str, Endpoint] = {}  # removed with requests still in flight
         self._waiters: deque[_Waiter] = deque()
-        self._listeners: list[tuple[Callable[[str], None] | None, Callable[[str], None] | None]] = []
+        self._listeners: list[tuple[Callable[[str], None] | None, ...]] = []
 
     # ---- membership -------------------------------------------------------------------------
 
     def add_listener(self, on_added: Callable[[str], None] | None = None,
-                     on_removed: Callable[[str], None] | None = None) -> None:
-        """Call ``on_added(name)`` / ``on_removed(name)`` on each change from now on."""
-        self._listeners.append((on_added, on_removed))
+                     on_removed: Callable[[str], None] | None = None,
+                     on_routable: Callable[[str], None] | None = None) -> None:
+        """Call ``on_added(name)`` / ``on_removed(name)`` on each change from now on, and
+        ``on_routable(name)`` each time an endpoint becomes routable (ready and scraped)."""
+        self._listeners.append((on_added, on_removed, on_routable))
 
     def set_endpoints(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
         """Make the set exactly ``urls`` (base URLs; normalized to names). The single entry point
@@ -165,6 +167,7 @@ class EndpointSet:
         endpoint.ready = endpoint.ready or ready
         if not was and self.routable(endpoint):
             log.info("endpoint %s is routable", name)
+            self._notify(2, name)
         self.dispatch()
 
     def mark_unready(self, name: str, why: str) -> None:

@@ -57,6 +57,7 @@ class KVEventSubscriber:
         self.session = session
         self.reconnect_seconds = reconnect_seconds
         self.max_reconnect_seconds = max(max_reconnect_seconds, reconnect_seconds)
+        self._wake: dict[str, asyncio.Event] = {}
         self.silence_seconds = silence_seconds
         self.headers = dict(headers or {})
         self.max_line_bytes = max_line_bytes
@@ -78,6 +79,13 @@ class KVEventSubscriber:
                                                        name=f"kv-events {endpoint}")
         self._tasks[endpoint] = (base_url, task)
 
+    def nudge(self, endpoint: str) -> None:
+        """``endpoint`` just became ready: reconnect now if waiting out a backoff (a pod that was
+        loading for minutes would otherwise wait up to ``max_reconnect_seconds`` more)."""
+        wake = self._wake.get(endpoint)
+        if wake is not None:
+            wake.set()
+
     def unwatch(self, endpoint: str) -> None:
         """Stop following ``endpoint`` and drop its blocks from the index."""
         current = self._tasks.pop(endpoint, None)
@@ -85,6 +93,7 @@ class KVEventSubscriber:
             current[1].cancel()
         self.index.forget(endpoint)
         self.block_sizes.pop(endpoint, None)
+        self._wake.pop(endpoint, None)
 
     def watching(self) -> list[str]:
         return list(self._tasks)
@@ -116,7 +125,12 @@ class KVEventSubscriber:
             if synced:
                 delay = self.reconnect_seconds
             log.info("KV events of %s: %s; reconnecting in %.1fs", endpoint, reason, delay)
-            await asyncio.sleep(delay * random.uniform(0.8, 1.2))  # jitter: replicas do not reconnect in step
+            wake = self._wake.setdefault(endpoint, asyncio.Event())
+            wake.clear()
+            try:  # jitter: replicas do not reconnect in step
+                await asyncio.wait_for(wake.wait(), delay * random.uniform(0.8, 1.2))
+            except asyncio.TimeoutError:
+                pass
             delay = min(delay * 2, self.max_reconnect_seconds)
 
     async def _stream(self, endpoint: str, url: str) -> AsyncIterator[None]:

@@ -258,3 +258,30 @@ async def test_a_pod_exports_the_engine_settings_a_gateway_hashes_with(tokenizer
         info = [line for line in text.splitlines() if line.startswith("slipstream:engine_config_info{")]
         assert info == ['slipstream:engine_config_info{block_size="16",enable_prefix_caching="true",'
                         'max_num_batched_tokens="256",max_num_seqs="4",model_name="sim-tiny"} 1.0']
+
+
+class LoadingPod(ScriptedPod):
+    """Answers 503 (the model is loading) until ``loaded``, then streams like a ScriptedPod."""
+
+    loaded = False
+
+    async def handler(self, request: web.Request) -> web.StreamResponse:
+        if not self.loaded:
+            self.connects += 1
+            return web.json_response({"error": {"message": "loading"}}, status=503)
+        return await super().handler(request)
+
+
+async def test_a_pod_that_becomes_ready_is_followed_at_once_not_after_the_backoff():
+    pod = LoadingPod([snapshot([bytes([7]) * 16])])
+    async with serve_scripted(pod) as url, aiohttp.ClientSession() as session:
+        index = BlockIndex()
+        subscriber = KVEventSubscriber(index, session, reconnect_seconds=60, silence_seconds=5)
+        subscriber.watch("pod-a", url)
+        await until(lambda: pod.connects == 1)  # refused; now backing off for a minute
+        pod.loaded = True
+        await asyncio.sleep(0.2)
+        assert index.blocks_of("pod-a") == 0
+        subscriber.nudge("pod-a")  # the gateway saw the pod turn ready
+        await until(lambda: index.blocks_of("pod-a") == 1, 3)
+        await subscriber.close()
