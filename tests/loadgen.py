@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -90,3 +91,17 @@ class LoadGenerator:
         """Requests that errored or did not stream all their tokens to ``length``."""
         return [r for r in self.results
                 if r.error or r.tokens != self.output_tokens or r.finish != "length"]
+
+
+def free_port(addresses) -> int:
+    """A TCP port free on every address in ``addresses`` (pods on 127.0.0.x share one port)."""
+    for _ in range(50):
+        port = random.randint(20000, 60000)
+        try:
+            for address in addresses:
+                with socket.socket() as s:
+                    s.bind((address, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no port free on all of {', '.join(addresses)}")

@@ -394,6 +394,39 @@ def test_collector_sees_a_new_call(tmp_path):
             list(api.client_calls([added]))
 
 
+def test_the_gateways_role_grants_exactly_what_the_gateway_calls_and_the_operator_holds_it():
+    """The Role the operator renders for each gateway (server/gateway/ lists and watches
+    EndpointSlices) and nothing more; the API server refuses to let the operator create it
+    unless the operator holds those permissions itself (RBAC escalation prevention), in every
+    mode of the chart."""
+    calls = {p for _, p in api.gateway_calls()}
+    assert calls == {api.Permission("discovery.k8s.io", "endpointslices", verb)
+                     for verb in ("list", "watch")}
+    assert api.granted() == calls
+    for case in CASES:
+        values = merged_values(case)
+        if not values["rbac"]["create"]:
+            continue
+        (deployment,) = objects_of(case, "Deployment")
+        account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+        grants = effective_grants(objects_of(case), account, NAMESPACE)
+        for scope in values["watchNamespaces"] or ["*"]:
+            assert all((scope, p) in grants or ("*", p) in grants for p in calls), (case, scope)
+
+
+def test_gateway_call_collection_sees_a_new_call_and_stops_at_one_it_cannot_map(tmp_path):
+    added = tmp_path / "leases.py"
+    added.write_text("def f(api, core, ns):\n"
+                     "    api.read_namespaced_endpoint_slice('x', ns)\n"
+                     "    watch.Watch().stream(core.list_namespaced_pod, ns)\n")
+    assert {p for _, p in api.gateway_calls([added])} == {
+        api.Permission("discovery.k8s.io", "endpointslices", "get"),
+        api.Permission("", "pods", "list"), api.Permission("", "pods", "watch")}
+    added.write_text("def f(api, ns):\n    api.list_namespaced_secret(ns)\n")
+    with pytest.raises(api.CollectionError):
+        list(api.gateway_calls([added]))
+
+
 # ---- ServiceMonitor, example, NOTES --------------------------------------------------------
 
 def test_service_monitor_selects_the_services_the_operator_creates():

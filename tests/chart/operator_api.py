@@ -13,6 +13,12 @@ Two sources, both read from the code rather than written down by hand:
 * kopf. The resources come from the handlers ``handlers.register`` puts on a kopf registry;
   what kopf does with them, and its own calls (peering, Events, observers), from kopf's source,
   cited at ``KOPF_*`` below.
+
+And what the operator grants: the Role it renders for each gateway
+(``gateway_resources.GATEWAY_RULES``) must hold exactly the calls the gateway makes with the
+Kubernetes client (:func:`gateway_calls`, collected from server/gateway/*.py), and the operator
+must hold every one of them itself, or the API server refuses to create that Role (RBAC
+escalation prevention).
 """
 from __future__ import annotations
 
@@ -24,9 +30,22 @@ from typing import Iterable, Iterator
 import kopf
 
 from slipstream.operator import kube
+from slipstream.operator.gateway_resources import GATEWAY_RULES
 from slipstream.operator.handlers import OperatorConfig, register
 
 OPERATOR_DIR = pathlib.Path(kube.__file__).resolve().parent
+GATEWAY_DIR = OPERATOR_DIR.parent / "server" / "gateway"
+
+# The official Kubernetes client's API classes → API group, and its resource names (snake
+# case, singular, as in ``list_namespaced_endpoint_slice``) → RBAC plurals. A call on a
+# resource missing here stops the collection (teach it the new one).
+CLIENT_API_GROUPS = {"CoreV1Api": "", "AppsV1Api": "apps", "DiscoveryV1Api": "discovery.k8s.io",
+                     "CoordinationV1Api": "coordination.k8s.io"}
+CLIENT_RESOURCES = {"endpoint_slice": ("discovery.k8s.io", "endpointslices"),
+                    "pod": ("", "pods"), "service": ("", "services"),
+                    "endpoints": ("", "endpoints"), "lease": ("coordination.k8s.io", "leases")}
+CLIENT_VERBS = {"list": "list", "read": "get", "create": "create", "replace": "update",
+                "patch": "patch", "delete": "delete"}
 
 # kube.Kube's methods → the RBAC verb of the HTTP call each makes.
 METHOD_VERBS = {"get": "get", "list": "list", "create": "create", "replace": "update",
@@ -221,11 +240,54 @@ def kopf_handler_calls() -> set[Permission]:
     return found
 
 
+def granted() -> set[Permission]:
+    """What the operator grants the gateways (the rules of the Role it renders)."""
+    return {Permission(group, resource, verb) for rule in GATEWAY_RULES
+            for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
+
+
+def gateway_calls(paths: Iterable[pathlib.Path] | None = None) -> Iterator[tuple[str, Permission]]:
+    """(where, permission) for every Kubernetes client call in the gateway's modules: a method
+    ``<verb>_namespaced_<resource>`` (``list_namespaced_endpoint_slice``) called, or passed to
+    ``watch.Watch().stream(...)`` (a watch; the stream lists first, with the same verb check as
+    a list call). Raises CollectionError for a resource or verb it cannot map."""
+    import re
+
+    pattern = re.compile(r"^(list|read|create|replace|patch|delete)_namespaced_(\w+)$")
+    for path in sorted(paths if paths is not None else GATEWAY_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        where = f"{path.name}"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            found = pattern.match(node.attr)
+            if not found and re.match(r"^(list|read|create|replace|patch|delete|watch)_", node.attr) \
+                    and "api" in ast.unparse(node.value).lower():
+                raise CollectionError(f"{where}:{node.lineno}: {ast.unparse(node)} is a client "
+                                      f"call gateway_calls cannot map; teach it")
+            if not found:
+                continue
+            verb, snake = found.groups()
+            if snake not in CLIENT_RESOURCES:
+                raise CollectionError(f"{where}:{node.lineno}: resource {snake!r} of "
+                                      f"{node.attr} is not in CLIENT_RESOURCES; add it")
+            group, plural = CLIENT_RESOURCES[snake]
+            up = parent.get(node)
+            streamed = isinstance(up, ast.Call) and up.args and up.args[0] is node and \
+                isinstance(up.func, ast.Attribute) and up.func.attr == "stream"
+            yield f"{where}:{node.lineno}", Permission(group, plural, CLIENT_VERBS[verb])
+            if streamed:
+                yield f"{where}:{node.lineno}", Permission(group, plural, "watch")
+
+
 def required(*, clusterwide: bool, peering: bool) -> set[Permission]:
     """Every permission `slipstream operator run` needs in one mode: cluster-wide
     (``--all-namespaces``) or namespaced, with or without peering (``--standalone``)."""
     needed = {p for _, p in client_calls()} | kopf_handler_calls()
     needed |= {Permission(*p) for p in ANNOUNCED}
+    needed |= granted()  # held to be granted to the gateways
     needed.add(Permission(*KOPF_EVENTS))
     needed.add(Permission(*ADOPTION))
     needed |= {Permission(*KOPF_CRDS, verb) for verb in ("list", "watch")}

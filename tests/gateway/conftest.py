@@ -1,4 +1,5 @@
-"""The ``pods`` fixture: every pod of :data:`gateway_helpers.PODS`, started once per session."""
+"""The ``pods`` fixture (every pod of :data:`gateway_helpers.PODS`, started once per session) and
+the built-in ``tokenizer``."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway_helpers import API_KEY, PODS, Pod, free_port, pod_ready
+from gateway_helpers import API_KEY, PODS, Pod, pod_ready
+from loadgen import free_port
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +46,11 @@ def pods() -> dict[str, Pod]:
     finally:
         for pod in started.values():  # nothing to drain: a kill is quicker
             pod.kill()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The built-in model's tokenizer (what sim pods serve)."""
+    from slipstream.server.models.loader import load_tokenizer
+
+    return load_tokenizer("builtin")

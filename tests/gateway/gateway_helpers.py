@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -33,18 +31,6 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PODS = {"a": "127.0.0.31", "b": "127.0.0.32", "victim": "127.0.0.34"}
 
 
-def free_port(addresses) -> int:
-    """A port free on every address in ``addresses``."""
-    for _ in range(50):
-        port = random.randint(20000, 60000)
-        try:
-            for address in addresses:
-                with socket.socket() as s:
-                    s.bind((address, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port")
 
 
 @dataclass

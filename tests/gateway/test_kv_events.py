@@ -31,13 +31,6 @@ BLOCK = 16
 NUM_BLOCKS = 64  # 8 MiB of sim:tiny's 8 KiB-per-token KV: small enough to evict
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from slipstream.server.models.loader import load_tokenizer
-
-    return load_tokenizer("builtin")
-
-
 @dataclass
 class Pod:
     url: str

@@ -32,13 +32,6 @@ SYSTEM = ("You are the routing oracle's assistant. Answer in one short sentence,
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from slipstream.server.models.loader import load_tokenizer
-
-    return load_tokenizer("builtin")
-
-
 @dataclass
 class Pod:
     url: str

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import random
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -35,7 +33,7 @@ import pytest
 import yaml
 
 from kube_emulator import ApiServer
-from loadgen import LoadGenerator
+from loadgen import LoadGenerator, free_port
 from operator_helpers import CRD_PATH, running_operator
 from slipstream.operator.handlers import OperatorConfig, register
 from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube
@@ -72,20 +70,6 @@ class ForgetfulApiServer(ApiServer):
         if len(self._requests) > 200:
             del self._requests[:-100]  # the newest stay: one may still be being matched
         return await super().__call__(raw)
-
-
-def free_port() -> int:
-    """A port free on every address the pods may use."""
-    for _ in range(50):
-        port = random.randint(20000, 60000)
-        try:
-            for address in ADDRESSES:
-                with socket.socket() as s:
-                    s.bind((address, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on 127.0.0.2-11")
 
 
 @dataclass
@@ -252,7 +236,7 @@ class ClosedLoop:
 async def closed_loop() -> AsyncIterator[ClosedLoop]:
     """The emulator, the real operator (1-second autoscaler tick), the pod controller, the load
     generator's endpoint watch and a status watch; server processes are killed afterwards."""
-    port = free_port()
+    port = free_port(ADDRESSES)
     async with ForgetfulApiServer() as api, kmock.Server(api):
         api.add_crd(yaml.safe_load(CRD_PATH.read_text()))
         url = str(api.url)

@@ -23,11 +23,18 @@ from slipstream.operator.spec import parse_spec
 BUILTIN = ROOT / "examples" / "inferenceservice-builtin.yaml"
 
 
-def test_render_prints_deployment_and_service(capsys):
+RENDERED_BUILTIN = ["Deployment", "Service", "Service", "ServiceAccount", "Role", "RoleBinding",
+                    "Deployment"]
+
+
+def test_render_prints_deployment_services_and_gateway(capsys):
     assert main(["render", "-f", str(BUILTIN)]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs] == \
-        [("Deployment", "smollm2", "default"), ("Service", "smollm2", "default")]
+        [("Deployment", "smollm2", "default"), ("Service", "smollm2", "default"),
+         ("Service", "smollm2-pods", "default"), ("ServiceAccount", "smollm2-gateway", "default"),
+         ("Role", "smollm2-gateway", "default"), ("RoleBinding", "smollm2-gateway", "default"),
+         ("Deployment", "smollm2-gateway", "default")]
 
 
 def test_render_takes_many_documents_and_skips_other_kinds(tmp_path, capsys):
@@ -37,10 +44,13 @@ def test_render_takes_many_documents_and_skips_other_kinds(tmp_path, capsys):
     path.write_text(text)
     assert main(["render", "-f", str(path), "-n", "team"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    # Deployment + Service each, and a PodDisruptionBudget for those that can run several pods.
-    budgets = sum(needs_disruption_budget(parse_spec(yaml.safe_load(p.read_text())["spec"]))
-                  for p in EXAMPLES)
-    assert budgets >= 2 and len(docs) == 2 * len(EXAMPLES) + budgets
+    # Deployment + two Services each, a PodDisruptionBudget for those that can run several
+    # pods, and four gateway objects for those with routing on.
+    specs = [parse_spec(yaml.safe_load(p.read_text())["spec"]) for p in EXAMPLES]
+    budgets = sum(needs_disruption_budget(spec) for spec in specs)
+    routed = sum(spec.routing.enabled for spec in specs)
+    assert budgets >= 2 and routed >= 1
+    assert len(docs) == 3 * len(EXAMPLES) + budgets + 4 * routed
     assert {d["metadata"]["namespace"] for d in docs} == {"team"}
 
 
@@ -68,7 +78,7 @@ def test_render_from_the_command_line(command):
     done = subprocess.run(command + ["render", "-f", str(BUILTIN)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert [d["kind"] for d in yaml.safe_load_all(done.stdout)] == ["Deployment", "Service"]
+    assert [d["kind"] for d in yaml.safe_load_all(done.stdout)] == RENDERED_BUILTIN
 
 
 def test_run_arguments():

@@ -138,17 +138,21 @@ def test_crd_defaults_equal_the_operators_defaults(crd_schema):
     nodes = {spec_module.InferenceServiceSpec: crd_schema["properties"]["spec"]}
     for crd_name, cls in spec_module._NESTED.items():
         nodes[cls] = nodes[spec_module.InferenceServiceSpec]["properties"][crd_name]
+    nodes[spec_module.RoutingWeights] = nodes[spec_module.RoutingSpec]["properties"]["weights"]
+    keys_of = {AutoscalingSpec: CRD_KEYS, spec_module.RoutingSpec: spec_module.ROUTING_KEYS,
+               spec_module.RoutingWeights: spec_module.WEIGHT_KEYS}
     checked = 0
     for cls, node in nodes.items():
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        keys = CRD_KEYS if cls is AutoscalingSpec else spec_module._FIELDS[cls]
+        keys = keys_of.get(cls) or spec_module._FIELDS[cls]
         for crd_name, py_name in keys.items():
             sub = node["properties"][crd_name]
-            if "default" in sub and not (cls is spec_module.InferenceServiceSpec
-                                         and crd_name in spec_module._NESTED):
+            nested = (cls is spec_module.InferenceServiceSpec and crd_name in spec_module._NESTED
+                      or cls is spec_module.RoutingSpec and crd_name == "weights")
+            if "default" in sub and not nested:
                 assert sub["default"] == defaults[py_name], f"{cls.__name__}.{crd_name}"
                 checked += 1
-    assert checked >= 20
+    assert checked >= 30
 
 
 def test_the_crd_and_the_autoscaling_parser_name_the_same_fields(crd_schema):
@@ -159,6 +163,44 @@ def test_the_crd_and_the_autoscaling_parser_name_the_same_fields(crd_schema):
 
 
 PROBES = (-1, 0, 0.05, 0.5, 1, 1.0, 1.5, 2, 7, 99.5, 1000, True, "5", [])
+
+
+def test_the_crd_and_the_routing_parser_name_the_same_fields(crd_schema):
+    node = crd_schema["properties"]["spec"]["properties"]["routing"]
+    assert list(node["properties"]) == list(spec_module.ROUTING_KEYS)
+    assert list(node["properties"]["weights"]["properties"]) == list(spec_module.WEIGHT_KEYS)
+    assert node["properties"]["policy"]["enum"] == list(spec_module.ROUTING_POLICIES)
+    defaulted = schema_defaults(crd_schema, {"spec": {}})["spec"]["routing"]
+    assert spec_module.RoutingSpec.from_dict(defaulted) == spec_module.RoutingSpec()
+
+
+ROUTING_PROBES = [("enabled", v) for v in (True, False, 1, "yes")] + [
+    ("policy", v) for v in ("round-robin", "least-loaded", "prefix", "kv-events", "random", "")] + [
+    (k, v) for k in ("queueSize", "queueTimeoutSeconds", "replicas")
+    for v in (-1, 0, 1, 2, 1000, 1.5, True, "5")] + [
+    ("weights", {k: v}) for k in ("prefix", "queue", "kvCache", "affinity")
+    for v in (-1, -0.5, 0, 0.5, 3, True, "1")] + [
+    ("weights", {"prefix": 0, "queue": 0, "kvCache": 0, "affinity": 0}),
+    ("weights", {"prefix": 0, "queue": 0, "kvCache": 0, "affinity": 0.1}),
+    ("weights", {"bias": 1}), ("weights", 3), ("extra", 1)]
+
+
+@pytest.mark.parametrize("key,value", ROUTING_PROBES, ids=str)
+def test_the_api_server_and_the_parser_accept_the_same_routing_values(key, value, crd_schema):
+    """Schema bounds and CEL rules (after defaulting) against RoutingSpec's checks; an unknown
+    key is pruned by the API server (structural schema) and refused by the parser, which only
+    ever sees what the server kept."""
+    obj = {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": "probe"}, "spec": {"routing": {key: value}}}
+    api = not schema_errors(crd_schema, obj) and not cel_violations(
+        crd_schema, schema_defaults(crd_schema, obj))
+    try:
+        parse_spec(obj["spec"], name="probe")
+        ours = True
+    except SpecError:
+        ours = False
+    unknown = key == "extra" or (key == "weights" and isinstance(value, dict) and "bias" in value)
+    assert ours is (False if unknown else api), f"{key}={value!r}: API server {api}, parser {ours}"
 
 
 @pytest.mark.parametrize("key", list(CRD_KEYS))

@@ -47,12 +47,17 @@ def events(api: ApiServer, reason: str | None = None) -> list[dict[str, Any]]:
 
 
 async def make_ready(kube: Kube, name: str) -> None:
-    """Stand in for the Deployment controller and kubelet: every pod up to date and ready."""
-    dep = await kube.get(DEPLOYMENTS, NAMESPACE, name)
-    n = dep["spec"]["replicas"]
-    await kube.merge_patch(DEPLOYMENTS, NAMESPACE, name, {"status": {
-        "observedGeneration": dep["metadata"]["generation"], "replicas": n,
-        "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}}, subresource="status")
+    """Stand in for the Deployment controller and kubelet: every pod up to date and ready, the
+    model pods' and (routing on) the gateway's."""
+    for deployment in (name, f"{name}-gateway"):
+        dep = await kube.get(DEPLOYMENTS, NAMESPACE, deployment)
+        if dep is None:
+            continue
+        n = dep["spec"]["replicas"]
+        await kube.merge_patch(DEPLOYMENTS, NAMESPACE, deployment, {"status": {
+            "observedGeneration": dep["metadata"]["generation"], "replicas": n,
+            "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}},
+            subresource="status")
 
 
 async def test_create_makes_deployment_service_status_and_finalizer(api, kube, operator):

@@ -1,5 +1,6 @@
-"""The pure renderers: InferenceService → Deployment + Service, checked against Kubernetes'
-own schemas (kubernetes-validate, strict: unknown fields fail) and against what the pods need."""
+"""The pure renderers: InferenceService → Deployment, Services, PodDisruptionBudget and the
+gateway's objects, checked against Kubernetes' own schemas (kubernetes-validate, strict: unknown
+fields fail) and against what the pods need."""
 from __future__ import annotations
 
 import copy
@@ -15,6 +16,8 @@ from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNO
                                            needs_disruption_budget, pod_selector,
                                            render_children, render_deployment,
                                            render_disruption_budget, render_service, spec_hash)
+from slipstream.operator.gateway_resources import GATEWAY_RULES, gateway_args, \
+    render_gateway, render_gateway_deployment, render_pods_service
 from slipstream.operator.spec import parse_spec
 
 # The newest Kubernetes kubernetes-validate knows, and the oldest this CRD supports (CEL rules
@@ -41,6 +44,11 @@ SPECS = {
     "zero-replicas": {"replicas": 0, "port": 9000, "shutdownTimeoutSeconds": 0},
     "sim": {"model": {"source": "sim", "profile": "llama3-8b-h100,time_scale=2,seed=3"},
             "resources": {"cpu": "250m", "memory": "512Mi"}},
+    "routing-off": {"routing": {"enabled": False}},
+    "routing": {"routing": {"policy": "prefix", "weights": {"prefix": 2, "queue": 0.25},
+                            "queueSize": 50, "queueTimeoutSeconds": 900, "replicas": 3},
+                "env": [{"name": "SLIPSTREAM_API_KEY", "valueFrom": {"secretKeyRef": {
+                    "name": "chat-key", "key": "key"}}}]},
 }
 CASES = [pytest.param(isvc(**spec), id=key) for key, spec in SPECS.items()] + [
     pytest.param(yaml.safe_load(path.read_text()), id=path.name) for path in EXAMPLES]
@@ -62,8 +70,9 @@ def test_rendered_objects_pass_kubernetes_validate_strict(body, version):
     body["metadata"]["uid"] = "0d9d8a4e-7b6a-4b7e-9a64-0e0b8f3c2a11"  # as from a cluster
     children = render_children(body)
     spec = parse_spec(body["spec"], name=body["metadata"]["name"])
-    assert [c["kind"] for c in children] == ["Deployment", "Service"] + (
-        ["PodDisruptionBudget"] if needs_disruption_budget(spec) else [])
+    assert [c["kind"] for c in children] == ["Deployment", "Service", "Service"] + (
+        ["PodDisruptionBudget"] if needs_disruption_budget(spec) else []) + (
+        ["ServiceAccount", "Role", "RoleBinding", "Deployment"] if spec.routing.enabled else [])
     for child in children:
         kubernetes_validate.validate(child, version, strict=True)
 
@@ -131,8 +140,8 @@ def test_pods_are_scraped_by_prometheus_on_the_server_port():
                            "prometheus.io/path": "/metrics"}
 
 
-def test_service_selects_the_deployments_pods_on_port_80():
-    dep, svc = render_deployment(isvc()), render_service(isvc())
+def test_service_selects_the_deployments_pods_on_port_80_without_routing():
+    dep, svc = render_deployment(isvc()), render_service(isvc(routing={"enabled": False}))
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
@@ -255,8 +264,143 @@ def test_a_disruption_budget_exists_while_more_than_one_pod_can_run(spec, wanted
 def test_disruption_budget_lets_one_pod_go_at_a_time_and_is_owned():
     body = isvc(replicas=3)
     body["metadata"]["uid"] = "u-1"
-    dep, _, pdb = render_children(body)
+    dep, _, _, pdb, *_ = render_children(body)
     assert pdb["apiVersion"] == "policy/v1"
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": dep["spec"]["selector"]}
     assert pdb["metadata"]["labels"] == dep["metadata"]["labels"]
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+# ---- the gateway (issue 12) -------------------------------------------------------------------
+
+def children_by_kind_and_name(body: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in render_children(body)}
+
+
+def test_with_routing_the_service_selects_the_gateway_pods_and_the_headless_one_the_model_pods():
+    children = children_by_kind_and_name(isvc(port=9000))
+    model, gateway = children["Deployment", "chat"], children["Deployment", "chat-gateway"]
+    svc, pods = children["Service", "chat"], children["Service", "chat-pods"]
+    model_labels = model["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["selector"].items() <= gateway_labels.items()
+    assert not svc["spec"]["selector"].items() <= model_labels.items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http",
+                                     "protocol": "TCP"}]
+    assert pods["spec"] == {"clusterIP": "None", "publishNotReadyAddresses": False,
+                            "selector": model["spec"]["selector"]["matchLabels"],
+                            "ports": [{"name": "http", "port": 9000, "targetPort": "http",
+                                       "protocol": "TCP"}]}
+    assert not pods["spec"]["selector"].items() <= gateway_labels.items()
+    # The autoscaler's and the PodDisruptionBudget's selector stay on the model pods.
+    assert pod_selector("chat") == "app.kubernetes.io/component=model-server," \
+                                   "slipstream.dev/inferenceservice=chat"
+
+
+def test_routing_off_renders_no_gateway_and_keeps_the_headless_service():
+    children = children_by_kind_and_name(isvc(routing={"enabled": False}))
+    assert sorted(children) == [("Deployment", "chat"), ("Service", "chat"),
+                                ("Service", "chat-pods")]
+    assert render_gateway(isvc(), parse_spec({"routing": {"enabled": False}})) == []
+
+
+def test_gateway_runs_slipstream_gateway_with_exactly_the_routing_spec():
+    body = isvc(namespace="team", image="registry.example.com/slipstream:1.2", routing={
+        "policy": "least-loaded", "weights": {"prefix": 2, "queue": 0.25, "kvCache": 0,
+                                              "affinity": 1.5},
+        "queueSize": 50, "queueTimeoutSeconds": 900, "replicas": 3})
+    dep = render_gateway_deployment(body)
+    c = container(dep)
+    assert c["image"] == "registry.example.com/slipstream:1.2"  # the model pods' image
+    assert c["command"] == ["slipstream"]
+    assert c["args"] == [
+        "gateway", "--host", "0.0.0.0", "--port", "8000", "--service", "chat-pods",
+        "--namespace", "team", "--target-port-name", "http", "--routing", "least-loaded",
+        "--weight-prefix", "2.0", "--weight-queue", "0.25", "--weight-kv-cache", "0.0",
+        "--weight-affinity", "1.5", "--max-queue", "50", "--queue-timeout", "900"]
+    assert dep["spec"]["replicas"] == 3
+    assert dep["metadata"]["name"] == "chat-gateway"
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert "env" not in c
+
+
+def test_gateway_defaults_are_kv_events_two_replicas_and_the_issues_weights():
+    args = gateway_args(parse_spec({}), "chat", "ml")
+    flags = dict(zip(args[1::2], args[2::2]))
+    assert flags == {"--host": "0.0.0.0", "--port": "8000", "--service": "chat-pods",
+                     "--namespace": "ml", "--target-port-name": "http", "--routing": "kv-events",
+                     "--weight-prefix": "3.0", "--weight-queue": "1.0",
+                     "--weight-kv-cache": "0.5", "--weight-affinity": "0.5",
+                     "--max-queue": "1000", "--queue-timeout": "300"}
+    assert render_gateway_deployment(isvc())["spec"]["replicas"] == 2
+
+
+def test_gateway_gets_the_model_pods_api_key_the_same_way():
+    key = {"name": "SLIPSTREAM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k",
+                                                                         "key": "key"}}}
+    body = isvc(env=[{"name": "A", "value": "1"}, key])
+    assert container(render_gateway_deployment(body))["env"] == [key]
+    assert key in container(render_deployment(body))["env"]
+
+
+def test_gateway_pods_probe_ready_and_health_spread_over_nodes_and_ask_little():
+    dep = render_gateway_deployment(isvc())
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
+    [spread] = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert pod["serviceAccountName"] == "chat-gateway"
+    assert restricted_violations(pod) == []
+    # A GPU service's gateway needs no GPU and no GPU node.
+    gpu = render_gateway_deployment(isvc(resources={"gpus": 1}, nodeSelector={"pool": "gpu"}))
+    assert "nodeSelector" not in gpu["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in str(container(gpu)["resources"])
+
+
+def test_gateway_account_may_only_list_and_watch_endpointslices_in_its_namespace():
+    body = isvc(namespace="team")
+    body["metadata"]["uid"] = "u-1"
+    children = children_by_kind_and_name(body)
+    role = children["Role", "chat-gateway"]
+    binding = children["RoleBinding", "chat-gateway"]
+    assert role["rules"] == list(GATEWAY_RULES) == [{
+        "apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+        "verbs": ["list", "watch"]}]
+    assert role["metadata"]["namespace"] == "team"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "chat-gateway"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-gateway",
+                                    "namespace": "team"}]
+    assert children["ServiceAccount", "chat-gateway"]["metadata"]["namespace"] == "team"
+    for child in children.values():
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+        assert child["metadata"]["labels"]["slipstream.dev/inferenceservice"] == "chat"
+
+
+def test_a_routing_change_changes_the_gateways_hash_not_the_model_pods():
+    a, b = isvc(), isvc(routing={"policy": "prefix"})
+    assert render_deployment(a) == render_deployment(b)
+    hashes = [render_gateway_deployment(x)["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
+              for x in (a, b, isvc(routing={"replicas": 5}))]
+    assert hashes[0] != hashes[1] and hashes[0] == hashes[2]
+
+
+def test_headless_service_follows_the_server_port():
+    assert render_pods_service(isvc(port=8123))["spec"]["ports"][0]["port"] == 8123
+
+
+@pytest.mark.parametrize("body", CASES)
+def test_gateway_accepts_the_rendered_arguments(body):
+    """The contract with `slipstream gateway`: its own parser takes what the gateway pods run."""
+    from slipstream.server.gateway.cli import gateway_parser
+    spec = parse_spec(body["spec"], name=body["metadata"]["name"])
+    if not spec.routing.enabled:
+        return
+    args = gateway_parser().parse_args(container(render_gateway_deployment(body))["args"][1:])
+    assert (args.host, args.port, args.routing, args.max_queue, args.queue_timeout) == (
+        "0.0.0.0", 8000, spec.routing.policy, spec.routing.queue_size,
+        spec.routing.queue_timeout_seconds)

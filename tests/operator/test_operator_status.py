@@ -117,13 +117,15 @@ def test_compute_status_reports_counts_url_generation_and_selector():
                                deployment(spec_replicas=2, replicas=2, readyReplicas=1),
                                url="http://chat.ml.svc.cluster.local", now=T0)
     assert {k: status[k] for k in ("replicas", "readyReplicas", "desiredReplicas", "url",
-                                   "observedGeneration", "selector")} == {
+                                   "gateway", "observedGeneration", "selector")} == {
         "replicas": 2, "readyReplicas": 1, "desiredReplicas": 2,
         "url": "http://chat.ml.svc.cluster.local", "observedGeneration": 3,
+        "gateway": {"url": "http://chat.ml.svc.cluster.local", "replicas": 0,
+                    "readyReplicas": 0},
         "selector": "app.kubernetes.io/component=model-server,"
                     "slipstream.dev/inferenceservice=chat"}
     assert [c["type"] for c in status["conditions"]] == [st.READY, st.PROGRESSING,
-                                                          st.SCALING_ACTIVE]
+                                                          st.SCALING_ACTIVE, st.GATEWAY_READY]
     assert set(status) == set(st.OWNED_FIELDS)
 
 
@@ -268,3 +270,78 @@ def test_starting_and_terminating_pods_are_no_problem():
     ready, reason, message = st.ready_condition(deployment(2, readyReplicas=1),
                                                 [pod(unschedulable=GPU_SHORT)])
     assert (ready, reason) == ("True", "ReplicasReady") and GPU_SHORT in message
+
+
+# ---- the gateway (issue 12) -------------------------------------------------------------------
+
+def test_with_routing_ready_needs_a_ready_gateway_too():
+    spec = parse_spec({})
+    model = deployment(spec_replicas=1, replicas=1, readyReplicas=1)
+    assert st.service_ready(spec, model, gateway=None)[:2] == ("False", "GatewayMissing")
+    ready, reason, message = st.service_ready(
+        spec, model, gateway=deployment(spec_replicas=2, replicas=2, readyReplicas=0))
+    assert (ready, reason) == ("False", "NoGatewayReplicasReady")
+    assert message == "1/1 replicas ready, but 0/2 gateway replicas ready"
+    ready, reason, message = st.service_ready(
+        spec, model, gateway=deployment(spec_replicas=2, replicas=2, readyReplicas=1))
+    assert (ready, reason) == ("True", "ReplicasReady")
+    assert message == "1/1 replicas ready; 1/2 gateway replicas ready"
+
+
+def test_model_pods_not_ready_say_so_before_the_gateway_does():
+    spec = parse_spec({})
+    assert st.service_ready(spec, deployment(spec_replicas=1, replicas=1), gateway=None)[1] == \
+        "NoReplicasReady"
+
+
+def test_without_routing_ready_ignores_the_gateway_and_gateway_ready_says_it_is_off():
+    spec = parse_spec({"routing": {"enabled": False}})
+    model = deployment(spec_replicas=1, replicas=1, readyReplicas=1)
+    assert st.service_ready(spec, model, gateway=None)[0] == "True"
+    assert st.gateway_condition(spec, None)[:2] == ("False", "RoutingDisabled")
+    status = st.compute_status(isvc(routing={"enabled": False}), spec, model, url="u", now=T0)
+    assert status["gateway"] is None  # a merge patch with null removes the field
+
+
+def test_gateway_pods_that_cannot_start_say_why_in_gateway_ready():
+    pods = [{"metadata": {"name": "chat-gateway-1"}, "status": {"containerStatuses": [{
+        "name": "gateway", "state": {"waiting": {"reason": "ImagePullBackOff",
+                                                 "message": "not found"}}}]}}]
+    status, reason, message = st.gateway_condition(
+        parse_spec({}), deployment(spec_replicas=2, replicas=2), pods)
+    assert (status, reason) == ("False", "GatewayImagePullFailed")
+    assert "chat-gateway-1: ImagePullBackOff: not found" in message
+
+
+def test_gateway_status_reports_its_url_and_counts():
+    body = isvc()
+    status = st.compute_status(body, parse_spec({}), deployment(spec_replicas=1, readyReplicas=1),
+                               url="http://chat.ml.svc.cluster.local", now=T0,
+                               gateway=deployment(spec_replicas=2, replicas=2, readyReplicas=2))
+    assert status["gateway"] == {"url": "http://chat.ml.svc.cluster.local", "replicas": 2,
+                                 "readyReplicas": 2}
+    assert st.find_condition(status["conditions"], st.GATEWAY_READY)["status"] == "True"
+    assert st.find_condition(status["conditions"], st.READY)["status"] == "True"
+
+
+def test_gateway_deployment_drift_is_put_back_and_a_routing_change_rolls_it():
+    from slipstream.operator.drift import plan_gateway_deployment
+    from slipstream.operator.gateway_resources import render_gateway_deployment, render_gateway_role
+    desired = render_gateway_deployment(isvc())
+    live = as_the_server_keeps_it(desired)
+    live["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "0.1"
+    assert plan_gateway_deployment(desired, live) == (None, "")
+    live["spec"]["replicas"] = 5
+    new, why = plan_gateway_deployment(desired, live)
+    assert new["spec"]["replicas"] == 2 and why == "gateway replicas 5 → 2"
+    changed = render_gateway_deployment(isvc(routing={"policy": "prefix"}))
+    new, why = plan_gateway_deployment(changed, as_the_server_keeps_it(desired))
+    assert why == "the InferenceService's routing spec changed"
+    assert "prefix" in new["spec"]["template"]["spec"]["containers"][0]["args"]
+    # A Role's rules are ours too: a hand-widened Role is put back.
+    role = render_gateway_role(isvc())
+    widened = copy.deepcopy(role)
+    widened["metadata"].update(resourceVersion="3")
+    widened["rules"][0]["verbs"].append("delete")
+    new, _ = plan_service(role, widened)
+    assert new["rules"] == role["rules"] and new["metadata"]["resourceVersion"] == "3"
