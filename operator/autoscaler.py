@@ -1,4 +1,5 @@
-"""Autoscaling policy: desired replicas from the pods' queue depth and KV-cache use (pure).
+"""Autoscaling policy: desired replicas from the pods' queue depth and KV-cache use and the
+gateway's waiting requests, down to zero and back (pure).
 
 The operator calls :func:`decide` once per tick with the samples the scraper read, the clock and
 the replica counts; it returns a :class:`Decision` carrying the new :class:`AutoscalerState`.
@@ -34,6 +35,23 @@ class PodSample:
     kv_cache_usage_perc: float
 
 
+@dataclass(frozen=True, slots=True)
+class GatewaySample:
+    """The gateway's gauges read at one tick, summed over the gateway pods that answered.
+
+    waiting: requests held in the gateway for want of a ready pod
+        (``slipstream:gateway_requests_waiting``): the demand signal at zero replicas.
+    in_flight: requests the gateway has sent to pods and not finished
+        (``slipstream:gateway_endpoint_in_flight``, all endpoints); None when not exported.
+    complete: every ready gateway pod answered; a silent one may hold requests, so the policy
+        never scales to zero on an incomplete reading.
+    """
+
+    waiting: float
+    in_flight: float | None = None
+    complete: bool = True
+
+
 # camelCase key of ``spec.autoscaling`` → AutoscalingSpec attribute; the one key map of the spec.
 # The operator (spec.py) and the simulator (server/simulate.py) both parse with from_dict.
 CRD_KEYS: Mapping[str, str] = MappingProxyType({
@@ -46,6 +64,7 @@ CRD_KEYS: Mapping[str, str] = MappingProxyType({
     "panicWindowSeconds": "panic_window_seconds",
     "panicThreshold": "panic_threshold",
     "scaleDownDelaySeconds": "scale_down_delay_seconds",
+    "scaleToZeroAfterSeconds": "scale_to_zero_after_seconds",
     "tolerance": "tolerance",
 })
 
@@ -63,6 +82,12 @@ class AutoscalingSpec:
     (Kubernetes HPA's default 0.1; per object here, as newer HPA's ``behavior`` and AIBrix's
     fluctuation tolerance are).
 
+    ``minReplicas: 0`` allows scale to zero (Knative's ``min-scale: 0``): once no request has
+    run or waited in the pods or the gateway for ``scaleToZeroAfterSeconds`` (whole seconds;
+    300 by default, as ``scaleDownDelaySeconds``: a cold start costs a model load, so a few idle
+    minutes stay warm), the count goes to 0; the gateway holds the next request and the count
+    goes back up at once. ``scaleToZeroAfterSeconds`` means nothing while ``minReplicas`` ≥ 1.
+
     Raises ValueError naming the CRD field when a value is out of range or of the wrong type;
     ``slipstream.operator.spec`` turns that into the InvalidSpec condition.
     """
@@ -76,6 +101,7 @@ class AutoscalingSpec:
     panic_window_seconds: int = 6
     panic_threshold: float = 2.0
     scale_down_delay_seconds: int = 300
+    scale_to_zero_after_seconds: int = 300
     tolerance: float = 0.1
 
     def __post_init__(self) -> None:
@@ -91,8 +117,9 @@ class AutoscalingSpec:
                 raise ValueError(f"spec.autoscaling.{key} must be {rule}, got {value!r}")
 
         check(isinstance(self.enabled, bool), "enabled", "true or false", self.enabled)
-        for key, value in (("minReplicas", self.min_replicas), ("maxReplicas", self.max_replicas)):
-            check(integer(value, 1), key, "an integer ≥ 1 (no scale to zero)", value)
+        check(integer(self.min_replicas, 0), "minReplicas", "an integer ≥ 0 (0: scale to zero)",
+              self.min_replicas)
+        check(integer(self.max_replicas, 1), "maxReplicas", "an integer ≥ 1", self.max_replicas)
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"spec.autoscaling.minReplicas ({self.min_replicas}) must be ≤ maxReplicas "
                              f"({self.max_replicas})")
@@ -109,6 +136,8 @@ class AutoscalingSpec:
               self.panic_threshold)
         check(integer(self.scale_down_delay_seconds, 0), "scaleDownDelaySeconds", "an integer ≥ 0",
               self.scale_down_delay_seconds)
+        check(integer(self.scale_to_zero_after_seconds, 0), "scaleToZeroAfterSeconds", "an integer ≥ 0",
+              self.scale_to_zero_after_seconds)
         check(number(self.tolerance) and 0 <= self.tolerance < 1, "tolerance", "a number in [0, 1)", self.tolerance)
 
     @classmethod
@@ -165,6 +194,9 @@ class AutoscalerState:
         the replica count it found, so a fresh operator waits the full delay before scaling down.
     panic_time: last time the panic condition held; None when not panicking.
     last_scale_time: last time the desired replica count changed.
+    last_active: last time a request was seen running or waiting (in a pod or the gateway), or
+        when tracking began; scale to zero waits ``scaleToZeroAfterSeconds`` after it. None
+        (a fresh state, or one persisted before scale to zero existed): tracking begins now.
     """
 
     observations: tuple[Observation, ...] = ()
@@ -172,6 +204,7 @@ class AutoscalerState:
     tracking_since: float | None = None
     panic_time: float | None = None
     last_scale_time: float | None = None
+    last_active: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -180,6 +213,7 @@ class AutoscalerState:
             "trackingSince": self.tracking_since,
             "panicTime": self.panic_time,
             "lastScaleTime": self.last_scale_time,
+            "lastActive": self.last_active,
         }
 
     @classmethod
@@ -192,6 +226,7 @@ class AutoscalerState:
             tracking_since=data.get("trackingSince"),
             panic_time=data.get("panicTime"),
             last_scale_time=data.get("lastScaleTime"),
+            last_active=data.get("lastActive"),
         )
 
 
@@ -203,9 +238,11 @@ class Decision:
     current_replicas: the count :func:`decide` was given.
     reason: one line for an Event and the scaling history.
     state: the state to pass to the next :func:`decide`.
-    queue_depth: waiting requests summed over the pods that reported this tick; None if none did.
+    queue_depth: waiting requests summed over the pods that reported this tick, plus those the
+        gateway holds; None if neither the pods nor the gateway reported.
     kv_cache_utilization: mean KV-cache utilization (0..1) of those pods; None if none did.
-    recommendation: the count the load asks for, before the scale-down delay and rate limits.
+    recommendation: the count the load asks for, before the scale-down delay and rate limits
+        (0 when scaling to or holding at zero).
     panicking: whether the panic window is driving the decision.
     """
 
@@ -268,6 +305,7 @@ def decide(
     current_replicas: int,
     ready_replicas: int,
     starting_replicas: int = 0,
+    gateway: GatewaySample | None = None,
 ) -> Decision:
     """One autoscaling tick; pure: ``state`` is not changed, the new one is ``Decision.state``.
 
@@ -275,14 +313,17 @@ def decide(
         simply absent). now: seconds on any monotonic clock, the same for every call.
     current_replicas: the Deployment's ``spec.replicas``. ready_replicas: pods Ready.
     starting_replicas: pods that exist but are not Ready yet (pending or loading the model).
+    gateway: this tick's :class:`GatewaySample` (None: no gateway, or none of its pods answered).
 
-    Algorithm (Knative KPA's stable/panic windows, AIBrix APA's per-metric targets, Kubernetes
-    HPA's tolerance and scale-down stabilization):
+    Algorithm (Knative KPA's stable/panic windows and scale to zero, AIBrix APA's per-metric
+    targets, Kubernetes HPA's tolerance and scale-down stabilization):
 
     1. Load at this tick: the per-pod mean of the reporting pods times the ready count, for
        waiting requests and for KV-cache utilization (KPA's averaging: a ready pod that missed
-       this scrape is assumed to carry the average, so one lost scrape moves nothing). A tick
-       with no reports adds nothing; with no load seen in the stable window the count holds.
+       this scrape is assumed to carry the average, so one lost scrape moves nothing), plus the
+       requests waiting in the gateway (the demand no pod sees yet; at zero replicas the only
+       one). A tick with no reports adds nothing; with no load seen in the stable window the
+       count holds.
     2. Averages over the stable window (``stableWindowSeconds``, KPA default 60 s) and the panic
        window (``panicWindowSeconds``, KPA default 6 s).
     3. Per signal, ``ceil(total / target)`` = ``ceil(ready × observed / target)`` pods (KPA, APA),
@@ -290,7 +331,7 @@ def decide(
        count does not change (HPA tolerance 0.1). Pods still starting count as capacity in
        flight, and because the load is divided by the per-pod target rather than multiplied
        by the current count, pods that have not taken load yet do not inflate it. The larger
-       signal wins.
+       signal wins; the load never asks for fewer than one pod (zero comes from step 7 only).
     4. Panic (KPA): when the panic-window need reaches ``panicThreshold`` × capacity, panic mode
        starts (or is extended); the count follows the panic window at once and never drops.
        Panic ends a stable window after the condition last held.
@@ -299,10 +340,18 @@ def decide(
        recommendation of the delay window, i.e. after the delay of lower recommendations.
     6. Rate limits per tick (HPA's default policies): up to max(2 × current, current + 4), down
        to no less than half; then clamp to [minReplicas, maxReplicas].
+    7. Zero (``minReplicas`` 0; KPA's scale to zero, its activator's role played by the
+       gateway): at 0 replicas the count rises at the first tick the gateway holds a request,
+       to at least 1 and as steps 1-6 size it (no window to wait for: the request is waiting);
+       it holds 0 otherwise. Above 0 it drops straight to 0 once no request has run or waited
+       (pods' running + waiting, the gateway's waiting and in flight) for
+       ``scaleToZeroAfterSeconds``, and only on a tick where every ready pod and the gateway
+       answered and all were idle: never while a request is in flight, and never without a
+       gateway to hold the next request and report it.
 
-    References: Knative Serving autoscaling docs, "KPA: stable and panic windows";
-    AIBrix "APA" autoscaler (vLLM metrics, per-metric targets and fluctuation tolerance);
-    Kubernetes HPA "algorithm details" and "stabilization window".
+    References: Knative Serving autoscaling docs, "KPA: stable and panic windows" and "scale to
+    zero"; AIBrix "APA" autoscaler (vLLM metrics, per-metric targets and fluctuation
+    tolerance); Kubernetes HPA "algorithm details" and "stabilization window".
     """
     if not spec.enabled:
         return Decision(current_replicas, current_replicas, "autoscaling disabled", state)
@@ -310,12 +359,25 @@ def decide(
     capacity = ready_replicas + starting_replicas
     observations = [o for o in state.observations if o.time > now - spec.stable_window_seconds]
     queue_depth = kv_utilization = None
-    if samples:
-        reporting = len(samples)
-        queue_depth = sum(s.num_requests_waiting for s in samples)
-        kv_utilization = _mean([s.kv_cache_usage_perc for s in samples])
-        pods = max(ready_replicas, reporting)
-        observations.append(Observation(now, queue_depth / reporting * pods, kv_utilization * pods))
+    held = gateway.waiting if gateway is not None else 0.0
+    busy = held + (gateway.in_flight or 0.0) if gateway is not None else 0.0
+    if samples or gateway is not None:
+        pods_queue = pods_kv = 0.0
+        queue_depth = held
+        if samples:
+            reporting = len(samples)
+            waiting = sum(s.num_requests_waiting for s in samples)
+            kv_utilization = _mean([s.kv_cache_usage_perc for s in samples])
+            pods = max(ready_replicas, reporting)
+            pods_queue, pods_kv = waiting / reporting * pods, kv_utilization * pods
+            queue_depth += waiting
+            busy += waiting + sum(s.num_requests_running for s in samples)
+        observations.append(Observation(now, pods_queue + held, pods_kv))
+    # Activity resets the idle clock; a fresh state starts it now (an operator that restarts
+    # waits the full delay again). Idle needs every ready pod and the gateway to have said so.
+    last_active = now if state.last_active is None or busy > 0 else state.last_active
+    idle = (gateway is not None and gateway.complete and len(samples) >= ready_replicas
+            and busy == 0)
 
     previous = [r for r in state.recommendations if r.time > now - spec.scale_down_delay_seconds]
     tracking_since = state.tracking_since if previous and state.tracking_since is not None else now
@@ -335,7 +397,7 @@ def decide(
             panic_time = None
         if panic_time is not None and recent:
             in_band_need = _need(spec, recent, capacity, current_replicas, spec.tolerance)
-            recommendation = spec.clamp(max(in_band_need, stable_need, current_replicas))
+            recommendation = spec.clamp(max(in_band_need, stable_need, current_replicas, 1))
             if panic_time == now:
                 trigger = f"{panic_need} pods needed >= {spec.panic_threshold:g}x capacity {capacity}"
             else:
@@ -345,10 +407,10 @@ def decide(
             why = (f"panic ({trigger}): {_describe(spec, recent, ready_replicas)} "
                    f"over {spec.panic_window_seconds:g}s")
         elif panic_time is not None:
-            recommendation = spec.clamp(max(stable_need, current_replicas))
+            recommendation = spec.clamp(max(stable_need, current_replicas, 1))
             why = f"panic mode, no scale-down: {stable_text} over {spec.stable_window_seconds:g}s"
         else:
-            recommendation = spec.clamp(stable_need)
+            recommendation = spec.clamp(max(stable_need, 1))
             why = f"{stable_text} over {spec.stable_window_seconds:g}s"
 
     delay_window = [r.replicas for r in previous] + [recommendation]
@@ -372,12 +434,27 @@ def decide(
         reason = f"scaling {current_replicas} -> {desired}: {why}"
     else:
         reason = f"holding {desired}: {why}"
+    if spec.min_replicas == 0 and current_replicas == 0:
+        if queue_depth:
+            desired = spec.clamp(max(desired, 1))
+            reason = (f"scaling from zero: {queue_depth:g} request{'s' * (queue_depth != 1)} "
+                      f"waiting in the gateway; 0 -> {desired}")
+        else:
+            desired = recommendation = 0
+            reason = (f"holding 0: scaled to zero after {spec.scale_to_zero_after_seconds}s idle; "
+                      + ("no request waiting in the gateway" if gateway is not None
+                         else "no gateway answered, so no request can be seen waiting"))
+    elif spec.min_replicas == 0 and idle and now - last_active >= spec.scale_to_zero_after_seconds:
+        desired = recommendation = 0
+        reason = (f"scaled to zero after {spec.scale_to_zero_after_seconds}s idle (no request ran "
+                  f"or waited in the pods or the gateway); {current_replicas} -> 0")
     new_state = AutoscalerState(
         observations=tuple(observations),
         recommendations=tuple(previous) + (Recommendation(now, recommendation),),
         tracking_since=tracking_since,
         panic_time=panic_time,
         last_scale_time=now if desired != current_replicas else state.last_scale_time,
+        last_active=last_active,
     )
     return Decision(desired, current_replicas, reason, new_state, queue_depth, kv_utilization,
                     recommendation, panic_time is not None)

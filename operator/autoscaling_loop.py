@@ -4,9 +4,12 @@ For each InferenceService with ``spec.autoscaling.enabled``, every ``interval`` 
 default) a kopf timer calls :meth:`Autoscaler.tick`:
 
 1. list its pods by the Deployment's selector: ready pods with an IP are scraped, the others
-   count as starting (:func:`scraper.pod_targets`); with no pod at all the tick ends here;
+   count as starting (:func:`scraper.pod_targets`); and, while ``spec.routing.enabled``, its
+   gateway pods (``gateway_selector``, port 8000); with no pod to read the tick ends here;
 2. read every ready pod's ``/metrics`` at once, each within ``scrape_timeout`` seconds
-   (:func:`scraper.scrape_pods`); a pod that does not answer is left out and counted;
+   (:func:`scraper.scrape_pods`; the gateway pods' waiting and in-flight requests with
+   :func:`scraper.scrape_gateways`, the demand signal at zero replicas); a pod that does not
+   answer is left out and counted;
 3. :func:`autoscaler.decide` with the state kept for this InferenceService (in memory; after an
    operator restart or a leader change, the copy mirrored in ``status.autoscaler``);
 4. another scaler? (:mod:`foreign`): while a foreign field manager writes the Deployment's
@@ -18,42 +21,54 @@ default) a kopf timer calls :meth:`Autoscaler.tick`:
    kvCacheUtilization, lastScaleTime, ScalingActive, autoscaler, scalingHistory,
    scrapeFailures), written only when worth it (:func:`scaling.status_write_due`).
 
+Scale to zero (``minReplicas: 0``) needs the gateway: it holds the requests that arrive at zero
+replicas and its ``/metrics`` says they wait. Without it (``spec.routing.enabled: false``) the
+tick keeps at least one replica and says so in the ``ScalingActive`` message.
+
 With autoscaling off the timer does not run (its ``when`` filter), so replicas follow
 ``spec.replicas`` and the scale subresource. The policy's clock is wall-clock epoch seconds, so
 the mirrored state means the same to whichever operator replica reads it next.
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import aiohttp
 import kopf
 
 from slipstream.operator import status as st
-from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, \
-    decide
+from slipstream.operator.autoscaler import AutoscalerState, Decision, GatewaySample, \
+    append_scaling_history, decide
 from slipstream.operator.events import post_event
 from slipstream.operator.foreign import QUIET_SECONDS, ReplicasWriter, foreign_writer, \
     still_writing
+from slipstream.operator.gateway_resources import GATEWAY_PORT, gateway_selector
 from slipstream.operator.kube import DEPLOYMENTS, PODS, ApiError, Kube
-from slipstream.operator.resources import GROUP, PLURAL, VERSION, pod_selector, selector_labels
+from slipstream.operator.resources import GROUP, PLURAL, VERSION, gateway_selector_labels, \
+    pod_selector, selector_labels
 from slipstream.operator.scaling import MEMORY_SECONDS, apply_scale, status_write_due
-from slipstream.operator.scraper import DEFAULT_TIMEOUT, ScrapeResult, pod_targets, scrape_pods
+from slipstream.operator.scraper import DEFAULT_TIMEOUT, GatewayScrape, ScrapeResult, pod_targets, \
+    scrape_gateways, scrape_pods
 from slipstream.operator.spec import SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 2.0
+SCALED_TO_ZERO = "ScaledToZero"  # ScalingActive's reason while the autoscaler keeps 0 replicas
+NO_GATEWAY_NOTE = ("; minReplicas 0 needs spec.routing.enabled (the gateway holds requests at zero "
+                   "replicas and reports them), so at least 1 replica is kept")
 
 
 @dataclass(frozen=True, slots=True)
 class TickResult:
     """One tick of one InferenceService: the policy's decision, the pods it saw, what was written
-    (``replicas`` None when apply_scale found nothing to scale)."""
+    (``replicas`` None when apply_scale found nothing to scale). gateway: what the gateway pods
+    reported (None: routing off, no gateway pod ready, or none answered)."""
 
     decision: Decision
     ready: int
@@ -61,6 +76,7 @@ class TickResult:
     failures: tuple[str, ...]
     replicas: int | None
     foreign: ReplicasWriter | None = None
+    gateway: GatewaySample | None = None
 
 
 def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
@@ -69,16 +85,34 @@ def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
     return isinstance(autoscaling, Mapping) and autoscaling.get("enabled") is True
 
 
-def condition(scrape: ScrapeResult, ready: int, starting: int, decision: Decision) -> tuple[bool, str, str]:
+def condition(scrape: ScrapeResult, ready: int, starting: int, decision: Decision,
+              gateway: GatewayScrape | None = None) -> tuple[bool, str, str]:
     """(active, reason, message) of ``ScalingActive`` after a tick (pure), another scaler aside
-    (:func:`foreign_condition`)."""
+    (:func:`foreign_condition`). gateway: the gateway pods' scrape (None: routing off).
+
+    Reasons: ``MetricsAvailable`` (pods, or with none ready the gateway, answered),
+    ``ScaledToZero`` (the same, with 0 replicas wanted), ``MetricsUnavailable`` (no ready pod
+    answered), ``GatewayUnavailable`` (0 replicas and no gateway pod answered, so a request
+    waiting cannot be seen), ``NoReadyPods``.
+    """
     failed = "; ".join(f"{f.pod}: {f.error}" for f in scrape.failures)
+    gateway_failed = "; ".join(f"{f.pod}: {f.error}" for f in gateway.failures) if gateway else ""
+    gateway_note = f"; gateway pods did not answer ({gateway_failed})" if gateway_failed else ""
+    answered = "MetricsAvailable" if decision.desired_replicas else SCALED_TO_ZERO
     if scrape.samples:
         note = f"; {len(scrape.failures)} of {ready} ready pods did not answer ({failed})" if failed else ""
-        return True, "MetricsAvailable", decision.reason + note
+        return True, answered, decision.reason + note + gateway_note
     if ready:
-        return False, "MetricsUnavailable", f"none of {ready} ready pods answered /metrics ({failed}); {decision.reason}"
-    return False, "NoReadyPods", f"no ready pod to read ({starting} starting); {decision.reason}"
+        return False, "MetricsUnavailable", (f"none of {ready} ready pods answered /metrics ({failed}); "
+                                             f"{decision.reason}{gateway_note}")
+    if gateway is not None and gateway.sample is not None:
+        return True, answered, decision.reason + gateway_note
+    if gateway is not None and decision.current_replicas == 0:
+        why = f"({gateway_failed})" if gateway_failed else "(none is ready)"
+        return False, "GatewayUnavailable", (
+            f"0 replicas and no gateway pod answered /metrics {why}, so requests waiting in the "
+            f"gateway cannot be seen; {decision.reason}")
+    return False, "NoReadyPods", f"no ready pod to read ({starting} starting); {decision.reason}{gateway_note}"
 
 
 def foreign_condition(name: str, writer: ReplicasWriter, live: int, wanted: int,
@@ -102,12 +136,14 @@ class Autoscaler:
 
     scrape_timeout: seconds each pod has to answer. clock: the policy's clock (epoch seconds,
     also compared with the API server's ``managedFields`` times). memory_seconds: how often the
-    policy's memory is persisted in the status when nothing else changed.
+    policy's memory is persisted in the status when nothing else changed. gateway_port: where
+    the gateway pods serve ``/metrics``.
     """
 
     scrape_timeout: float = DEFAULT_TIMEOUT
     clock: Callable[[], float] = time.time
     memory_seconds: float = MEMORY_SECONDS
+    gateway_port: int = GATEWAY_PORT
     states: dict[Key, AutoscalerState] = field(default_factory=dict)
     histories: dict[Key, list[dict[str, Any]]] = field(default_factory=dict)
     written: dict[Key, int] = field(default_factory=dict)  # replicas this operator last set
@@ -189,18 +225,25 @@ class Autoscaler:
         if deployment is None:
             return None
         current = int((deployment.get("spec") or {}).get("replicas", 1))
-        wanted = selector_labels(name)
-        pods = [p for p in await kube.list(PODS, namespace, pod_selector(name))
-                if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in wanted.items())]
-        if not pods:
+        pods = await self._pods(kube, namespace, pod_selector(name), selector_labels(name))
+        gateway_pods = await self._pods(kube, namespace, gateway_selector(name),
+                                        gateway_selector_labels(name)) if spec.routing.enabled else []
+        if not spec.routing.enabled and policy.min_replicas == 0:
+            policy = replace(policy, min_replicas=1)  # nothing would hold or report requests at zero
+        if not pods and (current > 0 or (not gateway_pods and policy.min_replicas == 0)):
             return None  # none created yet: nothing to read, and holding the count needs no write
         targets, starting = pod_targets(pods, spec.port)
-        scrape = await scrape_pods(targets, self.scrape_timeout, session=self.session(), clock=self.clock)
+        gateway_targets, _ = pod_targets(gateway_pods, self.gateway_port)
+        scrape, gateway = await asyncio.gather(
+            scrape_pods(targets, self.scrape_timeout, session=self.session(), clock=self.clock),
+            scrape_gateways(gateway_targets, self.scrape_timeout, session=self.session(),
+                            clock=self.clock))
 
         status = body.get("status") or {}
         state = self.states.get(key) or AutoscalerState.from_dict(status.get("autoscaler"))
         now = self.clock()
-        decision = decide(policy, state, scrape.samples, now, current, len(targets), starting)
+        decision = decide(policy, state, scrape.samples, now, current, len(targets), starting,
+                          gateway.sample)
         self.states[key] = decision.state
         writer, change = self._other_scaler(key, deployment, status, policy, now)
         if change == "entered":
@@ -218,7 +261,10 @@ class Autoscaler:
             active, reason, message = foreign_condition(name, writer, current,
                                                         decision.desired_replicas)
         else:
-            active, reason, message = condition(scrape, len(targets), starting, decision)
+            active, reason, message = condition(scrape, len(targets), starting, decision,
+                                                gateway if spec.routing.enabled else None)
+            if policy is not spec.autoscaling:
+                message += NO_GATEWAY_NOTE
         written = await apply_scale(
             kube, namespace, name, replicas=decision.desired_replicas, queue_depth=decision.queue_depth,
             kv_cache_utilization=decision.kv_cache_utilization, active=active, reason=reason,
@@ -227,7 +273,17 @@ class Autoscaler:
             hold=writer is not None, write_due=self._write_due(key))
         if writer is None and written is not None:
             self.written[key] = written
-        return TickResult(decision, len(targets), starting, tuple(scrape.failed_pods), written, writer)
+        return TickResult(decision, len(targets), starting, tuple(scrape.failed_pods), written, writer,
+                          gateway.sample)
+
+    @staticmethod
+    async def _pods(kube: Kube, namespace: str, selector: str, wanted: Mapping[str, str],
+                    ) -> list[dict[str, Any]]:
+        """The pods ``selector`` lists, checked against ``wanted`` labels as well (a server that
+        ignored the selector must not hand the gateway's pods to the model's scrape)."""
+        return [p for p in await kube.list(PODS, namespace, selector)
+                if all(((p.get("metadata") or {}).get("labels") or {}).get(k) == v
+                       for k, v in wanted.items())]
 
 
 def _utcnow() -> datetime.datetime:

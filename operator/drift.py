@@ -66,7 +66,8 @@ def foreign_owner(live: Mapping[str, Any], owner_uid: str | None, name: str) -> 
 
 
 def _merged(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
-    """``live`` with our labels, annotations, owner references and top-level spec keys."""
+    """``live`` with our labels, annotations, owner references, top-level spec keys and the
+    other top-level fields we render (a Role's ``rules``, a RoleBinding's ``subjects``)."""
     new = copy.deepcopy(dict(live))
     new.pop("status", None)
     meta, want = new.setdefault("metadata", {}), desired.get("metadata", {})
@@ -76,7 +77,11 @@ def _merged(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, An
         meta["annotations"] = annotations
     if want.get("ownerReferences"):
         meta["ownerReferences"] = want["ownerReferences"]
-    new["spec"] = {**(new.get("spec") or {}), **copy.deepcopy(desired.get("spec", {}))}
+    for key, value in desired.items():
+        if key == "spec":
+            new["spec"] = {**(new.get("spec") or {}), **copy.deepcopy(value)}
+        elif key not in ("apiVersion", "kind", "metadata"):
+            new[key] = copy.deepcopy(value)
     return new
 
 
@@ -113,8 +118,25 @@ def plan_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
 
 def plan_service(desired: Mapping[str, Any], live: Mapping[str, Any],
                  ) -> tuple[dict[str, Any] | None, str]:
-    """The Service (or PodDisruptionBudget) to PUT and why, or (None, "") when ``live`` is in
-    sync."""
+    """The Service (or PodDisruptionBudget, ServiceAccount, Role, RoleBinding) to PUT and why,
+    or (None, "") when ``live`` is in sync."""
     if contains(live, desired):
         return None, ""
     return _merged(live, desired), "restored fields that were changed outside the operator"
+
+
+def plan_gateway_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
+                            ) -> tuple[dict[str, Any] | None, str]:
+    """The gateway Deployment to PUT and why, or (None, "") when ``live`` is in sync. Its
+    replicas are ``spec.routing.replicas``: no autoscaler touches them."""
+    if contains(live, desired):
+        return None, ""
+    live_hash = (live.get("metadata", {}).get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
+    if live_hash != desired["metadata"]["annotations"][SPEC_HASH_ANNOTATION]:
+        why = "the InferenceService's routing spec changed"
+    elif live.get("spec", {}).get("replicas") != desired["spec"]["replicas"]:
+        why = f"gateway replicas {live.get('spec', {}).get('replicas')} → " \
+              f"{desired['spec']['replicas']}"
+    else:
+        why = "restored fields that were changed outside the operator"
+    return _merged(live, desired), why

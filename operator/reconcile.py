@@ -1,7 +1,8 @@
 """One idempotent, level-based reconcile of an InferenceService.
 
 ``reconcile`` reads the InferenceService fresh, renders its children (pure), creates what is
-missing, puts back what drifted, and writes the status fields it owns. Every trigger calls it —
+missing, puts back what drifted, removes the gateway when routing is turned off, and writes the
+status fields it owns. Every trigger calls it —
 create, update, resume, a periodic resync, any change to a child — so missing an event costs
 nothing but latency. Errors: a spec that cannot be served gets ``Ready=False`` and a Warning
 Event and is not retried (the user must edit it); an API answer worth retrying (409, 429, 5xx)
@@ -18,12 +19,15 @@ from typing import Any, Callable, Mapping
 import kopf
 
 from slipstream.operator import status as st
-from slipstream.operator.drift import foreign_owner, plan_deployment, plan_service
+from slipstream.operator.drift import foreign_owner, plan_deployment, plan_gateway_deployment, \
+    plan_service
 from slipstream.operator.events import post_event
+from slipstream.operator.gateway_resources import gateway_name, gateway_selector, \
+    render_gateway, render_pods_service
 from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, PODS, \
-    SERVICES, ApiError, Kube, Resource
-from slipstream.operator.resources import pod_selector, render_deployment, \
-    render_disruption_budget, render_service, selector_labels, service_url
+    ROLE_BINDINGS, ROLES, SERVICE_ACCOUNTS, SERVICES, ApiError, Kube, Resource
+from slipstream.operator.resources import gateway_selector_labels, pod_selector, \
+    render_deployment, render_disruption_budget, render_service, selector_labels, service_url
 from slipstream.operator.spec import SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -99,17 +103,20 @@ def _raise_for(exc: ApiError, what: str, retry: int) -> None:
 
 
 async def _apply(kube: Kube, resource: Resource, body: Mapping[str, Any],
-                 desired: dict[str, Any], plan: Any) -> tuple[dict[str, Any], str | None]:
+                 desired: dict[str, Any], plan: Any, *, always: bool = True,
+                 ) -> tuple[dict[str, Any], str | None]:
     """Create ``desired`` if missing, or PUT what ``plan(desired, live)`` returns.
+    ``always``: the child exists from the first reconcile on (a missing one was deleted).
     Returns the live child and a line saying what was done (None: nothing)."""
     meta = desired["metadata"]
     kind = desired["kind"]
     live = await kube.get(resource, meta["namespace"], meta["name"])
     if live is None:
         created = await kube.create(resource, desired)
-        # A budget comes and goes with the replica range; the others exist from the first pass.
-        was = " (it had been deleted)" if (body.get("status") or {}).get(
-            "observedGeneration") and resource is not DISRUPTION_BUDGETS else ""
+        # A budget comes and goes with the replica range, the gateway with routing; the others
+        # exist from the first pass.
+        was = " (it had been deleted)" if always and (body.get("status") or {}).get(
+            "observedGeneration") else ""
         return created, f"created {kind} {meta['name']}{was}"
     if live["metadata"].get("deletionTimestamp"):
         raise ApiError(409, "Terminating", f"{kind} {meta['name']} is being deleted; "
@@ -137,22 +144,69 @@ async def _unready_pods(kube: Kube, namespace: str, name: str,
             if wanted.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()]
 
 
+async def _remove(kube: Kube, resource: Resource, body: Mapping[str, Any], name: str,
+                  kind: str, why: str) -> str | None:
+    """Delete the service's child ``kind name`` if it exists and is its own. Returns a line
+    saying so (with ``why``), or None."""
+    meta = body["metadata"]
+    live = await kube.get(resource, meta["namespace"], name)
+    if live is None or foreign_owner(live, meta.get("uid"), meta["name"]):
+        return None
+    if not await kube.delete(resource, meta["namespace"], name):
+        return None
+    return f"deleted {kind} {name}: {why}"
+
+
 async def _remove_budget(kube: Kube, body: Mapping[str, Any]) -> str | None:
     """Delete the service's PodDisruptionBudget if it has one of its own (it runs at most one
     pod now). Returns a line saying so, or None."""
-    meta = body["metadata"]
-    live = await kube.get(DISRUPTION_BUDGETS, meta["namespace"], meta["name"])
-    if live is None or foreign_owner(live, meta.get("uid"), meta["name"]):
-        return None
-    if not await kube.delete(DISRUPTION_BUDGETS, meta["namespace"], meta["name"]):
-        return None
-    return f"deleted PodDisruptionBudget {meta['name']}: the service runs at most one pod"
+    return await _remove(kube, DISRUPTION_BUDGETS, body, body["metadata"]["name"],
+                         "PodDisruptionBudget", "the service runs at most one pod")
+
+
+async def _remove_gateway(kube: Kube, body: Mapping[str, Any]) -> list[str]:
+    """Delete the gateway's Deployment, RoleBinding, Role and ServiceAccount (routing is off).
+    Returns a line per object deleted."""
+    name, why = gateway_name(body["metadata"]["name"]), "spec.routing.enabled is false"
+    lines = [await _remove(kube, DEPLOYMENTS, body, name, "Deployment", why),
+             await _remove(kube, ROLE_BINDINGS, body, name, "RoleBinding", why),
+             await _remove(kube, ROLES, body, name, "Role", why),
+             await _remove(kube, SERVICE_ACCOUNTS, body, name, "ServiceAccount", why)]
+    return [line for line in lines if line]
+
+
+async def _gateway_pods(kube: Kube, namespace: str, name: str,
+                        gateway: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The gateway's pods when none is ready (to say why), else []."""
+    if gateway is None or (gateway.get("status", {}).get("readyReplicas") or 0) >= 1:
+        return []
+    wanted = gateway_selector_labels(name)
+    return [p for p in await kube.list(PODS, namespace, gateway_selector(name))
+            if wanted.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()]
+
+
+async def _apply_gateway(kube: Kube, body: Mapping[str, Any], gateway: list[dict[str, Any]],
+                         ) -> tuple[dict[str, Any] | None, list[str]]:
+    """Apply the gateway's objects (render_gateway's order: the account, its Role and binding,
+    then the Deployment), or remove them when ``gateway`` is [] (routing off). Returns the live
+    gateway Deployment (None when routing is off) and a line per change."""
+    if not gateway:
+        return None, await _remove_gateway(kube, body)
+    account, role, binding, deployment = gateway
+    actions = [(await _apply(kube, SERVICE_ACCOUNTS, body, account, plan_service,
+                             always=False))[1],
+               (await _apply(kube, ROLES, body, role, plan_service, always=False))[1],
+               (await _apply(kube, ROLE_BINDINGS, body, binding, plan_service,
+                             always=False))[1]]
+    live, action = await _apply(kube, DEPLOYMENTS, body, deployment, plan_gateway_deployment,
+                                always=False)
+    return live, [a for a in actions + [action] if a]
 
 
 async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
                     cluster_domain: str = "cluster.local") -> Outcome | None:
-    """Bring InferenceService ``namespace/name``'s Deployment, Service and status in line
-    with its spec. Returns None when the object is gone or being deleted.
+    """Bring InferenceService ``namespace/name``'s Deployment, Services, gateway and status in
+    line with its spec. Returns None when the object is gone or being deleted.
 
     Raises kopf.TemporaryError (retry after ``retry_delay(retry)`` s) or kopf.PermanentError
     as described in the module docstring.
@@ -164,33 +218,45 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
         try:
             spec = parse_spec(body.get("spec"), name=name)
             deployment = render_deployment(body, spec)
-            service = render_service(body)
+            service = render_service(body, spec)
+            pods_service = render_pods_service(body, spec)
             budget = render_disruption_budget(body, spec)
-            kopf.adopt([deployment, service] + ([budget] if budget else []), owner=body)
+            gateway = render_gateway(body, spec)
+            kopf.adopt([deployment, service, pods_service] + ([budget] if budget else [])
+                       + gateway, owner=body)
             scaling = st.find_condition((body.get("status") or {}).get("conditions"),
                                         st.SCALING_ACTIVE) or {}
             hold = scaling.get("reason") == st.FOREIGN_SCALER  # the autoscaler stood back
             live_dep, dep_action = await _apply(
                 kube, DEPLOYMENTS, body, deployment,
                 lambda d, live: plan_deployment(d, live, spec, hold_replicas=hold))
-            _, svc_action = await _apply(kube, SERVICES, body, service, plan_service)
+            # always=False: services made by an older operator get it on the first reconcile.
+            _, pods_action = await _apply(kube, SERVICES, body, pods_service, plan_service,
+                                          always=False)
             if budget is not None:
-                _, pdb_action = await _apply(kube, DISRUPTION_BUDGETS, body, budget, plan_service)
+                _, pdb_action = await _apply(kube, DISRUPTION_BUDGETS, body, budget,
+                                             plan_service, always=False)
             else:
                 pdb_action = await _remove_budget(kube, body)
+            live_gateway, gateway_actions = await _apply_gateway(kube, body, gateway)
+            # Last: with routing on, the Service moves to the gateway once that exists.
+            _, svc_action = await _apply(kube, SERVICES, body, service, plan_service)
         except SpecError as exc:
             return await _fail(kube, body, exc.reason, exc.message)
 
-        actions = tuple(a for a in (dep_action, svc_action, pdb_action) if a)
+        actions = tuple(a for a in (dep_action, pods_action, pdb_action, *gateway_actions,
+                                    svc_action) if a)
         for action in actions:
             await post_event(kube, body, "Normal", action.split()[0].capitalize(),
                              action[0].upper() + action[1:])
         before = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
         url = service_url(name, namespace, cluster_domain)
         pods = await _unready_pods(kube, namespace, name, live_dep)
+        gateway_pods = await _gateway_pods(kube, namespace, name, live_gateway)
         await update_status(kube, body, lambda b: st.compute_status(
-            b, spec, live_dep, now=_now(), url=url, pods=pods))
-        ready, _, message = st.ready_condition(live_dep, pods)
+            b, spec, live_dep, now=_now(), url=url, pods=pods, gateway=live_gateway,
+            gateway_pods=gateway_pods))
+        ready, _, message = st.service_ready(spec, live_dep, pods, live_gateway, gateway_pods)
         if before and before.get("status") != ready:
             await post_event(kube, body, "Normal" if ready == "True" else "Warning",
                              "Ready" if ready == "True" else "NotReady", message)

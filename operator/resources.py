@@ -1,5 +1,5 @@
 """Pure renderers: an InferenceService (dict) → the Deployment, Service and PodDisruptionBudget
-(dicts) it owns.
+(dicts) it owns; the gateway's objects are rendered by gateway_resources.py.
 
 Nothing here talks to a cluster; ``slipstream operator render`` prints what these return, and the
 reconcile loop applies it. Shapes follow apps/v1 Deployment, core/v1 Service and policy/v1
@@ -60,6 +60,15 @@ def labels(name: str) -> dict[str, str]:
 def selector_labels(name: str) -> dict[str, str]:
     """The Deployment's and Service's pod selector (immutable on a Deployment: keep it small)."""
     return {INSTANCE_LABEL: name, "app.kubernetes.io/component": "model-server"}
+
+
+GATEWAY_COMPONENT = "gateway"
+
+
+def gateway_selector_labels(name: str) -> dict[str, str]:
+    """The gateway pods' selector (gateway_resources.py), which the Service ``name`` uses while
+    routing is enabled: the model pods' with component ``gateway``."""
+    return {INSTANCE_LABEL: name, "app.kubernetes.io/component": GATEWAY_COMPONENT}
 
 
 def pod_selector(name: str) -> str:
@@ -217,17 +226,21 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
     return deployment
 
 
-def render_service(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The ClusterIP Service: port 80 (``http``) → the pods' named port ``http``."""
+def render_service(body: Mapping[str, Any], spec: InferenceServiceSpec | None = None,
+                   ) -> dict[str, Any]:
+    """The ClusterIP Service: port 80 (``http``) → the named port ``http`` of the gateway pods
+    while ``spec.routing.enabled``, else of the model pods. Raises SpecError (parse_spec)."""
     meta = body.get("metadata", {})
     name, namespace = meta["name"], meta.get("namespace") or "default"
+    spec = spec if spec is not None else parse_spec(body.get("spec"), name=name)
+    selector = gateway_selector_labels(name) if spec.routing.enabled else selector_labels(name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": selector,
             "ports": [{"name": PORT_NAME, "port": SERVICE_PORT, "targetPort": PORT_NAME,
                        "protocol": "TCP"}],
         },
@@ -264,14 +277,20 @@ def render_disruption_budget(body: Mapping[str, Any], spec: InferenceServiceSpec
 
 
 def render_children(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """[Deployment, Service] and, when the service can run more than one pod, its
-    PodDisruptionBudget. When ``body`` has a uid (it came from a cluster), all carry its owner
-    reference and labels (``kopf.adopt``), so deleting it deletes them.
-    Raises SpecError when the spec cannot be served."""
+    """[Deployment, Service, headless Service ``NAME-pods``], the PodDisruptionBudget when the
+    service can run more than one pod, and while routing is enabled the gateway's
+    ServiceAccount, Role, RoleBinding and Deployment. When ``body`` has a uid (it came from a
+    cluster), all carry its owner reference and labels (``kopf.adopt``), so deleting it deletes
+    them. Raises SpecError when the spec cannot be served."""
+    # gateway_resources builds on this module's labels and security settings.
+    from slipstream.operator.gateway_resources import render_gateway, render_pods_service
+
     name = body.get("metadata", {}).get("name")
     spec = parse_spec(body.get("spec"), name=name)
     budget = render_disruption_budget(body, spec)
-    children = [render_deployment(body, spec), render_service(body)] + ([budget] if budget else [])
+    children = [render_deployment(body, spec), render_service(body, spec),
+                render_pods_service(body, spec)] + ([budget] if budget else [])
+    children += render_gateway(body, spec)
     if body.get("metadata", {}).get("uid"):
         kopf.adopt(children, owner=dict(body))
     return children

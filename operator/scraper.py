@@ -1,4 +1,6 @@
-"""Scraper: read the autoscaling gauges from each ready pod's ``/metrics``, all pods at once.
+"""Scraper: read the autoscaling gauges from each ready pod's ``/metrics``, all pods at once:
+the model pods' queue and KV cache (:func:`scrape_pods`), and the gateway pods' waiting and
+in-flight requests (:func:`scrape_gateways`, the demand signal at zero replicas).
 
 A pod that is slow, down or answers nonsense is left out of the tick and named in
 :attr:`ScrapeResult.failures`; it never holds up the other pods or the caller past ``timeout``.
@@ -8,19 +10,22 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream.operator.autoscaler import PodSample
+from slipstream.operator.autoscaler import GatewaySample, PodSample
 
-__all__ = ["PodSample", "PodTarget", "ScrapeFailure", "ScrapeResult", "parse_metrics", "pod_targets",
-           "scrape_pods"]
+__all__ = ["GatewayScrape", "GatewaySample", "PodSample", "PodTarget", "ScrapeFailure", "ScrapeResult",
+           "parse_gateway_metrics", "parse_metrics", "pod_targets", "scrape_gateways", "scrape_pods"]
 
 WAITING = "slipstream:num_requests_waiting"
 RUNNING = "slipstream:num_requests_running"
 KV_CACHE = "slipstream:kv_cache_usage_perc"
+# The gateway's (server/gateway/metrics.py).
+GATEWAY_WAITING = "slipstream:gateway_requests_waiting"
+GATEWAY_IN_FLIGHT = "slipstream:gateway_endpoint_in_flight"
 DEFAULT_TIMEOUT = 1.0
 # A slipstream pod's exposition is tens of KiB; anything far larger is not one.
 MAX_BYTES = 4 << 20
@@ -62,6 +67,16 @@ class ScrapeResult:
         return [f.pod for f in self.failures]
 
 
+@dataclass(frozen=True, slots=True)
+class GatewayScrape:
+    """One tick of the gateway pods: their gauges summed (None when none answered) and why each
+    other pod did not answer. time: when the tick started, seconds on the scraper's clock."""
+
+    time: float
+    sample: GatewaySample | None
+    failures: tuple[ScrapeFailure, ...]
+
+
 def parse_metrics(text: str, model_name: str | None = None) -> tuple[float, float, float]:
     """(waiting, running, kv_cache_usage_perc) from Prometheus text exposition.
 
@@ -78,6 +93,28 @@ def parse_metrics(text: str, model_name: str | None = None) -> tuple[float, floa
     if missing:
         raise ValueError(f"metrics missing: {', '.join(missing)}")
     return sum(values[WAITING]), sum(values[RUNNING]), max(values[KV_CACHE])
+
+
+def parse_gateway_metrics(text: str) -> tuple[float, float | None]:
+    """(waiting, in_flight) from a gateway's Prometheus text exposition: requests it holds for
+    want of a pod (``slipstream:gateway_requests_waiting``) and requests it has on pods, summed
+    over its endpoints (``slipstream:gateway_endpoint_in_flight``; 0 with no endpoint, None when
+    the family is not exported at all). Raises ValueError when the text does not parse or the
+    waiting gauge is missing.
+    """
+    waiting: list[float] = []
+    in_flight: list[float] | None = None
+    for family in text_string_to_metric_families(text):
+        if family.name == GATEWAY_IN_FLIGHT and in_flight is None:
+            in_flight = []  # exported, perhaps without series: no endpoint
+        for sample in family.samples:
+            if sample.name == GATEWAY_WAITING:
+                waiting.append(float(sample.value))
+            elif sample.name == GATEWAY_IN_FLIGHT:
+                in_flight = (in_flight or []) + [float(sample.value)]
+    if not waiting:
+        raise ValueError(f"metrics missing: {GATEWAY_WAITING}")
+    return sum(waiting), None if in_flight is None else sum(in_flight)
 
 
 def pod_targets(pods: Iterable[Mapping[str, Any]], port: int) -> tuple[list[PodTarget], int]:
@@ -100,16 +137,41 @@ def pod_targets(pods: Iterable[Mapping[str, Any]], port: int) -> tuple[list[PodT
     return targets, starting
 
 
-async def _scrape_one(session: aiohttp.ClientSession, target: PodTarget, model_name: str | None,
-                      clock: Callable[[], float]) -> PodSample:
+async def _fetch(session: aiohttp.ClientSession, target: PodTarget) -> str:
     async with session.get(target.url) as response:
         if response.status != 200:
             raise ValueError(f"HTTP {response.status}")
         body = await response.content.read(MAX_BYTES + 1)
     if len(body) > MAX_BYTES:
         raise ValueError(f"response larger than {MAX_BYTES} bytes")
-    waiting, running, kv = parse_metrics(body.decode("utf-8"), model_name)
-    return PodSample(target.name, clock(), waiting, running, kv)
+    return body.decode("utf-8")
+
+
+T = TypeVar("T")
+
+
+async def _read_all(targets: Sequence[PodTarget], timeout: float, session: aiohttp.ClientSession | None,
+                    read: Callable[[str], T]) -> list[tuple[PodTarget, T | ScrapeFailure]]:
+    """``read(text)`` of every target's /metrics, concurrently, each within ``timeout`` seconds;
+    a target that fails becomes a :class:`ScrapeFailure`."""
+
+    async def one(s: aiohttp.ClientSession, target: PodTarget) -> T | ScrapeFailure:
+        try:
+            return read(await asyncio.wait_for(_fetch(s, target), timeout))
+        except asyncio.TimeoutError:
+            return ScrapeFailure(target.name, f"no answer within {timeout:g}s")
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            return ScrapeFailure(target.name, f"{type(exc).__name__}: {exc}"[:200])
+
+    async def every(s: aiohttp.ClientSession) -> list[T | ScrapeFailure]:
+        reads: list[Awaitable[T | ScrapeFailure]] = [one(s, t) for t in targets]
+        return list(await asyncio.gather(*reads))
+
+    if session is None:
+        # limit=0: every pod at once; the default pool of 100 would queue the rest past the timeout.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as own:
+            return list(zip(targets, await every(own)))
+    return list(zip(targets, await every(session)))
 
 
 async def scrape_pods(
@@ -128,23 +190,36 @@ async def scrape_pods(
     clock: stamps the result and the samples (seconds; wall clock by default).
     """
     started = clock()
-
-    async def one(s: aiohttp.ClientSession, target: PodTarget) -> PodSample | ScrapeFailure:
-        try:
-            return await asyncio.wait_for(_scrape_one(s, target, model_name, clock), timeout)
-        except asyncio.TimeoutError:
-            return ScrapeFailure(target.name, f"no answer within {timeout:g}s")
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
-            return ScrapeFailure(target.name, f"{type(exc).__name__}: {exc}"[:200])
-
-    if session is None:
-        # limit=0: every pod at once; the default pool of 100 would queue the rest past the timeout.
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as own:
-            results = await asyncio.gather(*(one(own, t) for t in targets))
-    else:
-        results = await asyncio.gather(*(one(session, t) for t in targets))
+    results = [PodSample(target.name, clock(), *gauges) if isinstance(gauges, tuple) else gauges
+               for target, gauges in await _read_all(targets, timeout, session,
+                                                     lambda text: parse_metrics(text, model_name))]
     return ScrapeResult(
         time=started,
         samples=tuple(r for r in results if isinstance(r, PodSample)),
         failures=tuple(r for r in results if isinstance(r, ScrapeFailure)),
     )
+
+
+async def scrape_gateways(
+    targets: Sequence[PodTarget],
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    session: aiohttp.ClientSession | None = None,
+    clock: Callable[[], float] = time.time,
+) -> GatewayScrape:
+    """Read every gateway pod's ``/metrics`` concurrently (as :func:`scrape_pods`) and sum what
+    they hold: ``sample`` is None when none answered, its ``in_flight`` None unless every pod
+    that answered exports it, and ``complete`` False when a pod did not answer.
+    """
+    started = clock()
+    results = [r for _, r in await _read_all(targets, timeout, session, parse_gateway_metrics)]
+    read = [r for r in results if not isinstance(r, ScrapeFailure)]
+    failures = tuple(r for r in results if isinstance(r, ScrapeFailure))
+    sample = None
+    if read:
+        in_flight = [f for _, f in read]
+        sample = GatewaySample(
+            waiting=sum(w for w, _ in read),
+            in_flight=None if any(f is None for f in in_flight) else sum(in_flight),
+            complete=not failures)
+    return GatewayScrape(started, sample, failures)

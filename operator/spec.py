@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from decimal import Decimal
 from typing import Any, Mapping
 
@@ -79,6 +80,103 @@ class ResourcesSpec:
     gpus: int = 0
 
 
+ROUTING_POLICIES = ("round-robin", "least-loaded", "prefix", "kv-events")
+# camelCase key of ``spec.routing`` (and of ``spec.routing.weights``) → RoutingSpec attribute.
+ROUTING_KEYS: Mapping[str, str] = MappingProxyType({
+    "enabled": "enabled", "policy": "policy", "weights": "weights", "queueSize": "queue_size",
+    "queueTimeoutSeconds": "queue_timeout_seconds", "replicas": "replicas"})
+WEIGHT_KEYS: Mapping[str, str] = MappingProxyType({
+    "prefix": "prefix", "queue": "queue", "kvCache": "kv_cache", "affinity": "affinity"})
+
+
+def _unknown_keys(raw: Any, keys: Mapping[str, str], where: str) -> Mapping[str, Any]:
+    """``raw`` as a mapping of known keys; ValueError naming ``where`` otherwise."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where} must be an object, got {raw!r}")
+    unknown = sorted(str(key) for key in set(raw) - set(keys))
+    if unknown:
+        raise ValueError(f"{where} has unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(keys)}")
+    return raw
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingWeights:
+    """``spec.routing.weights``: the gateway's score weights (``slipstream gateway
+    --weight-*``): prompt blocks an endpoint already holds, a short queue, free KV cache, the
+    endpoint a session used before. Numbers ≥ 0, at least one > 0."""
+
+    prefix: float = 3.0
+    queue: float = 1.0
+    kv_cache: float = 0.5
+    affinity: float = 0.5
+
+    def __post_init__(self) -> None:
+        for key, name in WEIGHT_KEYS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"spec.routing.weights.{key} must be a number ≥ 0, got {value!r}")
+        if not any(getattr(self, name) > 0 for name in WEIGHT_KEYS.values()):
+            raise ValueError("spec.routing.weights: at least one weight must be > 0, or every "
+                             "endpoint scores the same")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """``spec.routing``: the inference gateway in front of the model pods (issue 12).
+
+    enabled: the Service ``<name>`` selects ``slipstream gateway`` pods (else the model pods).
+    policy: round-robin | least-loaded | prefix | kv-events (see ``slipstream gateway --help``).
+    queue_size: requests the gateway holds while no pod can take them (one more gets 429).
+    queue_timeout_seconds: how long a held request waits before a 503 with Retry-After. For
+        scale from zero it should be at least the pods' startup time (``startupTimeoutSeconds``
+        is its upper bound); 300 s covers a model that loads in a few minutes.
+    replicas: gateway pods (2: one can go while the other routes).
+
+    Raises ValueError naming the CRD field when a value is out of range or of the wrong type.
+    """
+
+    enabled: bool = True
+    policy: str = "kv-events"
+    weights: RoutingWeights = field(default_factory=RoutingWeights)
+    queue_size: int = 1000
+    queue_timeout_seconds: int = 300
+    replicas: int = 2
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, key: str, rule: str, value: Any) -> None:
+            if not ok:
+                raise ValueError(f"spec.routing.{key} must be {rule}, got {value!r}")
+
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+        check(isinstance(self.enabled, bool), "enabled", "true or false", self.enabled)
+        check(self.policy in ROUTING_POLICIES, "policy", f"one of {', '.join(ROUTING_POLICIES)}",
+              self.policy)
+        check(isinstance(self.weights, RoutingWeights), "weights", "an object", self.weights)
+        for key, name in (("queueSize", "queue_size"),
+                          ("queueTimeoutSeconds", "queue_timeout_seconds"),
+                          ("replicas", "replicas")):
+            check(integer(getattr(self, name)), key, "an integer ≥ 1", getattr(self, name))
+
+    @classmethod
+    def from_dict(cls, routing: Mapping[str, Any] | None) -> RoutingSpec:
+        """Parse the CRD's camelCase ``spec.routing``; None (or a key set to null) means the
+        default. Keys: :data:`ROUTING_KEYS`, :data:`WEIGHT_KEYS` under ``weights``.
+        Raises ValueError for an unknown key, a value that is not an object, or (from the
+        constructors) a value out of range."""
+        if routing is None:
+            return cls()
+        values = {ROUTING_KEYS[k]: v for k, v in
+                  _unknown_keys(routing, ROUTING_KEYS, "spec.routing").items() if v is not None}
+        if "weights" in values:
+            weights = _unknown_keys(values["weights"], WEIGHT_KEYS, "spec.routing.weights")
+            values["weights"] = RoutingWeights(**{WEIGHT_KEYS[k]: v for k, v in weights.items()
+                                                  if v is not None})
+        return cls(**values)
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceServiceSpec:
     """The whole ``spec`` with defaults filled in. Times in seconds."""
@@ -87,6 +185,7 @@ class InferenceServiceSpec:
     image: str = DEFAULT_IMAGE
     replicas: int = 1
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -98,7 +197,8 @@ class InferenceServiceSpec:
 
 
 # CRD field name → dataclass field name, per object. Anything not listed is an unknown field.
-# spec.autoscaling has its own parser, shared with the simulator (AutoscalingSpec.from_dict).
+# spec.autoscaling and spec.routing have their own parsers (AutoscalingSpec.from_dict, shared
+# with the simulator; RoutingSpec.from_dict).
 _FIELDS: dict[type, dict[str, str]] = {
     ModelSpec: {"source": "source", "path": "path", "claimName": "claim_name",
                 "profile": "profile", "servedModelName": "served_model_name"},
@@ -108,20 +208,21 @@ _FIELDS: dict[type, dict[str, str]] = {
     ResourcesSpec: {"cpu": "cpu", "memory": "memory", "gpus": "gpus"},
     InferenceServiceSpec: {
         "model": "model", "image": "image", "replicas": "replicas", "autoscaling": "autoscaling",
+        "routing": "routing",
         "engine": "engine", "resources": "resources", "nodeSelector": "node_selector",
         "tolerations": "tolerations", "env": "env", "port": "port",
         "shutdownTimeoutSeconds": "shutdown_timeout_seconds",
         "startupTimeoutSeconds": "startup_timeout_seconds",
     },
 }
-_NESTED = {"model": ModelSpec, "autoscaling": AutoscalingSpec, "engine": EngineSpec,
-           "resources": ResourcesSpec}
+_NESTED = {"model": ModelSpec, "autoscaling": AutoscalingSpec, "routing": RoutingSpec,
+           "engine": EngineSpec, "resources": ResourcesSpec}
 
 
 def _build(cls: type, raw: Mapping[str, Any] | None, where: str) -> Any:
-    if cls is AutoscalingSpec:
+    if cls in (AutoscalingSpec, RoutingSpec):
         try:
-            return AutoscalingSpec.from_dict(raw)
+            return cls.from_dict(raw)
         except ValueError as exc:
             raise SpecError("InvalidSpec", str(exc)) from None
     if raw is None:
@@ -164,14 +265,21 @@ def _check_int(value: Any, where: str, low: int, high: int | None = None) -> Non
         raise SpecError("InvalidSpec", f"{where} must be an integer {bound}, got {value!r}")
 
 
+# The longest name: ``<name>-pods`` (the headless Service of the model pods) is a DNS-1035
+# label too, at most 63 characters.
+MAX_NAME_LENGTH = 63 - len("-pods")
+
+
 def validate_name(name: str) -> None:
-    """Raise SpecError unless ``name`` can name the Service (RFC 1035 label, ≤ 63 chars)."""
-    if len(name) > 63 or not DNS1035_LABEL.match(name):
+    """Raise SpecError unless ``name`` can name the Services (``<name>`` and ``<name>-pods``:
+    RFC 1035 labels, so ``name`` is one of at most :data:`MAX_NAME_LENGTH` characters)."""
+    if len(name) > MAX_NAME_LENGTH or not DNS1035_LABEL.match(name):
         raise SpecError(
             "InvalidName",
             f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits and "
-            f"'-', starting with a letter, at most 63 characters) because it names the Service; "
-            f"recreate the InferenceService under such a name")
+            f"'-', starting with a letter, at most {MAX_NAME_LENGTH} characters) because it "
+            f"names the Services {name} and {name}-pods; recreate the InferenceService under "
+            f"such a name")
 
 
 def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> InferenceServiceSpec:

@@ -2,8 +2,9 @@
 
 A condition is ``{type, status: "True"|"False"|"Unknown", reason, message, lastTransitionTime}``
 (as in metav1.Condition); ``lastTransitionTime`` changes only when ``status`` does.
-Types: ``Ready`` (some pod serves), ``Progressing`` (a rollout is under way), ``ScalingActive``
-(the autoscaler has metrics and acts; written by the autoscaler, issue 6, once it runs).
+Types: ``Ready`` (some pod serves and, while routing is enabled, some gateway pod routes),
+``Progressing`` (a rollout is under way), ``ScalingActive`` (the autoscaler has metrics and acts;
+written by the autoscaler), ``GatewayReady`` (some gateway pod is ready).
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from slipstream.operator.resources import pod_selector
 from slipstream.operator.spec import InferenceServiceSpec
 
 READY, PROGRESSING, SCALING_ACTIVE = "Ready", "Progressing", "ScalingActive"
+GATEWAY_READY = "GatewayReady"
 # ScalingActive's reason while another scaler writes the Deployment's replicas (foreign.py).
 FOREIGN_SCALER = "ForeignScaler"
-CONDITION_ORDER = (READY, PROGRESSING, SCALING_ACTIVE)
+CONDITION_ORDER = (READY, PROGRESSING, SCALING_ACTIVE, GATEWAY_READY)
 # Status fields the reconcile loop owns; the autoscaler owns queueDepth, kvCacheUtilization,
 # kvCachePercent, lastScaleTime, and shares desiredReplicas and the ScalingActive condition.
 OWNED_FIELDS = ("conditions", "replicas", "readyReplicas", "desiredReplicas", "url",
-                "observedGeneration", "selector")
+                "gateway", "observedGeneration", "selector")
 
 
 def timestamp(now: datetime.datetime) -> str:
@@ -119,6 +121,41 @@ def ready_condition(deployment: Mapping[str, Any] | None,
             f"0/{want} replicas ready; a pod turns ready once its model is loaded and warmed")
 
 
+def gateway_condition(spec: InferenceServiceSpec, gateway: Mapping[str, Any] | None,
+                      pods: list[Mapping[str, Any]] | None = None) -> tuple[str, str, str]:
+    """(status, reason, message) of ``GatewayReady`` from the gateway Deployment (None: not
+    there yet) and, when none of its pods is ready, what :func:`pod_problem` finds in ``pods``
+    (the gateway's pods)."""
+    if not spec.routing.enabled:
+        return ("False", "RoutingDisabled",
+                "spec.routing.enabled is false: the Service selects the model pods")
+    if gateway is None:
+        return "False", "GatewayMissing", "the gateway Deployment does not exist yet"
+    want = gateway.get("spec", {}).get("replicas", 1)
+    ready = gateway.get("status", {}).get("readyReplicas") or 0
+    if ready >= 1:
+        return "True", "GatewayReplicasReady", f"{ready}/{want} gateway replicas ready"
+    problem = pod_problem(pods or [])
+    if problem:
+        return "False", f"Gateway{problem[0]}", f"0/{want} gateway replicas ready; {problem[1]}"
+    return "False", "NoGatewayReplicasReady", f"0/{want} gateway replicas ready"
+
+
+def service_ready(spec: InferenceServiceSpec, deployment: Mapping[str, Any] | None,
+                  pods: list[Mapping[str, Any]] | None = None,
+                  gateway: Mapping[str, Any] | None = None,
+                  gateway_pods: list[Mapping[str, Any]] | None = None) -> tuple[str, str, str]:
+    """(status, reason, message) of ``Ready``: :func:`ready_condition` of the model pods and,
+    while routing is enabled, the gateway ready too (requests reach the pods through it)."""
+    model = ready_condition(deployment, pods)
+    if not spec.routing.enabled or model[0] != "True":
+        return model
+    status, reason, message = gateway_condition(spec, gateway, gateway_pods)
+    if status != "True":
+        return "False", reason, f"{model[2]}, but {message}"
+    return model[0], model[1], f"{model[2]}; {message}"
+
+
 def progressing_condition(deployment: Mapping[str, Any] | None) -> tuple[str, str, str]:
     """(status, reason, message) of ``Progressing``: True while the Deployment rolls out."""
     if deployment is None:
@@ -169,17 +206,23 @@ def desired_replicas(spec: InferenceServiceSpec, status: Mapping[str, Any],
 def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,
                    deployment: Mapping[str, Any] | None, *, url: str,
                    now: datetime.datetime, pods: list[Mapping[str, Any]] | None = None,
+                   gateway: Mapping[str, Any] | None = None,
+                   gateway_pods: list[Mapping[str, Any]] | None = None,
                    ) -> dict[str, Any]:
     """The status fields the reconcile loop owns (:data:`OWNED_FIELDS`) for a valid spec;
-    ``pods``: the service's pods, read when some are not ready (for the Ready condition)."""
+    ``pods``: the service's pods, read when some are not ready (for the Ready condition);
+    ``gateway``: the live gateway Deployment (None: none yet, or routing disabled);
+    ``gateway_pods``: its pods, read when none is ready."""
     status = body.get("status") or {}
     conditions = status.get("conditions")
     for type_, (st, reason, message) in (
-            (READY, ready_condition(deployment, pods)),
+            (READY, service_ready(spec, deployment, pods, gateway, gateway_pods)),
             (PROGRESSING, progressing_condition(deployment)),
-            (SCALING_ACTIVE, scaling_condition(spec, conditions))):
+            (SCALING_ACTIVE, scaling_condition(spec, conditions)),
+            (GATEWAY_READY, gateway_condition(spec, gateway, gateway_pods))):
         conditions = set_condition(conditions, type_, st, reason, message, now)
     dep_status = (deployment or {}).get("status", {})
+    gw_status = (gateway or {}).get("status", {})
     meta = body.get("metadata", {})
     return {
         "conditions": conditions,
@@ -187,6 +230,10 @@ def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,
         "readyReplicas": dep_status.get("readyReplicas") or 0,
         "desiredReplicas": desired_replicas(spec, status, deployment),
         "url": url,
+        # The Service NAME is the gateway's while routing is enabled; None removes the field.
+        "gateway": {"url": url, "replicas": gw_status.get("replicas") or 0,
+                    "readyReplicas": gw_status.get("readyReplicas") or 0}
+        if spec.routing.enabled else None,
         "observedGeneration": meta.get("generation"),
         "selector": pod_selector(meta["name"]),
     }

@@ -124,6 +124,31 @@ def test_without_autoscaling_the_count_stays_and_the_queue_only_grows_during_the
     assert better.ttft_percentiles(quantiles=(0.99,))[0] < 0.5 * result.ttft_percentiles(quantiles=(0.99,))[0]
 
 
+def test_from_zero_the_first_arrival_starts_a_replica_all_finish_and_idle_returns_to_zero():
+    cluster = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(min_replicas=0, scale_to_zero_after_seconds=30),
+                      startup_delay=10.0, tick=1.0)
+    arrivals = poisson_arrivals([Phase(0.0, 20.0), Phase(5.0, 10.0), Phase(0.0, 100.0)], (32, 32), (64, 64), seed=1)
+    result = cluster.run(arrivals, duration=130.0)
+
+    first = arrivals[0].time
+    assert first >= 20.0 and {t.desired for t in result.ticks if t.time < first} == {0}
+    up_time, up = result.scalings[0]
+    assert up.current_replicas == 0 and up.desired_replicas >= 1 and first < up_time <= first + 1.0
+    held = sum(1 for a in arrivals if a.time < up_time)
+    assert up.reason.startswith(f"scaling from zero: {held} request{'s' * (held > 1)} waiting in the gateway")
+    # Every request waited for the first replica instead of failing, and finished.
+    assert all(r.finished is not None for r in result.requests) and len(result.requests) == len(arrivals)
+    ready_at = min(r.ready_at for r in cluster.replicas + cluster.retired)
+    assert ready_at == up_time + 10.0 and min(r.first_token for r in result.requests) > ready_at
+    # Back to zero once nothing ran or waited for scaleToZeroAfterSeconds, and not before.
+    last_finish = max(r.finished for r in result.requests)
+    down_time, down = result.scalings[-1]
+    assert down.desired_replicas == 0 and last_finish + 29.0 <= down_time <= last_finish + 31.0, down.reason
+    assert "scaled to zero after 30s idle" in down.reason
+    assert result.ticks[-1].desired == 0 and result.ticks[-1].ready == 0
+    assert not cluster.active
+
+
 def test_least_loaded_routing_drains_a_backlog_faster_than_round_robin():
     arrivals = _overload(rate=40.0, seconds=40.0, then=0.0)
     p99 = {}

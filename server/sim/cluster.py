@@ -10,7 +10,10 @@ only for the uncached tokens, as it does for ``--model sim:`` pods. Requests are
 gateway's own :class:`~slipstream.server.gateway.routing.Router` (``routing``: round-robin,
 least-loaded, prefix or kv-events). Every ``tick`` seconds the cluster does what the operator
 does: read each ready replica's gauges, call :func:`slipstream.operator.autoscaler.decide`, and
-create (ready after ``startup_delay`` seconds) or drain replicas to match.
+create (ready after ``startup_delay`` seconds) or drain replicas to match. Requests that arrive
+while no replica is ready wait, as in the gateway, and are the gateway's waiting requests the
+policy reads, so ``minReplicas: 0`` scales from zero and, after ``scaleToZeroAfterSeconds``
+idle, back to it.
 
 Simplifications, each a choice: requests are routed when they arrive, to ready replicas only,
 with the replicas' gauges as they are at that instant (a perfectly fresh scrape); under
@@ -28,7 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, PodSample, decide
+from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, GatewaySample, PodSample, \
+    decide
 
 from ..engine.kv_cache import STORED, KVCacheManager
 from ..engine.outputs import RequestMetrics
@@ -361,7 +365,10 @@ class Cluster:
         current = len(self.active)
         desired = current
         if self.spec.enabled:
-            decision = decide(self.spec, self.state, samples, now, current, len(ready), len(starting))
+            # The requests held for want of a ready replica are what the gateway reports waiting
+            # (the demand signal at zero replicas); the rest are on replicas, in their gauges.
+            decision = decide(self.spec, self.state, samples, now, current, len(ready), len(starting),
+                              GatewaySample(waiting=float(len(self.pending))))
             self.state = decision.state
             desired = decision.desired_replicas
             if decision.scaled:

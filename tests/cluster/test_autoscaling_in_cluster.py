@@ -3,8 +3,10 @@
 The operator runs in-cluster (helm install); its InferenceService's pods are real `slipstream
 serve --model sim:tiny` processes started by the process kubelet, created by the real Deployment
 and ReplicaSet controllers, listed in EndpointSlices by the real EndpointSlice controller; the
-load generator picks pod addresses from those EndpointSlices (there is no kube-proxy), as a
-gateway does. Then: another scaler writing the Deployment's replicas is detected and left alone;
+load generator picks pod addresses from the EndpointSlices of the headless Service NAME-pods
+(there is no kube-proxy), as the gateway does. Routing is off here: the load generator is the
+router, and gateway processes would only take CPU from the timed sim pods
+(tests/cluster/test_gateway_in_cluster.py runs the gateway). Then: another scaler writing the Deployment's replicas is detected and left alone;
 an idle service costs almost no status writes; the operator pod killed mid-run and the API
 server restarted lose nothing; `helm upgrade` restarts no model pod.
 
@@ -45,6 +47,7 @@ def service(name: str = NAME, autoscaling: dict | None = None, replicas: int = 1
             "model": {"source": "sim", "profile": "tiny,time_scale=6"},
             "replicas": replicas,
             "autoscaling": autoscaling or {"enabled": False},
+            "routing": {"enabled": False},
             # 12 blocks of 16 tokens at 8 KiB a token: a request holds 2 blocks.
             "engine": {"maxNumSeqs": 4, "maxNumBatchedTokens": 512, "kvCacheMemory": 12 * 16 * 8192,
                        "blockSize": 16},
@@ -70,10 +73,11 @@ def apply(cluster, obj: dict) -> None:
 
 
 def ready_endpoints(api, name: str) -> list[str]:
-    """Ready, not terminating addresses of the Service's EndpointSlices."""
+    """Ready, not terminating addresses of the EndpointSlices of the model pods' headless
+    Service ``name-pods``."""
     from kubernetes import client
     slices = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
-        NAMESPACE, label_selector=f"kubernetes.io/service-name={name}")
+        NAMESPACE, label_selector=f"kubernetes.io/service-name={name}-pods")
     return sorted(a for s in slices.items for e in s.endpoints or []
                   if e.conditions and e.conditions.ready and not e.conditions.terminating
                   for a in e.addresses)
@@ -179,8 +183,9 @@ async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_dela
     # The operator came back as a new pod and made no duplicates.
     assert operator_pod(cluster) != killed
     selector = f"slipstream.dev/inferenceservice={NAME}"
-    for kind in ("deploy", "svc"):
-        assert len(get(cluster, kind, "-n", NAMESPACE, "-l", selector)["items"]) == 1, kind
+    for kind, names in (("deploy", [NAME]), ("svc", [NAME, f"{NAME}-pods"])):
+        found = [o["metadata"]["name"] for o in get(cluster, kind, "-n", NAMESPACE, "-l", selector)["items"]]
+        assert sorted(found) == names, kind
 
 
 def test_another_scaler_writing_replicas_is_detected_and_left_alone(operator):
@@ -255,7 +260,7 @@ def model_pods(cluster, selector: str) -> dict[str, int]:
 async def test_helm_upgrade_with_services_serving_fails_no_request_and_restarts_no_model_pod(operator):
     cluster = operator
     # The fixed-size service of the test before: autoscaled ones may change on their own.
-    selector = "slipstream.dev/inferenceservice=restart"
+    selector = "slipstream.dev/inferenceservice=restart,app.kubernetes.io/component=model-server"
     await asyncio.to_thread(wait_for, lambda: len([
         p for p in get(cluster, "pods", "-n", NAMESPACE, "-l", selector)["items"]
         if (condition(p, "Ready") or {}).get("status") == "True"]) == 2, 120, "two ready pods")

@@ -33,7 +33,9 @@ def ns_of(doc: dict) -> str:
 
 
 def pods_of(cluster, name: str, namespace: str) -> list[dict]:
-    out = get(cluster, "pods", "-n", namespace, "-l", f"slipstream.dev/inferenceservice={name}")
+    """The model pods of InferenceService ``name`` (not its gateway's), not terminating."""
+    out = get(cluster, "pods", "-n", namespace, "-l",
+              f"slipstream.dev/inferenceservice={name},app.kubernetes.io/component=model-server")
     return [p for p in out["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -104,14 +106,15 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
                  "resources": {"requests": {"storage": "1Gi"}}}}]))
     installed.kubectl("apply", "-f", str(EXAMPLES))
 
-    # The built-in model runs: Ready, its Service's EndpointSlice lists the ready pod, it answers.
+    # The built-in model runs: Ready, the EndpointSlice of its pods' headless Service lists the
+    # ready pod, it answers.
     builtin = docs["builtin"]
     name, namespace = builtin["metadata"]["name"], ns_of(builtin)
     wait_for(lambda: infsvc_ready(installed, name, namespace), MODEL_READY_TIMEOUT,
              f"InferenceService {name} Ready")
     ips = ready_pod_ips(installed, name, namespace)
     slices = get(installed, "endpointslices", "-n", namespace,
-                 "-l", f"kubernetes.io/service-name={name}")["items"]
+                 "-l", f"kubernetes.io/service-name={name}-pods")["items"]
     listed = sorted(a for s in slices for e in s.get("endpoints") or []
                     if (e.get("conditions") or {}).get("ready") for a in e["addresses"])
     assert listed == ips and ips
@@ -234,12 +237,14 @@ def test_kubectl_delete_garbage_collects_the_children(installed):
     sim = examples()["sim"]
     name, namespace = sim["metadata"]["name"], ns_of(sim)
     selector = f"slipstream.dev/inferenceservice={name}"
-    children = {o["kind"] for o in get(installed, "deploy,svc,pdb,pods", "-n", namespace,
-                                      "-l", selector)["items"]}
-    assert children == {"Deployment", "Service", "PodDisruptionBudget", "Pod"}, children
+    kinds = "deploy,svc,pdb,pods,sa,role,rolebinding"
+    children = {o["kind"] for o in get(installed, kinds, "-n", namespace, "-l", selector)["items"]}
+    assert children == {"Deployment", "Service", "PodDisruptionBudget", "Pod", "ServiceAccount",
+                        "Role", "RoleBinding"}, children
     installed.kubectl("delete", "infsvc", name, "-n", namespace, "--wait=true", "--timeout=120s")
-    wait_for(lambda: not get(installed, "deploy,svc,pdb,pods", "-n", namespace, "-l", selector)["items"],
-             120, "the Deployment, Service, PodDisruptionBudget and pods gone")
+    wait_for(lambda: not get(installed, kinds, "-n", namespace, "-l", selector)["items"],
+             120, "the Deployments, Services, PodDisruptionBudget, pods and the gateway's "
+                  "ServiceAccount, Role and RoleBinding gone")
 
 
 def test_helm_uninstall_leaves_nothing_of_ours_but_the_crds(installed):

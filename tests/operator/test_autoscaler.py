@@ -15,6 +15,7 @@ from slipstream.operator.autoscaler import (
     AutoscalerState,
     AutoscalingSpec,
     Decision,
+    GatewaySample,
     PodSample,
     append_scaling_history,
     decide,
@@ -277,7 +278,7 @@ def test_an_unknown_key_is_refused_naming_it_and_the_known_ones():
     assert str(caught.value) == (
         "spec.autoscaling has unknown field(s) futureKnob, targetQueueDepht; known: enabled, minReplicas, "
         "maxReplicas, targetQueueDepth, targetKVCacheUtilization, stableWindowSeconds, panicWindowSeconds, "
-        "panicThreshold, scaleDownDelaySeconds, tolerance")
+        "panicThreshold, scaleDownDelaySeconds, scaleToZeroAfterSeconds, tolerance")
     with pytest.raises(ValueError, match=r"spec.autoscaling must be an object, got \[1\]"):
         AutoscalingSpec.from_dict([1])
 
@@ -296,7 +297,10 @@ def test_replica_counts_have_one_clamp():
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"minReplicas": 0}, r"spec.autoscaling.minReplicas must be an integer ≥ 1 \(no scale to zero\), got 0"),
+    ({"minReplicas": -1}, r"spec.autoscaling.minReplicas must be an integer ≥ 0 \(0: scale to zero\), got -1"),
+    ({"maxReplicas": 0}, r"spec.autoscaling.maxReplicas must be an integer ≥ 1, got 0"),
+    ({"scaleToZeroAfterSeconds": -1}, r"scaleToZeroAfterSeconds must be an integer ≥ 0, got -1"),
+    ({"scaleToZeroAfterSeconds": 1.5}, r"scaleToZeroAfterSeconds must be an integer ≥ 0, got 1.5"),
     ({"minReplicas": 5, "maxReplicas": 3}, r"minReplicas \(5\) must be ≤ maxReplicas \(3\)"),
     ({"maxReplicas": True}, "maxReplicas must be an integer"),
     ({"targetQueueDepth": 0}, "targetQueueDepth must be a number > 0"),
@@ -331,3 +335,153 @@ def test_scaling_history_keeps_the_newest_entries():
     assert len(history) == 10
     assert history[0] == {"time": "t2", "fromReplicas": 2, "toReplicas": 3, "reason": "step 2"}
     assert history[-1]["time"] == "t11"
+
+
+# --- scale to zero and from zero -------------------------------------------------------------
+
+def idle(n: int, now: float) -> list[PodSample]:
+    """n ready pods with nothing running or waiting."""
+    return [PodSample(f"pod-{i}", now, 0.0, 0.0, 0.0) for i in range(n)]
+
+
+def busy(n: int, now: float, running: float = 1.0) -> list[PodSample]:
+    return [PodSample(f"pod-{i}", now, 0.0, running / n, 0.1) for i in range(n)]
+
+
+def zero_spec(**fields) -> AutoscalingSpec:
+    return spec(**{"min_replicas": 0, "max_replicas": 3, "target_queue_depth": 5.0,
+                   "scale_to_zero_after_seconds": 30, **fields})
+
+
+QUIET = GatewaySample(waiting=0.0, in_flight=0.0)
+
+
+def quiet_pods(t: float, n: int) -> list[PodSample]:
+    return idle(n, t)
+
+
+def test_min_replicas_zero_and_the_idle_delay_parse_from_the_crd_dict():
+    s = AutoscalingSpec.from_dict({"enabled": True, "minReplicas": 0, "scaleToZeroAfterSeconds": 45})
+    assert (s.min_replicas, s.scale_to_zero_after_seconds) == (0, 45)
+    assert AutoscalingSpec().scale_to_zero_after_seconds == 300
+    assert AutoscalingSpec.from_dict(s.to_dict()) == s
+    assert [s.clamp(n) for n in (0, 2, 9)] == [0, 2, 4]
+
+
+def test_at_zero_the_first_request_waiting_in_the_gateway_scales_to_one_at_the_same_tick():
+    s = zero_spec()
+    state = AutoscalerState()
+    for tick in range(30):  # a minute at zero: nothing waits, the count holds
+        d = decide(s, state, [], tick * TICK, 0, 0, 0, QUIET)
+        state = d.state
+        assert d.desired_replicas == 0 and not d.scaled
+    assert d.reason == ("holding 0: scaled to zero after 30s idle; no request waiting in the gateway")
+
+    d = decide(s, state, [], 60.0, 0, 0, 0, GatewaySample(waiting=1.0, in_flight=0.0))
+    assert d.desired_replicas == 1 and d.queue_depth == 1.0
+    assert d.reason == "scaling from zero: 1 request waiting in the gateway; 0 -> 1"
+
+
+def test_from_zero_the_gateways_backlog_sizes_the_first_step():
+    d = decide(zero_spec(), AutoscalerState(), [], 0.0, 0, 0, 0, GatewaySample(waiting=50.0))
+    assert d.desired_replicas == 3  # 50 / 5 per pod = 10 pods, rate limit 4, maxReplicas 3
+    assert d.reason.startswith("scaling from zero: 50 requests waiting in the gateway")
+    d = decide(zero_spec(max_replicas=20), AutoscalerState(), [], 0.0, 0, 0, 0, GatewaySample(waiting=50.0))
+    assert d.desired_replicas == 4
+
+
+def test_at_zero_without_a_gateway_reading_the_count_holds():
+    d = decide(zero_spec(), AutoscalerState(), [], 0.0, 0, 0, 0, None)
+    assert d.desired_replicas == 0 and "no gateway answered" in d.reason
+
+
+def test_requests_waiting_in_the_gateway_add_to_the_pods_queue():
+    # 2 idle pods and 16 requests the gateway could not place: 16 / 4 per pod = 4 pods
+    d = decide(spec(), AutoscalerState(), idle(2, 0.0), 0.0, 2, 2, 0, GatewaySample(waiting=16.0))
+    assert d.desired_replicas == 4 and d.queue_depth == 16.0
+
+
+def run_quiet_after(s: AutoscalingSpec, last_request: float, end: float,
+                    gateway: Callable[[float], GatewaySample | None] = lambda t: QUIET,
+                    pods: Callable[[float, int], list[PodSample]] = quiet_pods) -> list[tuple[float, Decision]]:
+    """One ready pod serving a request until ``last_request``, then idle; ticks every 2 s."""
+    state, replicas, log = AutoscalerState(), 1, []
+    t = 0.0
+    while t <= end:
+        samples = busy(1, t) if t <= last_request else pods(t, replicas)
+        d = decide(s, state, samples if replicas else [], t, replicas, replicas, 0, gateway(t))
+        state, replicas = d.state, d.desired_replicas
+        log.append((t, d))
+        t += TICK
+    return log
+
+
+def test_scale_to_zero_comes_exactly_the_idle_delay_after_the_last_request():
+    log = run_quiet_after(zero_spec(scale_down_delay_seconds=300), last_request=10.0, end=100.0)
+    [(when, down)] = [(t, d) for t, d in log if d.scaled]
+    assert when == 10.0 + 30.0 and (down.current_replicas, down.desired_replicas) == (1, 0)
+    assert down.reason == ("scaled to zero after 30s idle (no request ran or waited in the pods or the "
+                           "gateway); 1 -> 0")
+    assert all(d.desired_replicas == 0 for t, d in log if t > when)
+
+
+def test_scale_to_zero_drops_every_pod_at_once_not_by_halves():
+    s = zero_spec(max_replicas=8, scale_down_delay_seconds=0)
+    state = AutoscalerState(last_active=0.0)
+    d = decide(s, state, idle(8, 30.0), 30.0, 8, 8, 0, QUIET)
+    assert d.desired_replicas == 0
+
+
+def test_no_scale_to_zero_while_anything_is_in_flight_or_unseen():
+    s = zero_spec()
+    cases = {
+        "the gateway has a request on a pod": (lambda t: GatewaySample(0.0, in_flight=1.0), quiet_pods),
+        "the gateway holds a request": (lambda t: GatewaySample(1.0, in_flight=0.0), quiet_pods),
+        "a pod runs a request": (lambda t: QUIET, lambda t, n: busy(n, t)),
+        "a ready pod did not answer": (lambda t: QUIET, lambda t, n: []),
+        "a gateway pod did not answer": (lambda t: GatewaySample(0.0, 0.0, complete=False), quiet_pods),
+        "no gateway": (lambda t: None, quiet_pods),
+    }
+    for what, (gateway, pods) in cases.items():
+        log = run_quiet_after(s, last_request=10.0, end=200.0, gateway=gateway, pods=pods)
+        assert min(d.desired_replicas for _, d in log) == 1, what
+
+
+def test_a_request_in_the_idle_delay_starts_it_over():
+    s = zero_spec()
+    log = run_quiet_after(s, last_request=10.0, end=100.0,
+                          gateway=lambda t: GatewaySample(0.0, in_flight=1.0 if t == 30.0 else 0.0))
+    [(when, _)] = [(t, d) for t, d in log if d.scaled]
+    assert when == 30.0 + 30.0
+
+
+def test_min_replicas_one_never_scales_to_zero_and_an_idle_gateway_changes_nothing():
+    s = spec(scale_to_zero_after_seconds=0, scale_down_delay_seconds=20)
+    with_gateway, without = [], []
+    for gateway, log in ((QUIET, with_gateway), (None, without)):
+        state, replicas = AutoscalerState(), 4
+        for tick in range(100):
+            t = tick * TICK
+            load = 24.0 if 20 <= t < 40 else 0.0
+            d = decide(s, state, samples(replicas, load, now=t), t, replicas, replicas, 0, gateway)
+            state, replicas = d.state, d.desired_replicas
+            log.append((d.desired_replicas, d.reason, d.queue_depth))
+    assert with_gateway == without
+    assert min(n for n, _, _ in with_gateway) == 1 and with_gateway[-1][0] == 1
+
+
+def test_at_zero_a_raised_min_replicas_brings_the_count_up():
+    d = decide(spec(min_replicas=2), AutoscalerState(), [], 0.0, 0, 0, 0, QUIET)
+    assert d.desired_replicas == 2
+
+
+def test_a_state_persisted_before_scale_to_zero_loads_and_starts_the_idle_clock_now():
+    old = {"observations": [[100.0, 0.0, 0.0]], "recommendations": [[100.0, 1]], "trackingSince": 50.0,
+           "panicTime": None, "lastScaleTime": 40.0}
+    state = AutoscalerState.from_dict(old)
+    assert state.last_active is None and state.tracking_since == 50.0
+    d = decide(zero_spec(), state, idle(1, 102.0), 102.0, 1, 1, 0, QUIET)
+    assert d.desired_replicas == 1 and d.state.last_active == 102.0  # waits the full delay from here
+    assert AutoscalerState.from_dict(json.loads(json.dumps(d.state.to_dict()))) == d.state
+    later = decide(zero_spec(), d.state, idle(1, 132.0), 132.0, 1, 1, 0, QUIET)
+    assert later.desired_replicas == 0

@@ -19,6 +19,7 @@ from operator_helpers import NAMESPACE, eventually, running_operator
 from slipstream.operator.autoscaling_loop import Autoscaler, autoscaling_enabled
 from slipstream.operator.foreign import QUIET_SECONDS, foreign_writer, replicas_writers, \
     still_writing
+from slipstream.operator.gateway_resources import gateway_labels
 from slipstream.operator.handlers import OperatorConfig, register
 from slipstream.operator.kube import DEPLOYMENTS, FIELD_MANAGER, INFERENCESERVICES, PODS, Kube
 from slipstream.operator.reconcile import reconcile
@@ -437,3 +438,126 @@ def test_foreign_writer_needs_another_manager_and_a_count_the_operator_did_not_s
     assert not still_writing(deployment(5, ("kube-controller-manager", "scale")), hpa,
                              stamp + QUIET_SECONDS)
     assert not still_writing(deployment(5, (FIELD_MANAGER, None)), hpa, stamp + 1)
+
+
+# --- scale to zero and from zero ----------------------------------------------------------------
+
+class FakeGateway:
+    """A gateway pod's /metrics: requests it holds and requests it has on each pod."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.in_flight: dict[str, int] = {}
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        lines = [f"slipstream:gateway_requests_waiting {self.waiting}",
+                 "# TYPE slipstream:gateway_endpoint_in_flight gauge"]
+        lines += [f'slipstream:gateway_endpoint_in_flight{{endpoint="{e}"}} {n}'
+                  for e, n in self.in_flight.items()]
+        return web.Response(text="\n".join(lines) + "\n")
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[tuple[int, FakeGateway]]:
+    """A fake gateway pod on 127.0.0.6 (its port: the autoscaler's ``gateway_port``)."""
+    fake = FakeGateway()
+    app = web.Application()
+    app.router.add_get("/metrics", fake.metrics)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.6", 0)
+    await site.start()
+    try:
+        yield runner.addresses[0][1], fake
+    finally:
+        await runner.cleanup()
+
+
+async def publish_gateway(kube: Kube, name: str = "chat-gateway-0", ip: str = "127.0.0.6") -> None:
+    await kube.create(PODS, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": gateway_labels("chat")},
+        "spec": {"containers": [{"name": "gateway", "image": "slipstream"}]},
+        "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}})
+
+
+async def test_from_zero_on_the_gateways_demand_and_back_to_zero_after_the_idle_delay(
+        kube, pods, gateway, make_autoscaler):
+    port, fakes = pods
+    gateway_port, fake_gateway = gateway
+    await kube.create(INFERENCESERVICES, inference_service(port, minReplicas=0, scaleToZeroAfterSeconds=10))
+    await reconcile(kube, NAMESPACE, "chat")
+    assert await replicas(kube) == 0  # created at minReplicas
+    await publish_gateway(kube)
+    clock = Clock()
+    autoscaler = make_autoscaler(clock=clock, gateway_port=gateway_port)
+
+    result = await tick(autoscaler, kube)  # nothing waits: the count holds at zero
+    assert result.decision.desired_replicas == 0 and result.gateway.waiting == 0
+    status = await status_of(kube)
+    assert status["desiredReplicas"] == 0
+    assert scaling_condition(status)["reason"] == "ScaledToZero"
+    assert "scaled to zero after 10s idle" in scaling_condition(status)["message"]
+
+    fake_gateway.waiting = 2  # the first requests arrive (one pod's worth): one pod at the next tick
+    clock.now += 2
+    result = await tick(autoscaler, kube)
+    assert result.replicas == 1 and await replicas(kube) == 1
+    status = await status_of(kube)
+    assert status["desiredReplicas"] == 1 and status["queueDepth"] == 2
+    assert scaling_condition(status)["reason"] == "MetricsAvailable"
+    assert scaling_condition(status)["message"].startswith(
+        "scaling from zero: 2 requests waiting in the gateway; 0 -> 1")
+
+    await publish(kube, fakes[0])  # the pod is ready and takes the requests
+    fake_gateway.waiting, fakes[0].running = 0, 3
+    fake_gateway.in_flight = {f"http://{fakes[0].ip}:{port}": 3}
+    clock.now += 2
+    await tick(autoscaler, kube)
+    last_request = clock.now
+    fakes[0].running, fake_gateway.in_flight = 0, {f"http://{fakes[0].ip}:{port}": 0}
+    while clock.now < last_request + 8:
+        clock.now += 2
+        assert (await tick(autoscaler, kube)).decision.desired_replicas == 1
+    clock.now += 2  # 10 s without a request
+    result = await tick(autoscaler, kube)
+    assert result.replicas == 0 and await replicas(kube) == 0
+    status = await status_of(kube)
+    assert status["desiredReplicas"] == 0
+    assert (scaling_condition(status)["reason"], scaling_condition(status)["message"]) == (
+        "ScaledToZero", "scaled to zero after 10s idle (no request ran or waited in the pods or the "
+                        "gateway); 1 -> 0")
+    assert [(e["fromReplicas"], e["toReplicas"]) for e in status["scalingHistory"]] == [(0, 1), (1, 0)]
+
+
+async def test_at_zero_a_silent_gateway_is_named_and_the_count_holds(kube, pods, make_autoscaler):
+    port, _ = pods
+    await kube.create(INFERENCESERVICES, inference_service(port, minReplicas=0))
+    await reconcile(kube, NAMESPACE, "chat")
+    await publish_gateway(kube, ip="127.0.0.7")  # nothing listens there
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.7", 0))
+        closed = probe.getsockname()[1]
+    result = await tick(make_autoscaler(clock=Clock(), gateway_port=closed), kube)
+    assert result.decision.desired_replicas == 0 and result.gateway is None
+    condition = scaling_condition(await status_of(kube))
+    assert (condition["status"], condition["reason"]) == ("False", "GatewayUnavailable")
+    assert "chat-gateway-0" in condition["message"]
+
+
+async def test_min_replicas_zero_without_the_gateway_keeps_one_replica_and_says_why(
+        kube, pods, make_autoscaler):
+    port, fakes = pods
+    body = inference_service(port, minReplicas=0, scaleToZeroAfterSeconds=0)
+    body["spec"]["routing"] = {"enabled": False}
+    await kube.create(INFERENCESERVICES, body)
+    await reconcile(kube, NAMESPACE, "chat")
+    clock = Clock()
+    autoscaler = make_autoscaler(clock=clock)
+    result = await tick(autoscaler, kube)  # no pod yet at 0 replicas: one comes
+    assert result.replicas == 1
+    await publish(kube, fakes[0])
+    for _ in range(5):
+        clock.now += 2
+        assert (await tick(autoscaler, kube)).replicas == 1
+    assert "minReplicas 0 needs spec.routing.enabled" in scaling_condition(await status_of(kube))["message"]

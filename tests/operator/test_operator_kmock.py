@@ -15,7 +15,7 @@ import pytest
 from operator_helpers import NAMESPACE, eventually
 from kube_emulator import ApiServer
 from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, PODS, \
-    SERVICES, Kube
+    ROLE_BINDINGS, ROLES, SERVICE_ACCOUNTS, SERVICES, Kube
 from slipstream.operator.resources import labels
 from slipstream.operator.resources import SPEC_HASH_ANNOTATION
 from slipstream.operator.scaling import apply_scale
@@ -143,7 +143,8 @@ async def test_disruption_budget_follows_the_replica_range(api, kube, operator):
 
     await kube.merge_patch(INFERENCESERVICES, NAMESPACE, "chat", {"spec": {"replicas": 1}})
     await eventually(lambda: _no_budget(kube), what="budget deleted")
-    assert any("PodDisruptionBudget chat" in e["message"] for e in events(api, "Deleted"))
+    await eventually(lambda: any("PodDisruptionBudget chat" in e["message"]
+                                 for e in events(api, "Deleted")), what="a Deleted Event")
     await kube.merge_patch(INFERENCESERVICES, NAMESPACE, "chat", {"spec": {"autoscaling": {
         "enabled": True, "maxReplicas": 3}}})
     await eventually(lambda: kube.get(DISRUPTION_BUDGETS, NAMESPACE, "chat"), what="budget back")
@@ -312,3 +313,46 @@ async def _deployment_where(kube: Kube, predicate, name: str = "chat"):
 
 async def _gone(kube: Kube, name: str = "chat") -> bool:
     return await kube.get(INFERENCESERVICES, NAMESPACE, name) is None
+
+
+async def test_routing_brings_the_gateway_and_turning_it_off_removes_it(api, kube, operator):
+    await kube.create(INFERENCESERVICES, inference_service(routing={"policy": "prefix"}))
+    gateway = await eventually(lambda: kube.get(DEPLOYMENTS, NAMESPACE, "chat-gateway"),
+                               what="gateway Deployment")
+    isvc = await kube.get(INFERENCESERVICES, NAMESPACE, "chat")
+    uid = isvc["metadata"]["uid"]
+    children = [gateway] + [await kube.get(resource, NAMESPACE, name) for resource, name in (
+        (SERVICE_ACCOUNTS, "chat-gateway"), (ROLES, "chat-gateway"),
+        (ROLE_BINDINGS, "chat-gateway"), (SERVICES, "chat-pods"))]
+    for child in children:
+        assert child is not None
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert "prefix" in container(gateway)["args"]
+    svc = await eventually(lambda: kube.get(SERVICES, NAMESPACE, "chat"), what="Service")
+    assert svc["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
+
+    # Model pods ready, gateway not: the service is not Ready, and says why.
+    dep = await kube.get(DEPLOYMENTS, NAMESPACE, "chat")
+    await kube.merge_patch(DEPLOYMENTS, NAMESPACE, "chat", {"status": {
+        "observedGeneration": dep["metadata"]["generation"], "replicas": 1,
+        "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}},
+        subresource="status")
+    isvc = await eventually(lambda: _where(kube, lambda o: (condition(o, "Ready") or {}).get(
+        "reason") == "NoGatewayReplicasReady"), what="Ready=False for the gateway")
+    assert condition(isvc, "GatewayReady")["status"] == "False"
+    await make_ready(kube, "chat")
+    isvc = await eventually(lambda: _with_condition(kube, "chat", "Ready", "True"),
+                            what="Ready=True")
+    assert condition(isvc, "GatewayReady")["status"] == "True"
+    assert isvc["status"]["gateway"] == {"url": "http://chat.ml.svc.cluster.local",
+                                         "replicas": 2, "readyReplicas": 2}
+
+    await kube.merge_patch(INFERENCESERVICES, NAMESPACE, "chat",
+                           {"spec": {"routing": {"enabled": False}}})
+    await eventually(lambda: _where(kube, lambda o: "gateway" not in (o.get("status") or {})),
+                     what="status.gateway removed")
+    for resource in (DEPLOYMENTS, ROLE_BINDINGS, ROLES, SERVICE_ACCOUNTS):
+        assert await kube.get(resource, NAMESPACE, "chat-gateway") is None, resource
+    svc = await kube.get(SERVICES, NAMESPACE, "chat")
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "model-server"
+    assert await kube.get(SERVICES, NAMESPACE, "chat-pods") is not None

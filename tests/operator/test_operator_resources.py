@@ -288,7 +288,7 @@ def test_with_routing_the_service_selects_the_gateway_pods_and_the_headless_one_
     assert not svc["spec"]["selector"].items() <= model_labels.items()
     assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http",
                                      "protocol": "TCP"}]
-    assert pods["spec"] == {"clusterIP": "None", "publishNotReadyAddresses": False,
+    assert pods["spec"] == {"clusterIP": "None",
                             "selector": model["spec"]["selector"]["matchLabels"],
                             "ports": [{"name": "http", "port": 9000, "targetPort": "http",
                                        "protocol": "TCP"}]}

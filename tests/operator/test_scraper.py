@@ -10,7 +10,11 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from slipstream.operator.scraper import PodTarget, ScrapeResult, parse_metrics, pod_targets, scrape_pods
+from slipstream.operator.scraper import GatewaySample, PodTarget, ScrapeResult, parse_gateway_metrics, \
+    parse_metrics, pod_targets, scrape_gateways, scrape_pods
+from slipstream.server.gateway.config import GatewayConfig
+from slipstream.server.gateway.endpoints import EndpointSet
+from slipstream.server.gateway.metrics import GatewayMetrics
 
 
 def exposition(waiting: float, running: float, kv: float, model: str = "smollm2") -> bytes:
@@ -166,3 +170,58 @@ def test_pod_targets_keeps_ready_pods_and_counts_starting_ones():
         ("v6", "http://[fd00::7]:8000/metrics"),
     ]
     assert starting == 3
+
+
+# --- the gateway's gauges --------------------------------------------------------------------
+
+def gateway_exposition(waiting: float, in_flight: dict[str, float]) -> bytes:
+    registry = CollectorRegistry()
+    Gauge("slipstream:gateway_requests_waiting", "", registry=registry).set(waiting)
+    gauge = Gauge("slipstream:gateway_endpoint_in_flight", "", ["endpoint"], registry=registry)
+    for endpoint, n in in_flight.items():
+        gauge.labels(endpoint).set(n)
+    Counter("slipstream:gateway_requests", "", ["code"], registry=registry).labels("200").inc(9)
+    return generate_latest(registry)
+
+
+async def test_parse_gateway_reads_what_the_gateway_exports():
+    """The real gateway's /metrics: requests held for want of a pod, and in flight per endpoint."""
+    endpoints = EndpointSet(GatewayConfig())
+    metrics = GatewayMetrics(endpoints)
+    assert parse_gateway_metrics(metrics.render().decode()) == (0.0, 0.0)  # no endpoint, none held
+
+    held = [asyncio.create_task(endpoints.acquire(lambda loads: None, endpoints.clock() + 30))
+            for _ in range(3)]
+    await asyncio.sleep(0)
+    endpoints.set_endpoints(["http://127.0.0.2:8000", "http://127.0.0.3:8000"])
+    endpoints.get("http://127.0.0.2:8000").in_flight = 2
+    endpoints.get("http://127.0.0.3:8000").in_flight = 1
+    try:
+        assert parse_gateway_metrics(metrics.render().decode()) == (3.0, 3.0)
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+
+def test_parse_gateway_without_in_flight_says_so_and_without_waiting_fails():
+    registry = CollectorRegistry()
+    Gauge("slipstream:gateway_requests_waiting", "", registry=registry).set(4)
+    assert parse_gateway_metrics(generate_latest(registry).decode()) == (4.0, None)
+    with pytest.raises(ValueError, match="metrics missing: slipstream:gateway_requests_waiting"):
+        parse_gateway_metrics(exposition(1, 2, 0.3).decode())
+
+
+async def test_gateway_pods_are_summed_and_a_silent_one_makes_the_reading_incomplete(pods):
+    a = await pods("gateway-a", serving(gateway_exposition(2, {"http://p1": 1, "http://p2": 3})))
+    b = await pods("gateway-b", serving(gateway_exposition(1, {})))
+    result = await scrape_gateways([a, b], clock=lambda: 5.0)
+    assert result.sample == GatewaySample(waiting=3.0, in_flight=4.0, complete=True)
+    assert result.time == 5.0 and result.failures == ()
+
+    down = PodTarget("gateway-c", "127.0.0.1", closed_port())
+    result = await scrape_gateways([a, down])
+    assert result.sample == GatewaySample(waiting=2.0, in_flight=4.0, complete=False)
+    assert [f.pod for f in result.failures] == ["gateway-c"]
+    assert (await scrape_gateways([down])).sample is None
+    assert (await scrape_gateways([])).sample is None
