@@ -5,7 +5,8 @@ The conversation is rendered with the model's own chat template (Hugging Face
 ``continue_final_message``. With ``tools``, the ``--tool-call-parser`` format is taught in the
 prompt (or passed to a template that renders tools), ``tool_choice`` ``required`` or a named
 function is enforced by a grammar, and calls in the output come back as OpenAI ``tool_calls`` —
-whole, or streamed as OpenAI's tool-call deltas. With ``--reasoning-parser``, the model's
+whole, or streamed as OpenAI's tool-call deltas (with ``parallel_tool_calls: false``, the first
+call only, under any ``tool_choice``). With ``--reasoning-parser``, the model's
 ``<think>`` block comes back as ``reasoning_content`` apart from the content (see ``reasoning``).
 Responses are ``chat.completion`` objects or ``chat.completion.chunk`` streams, as OpenAI's API
 reference shows them.
@@ -150,7 +151,8 @@ class ChatCall(GenerationCall):
         if choice.state is None:
             choice.state = ChoiceStreams(
                 self.reasoning.stream(inside=self.reasoning_inside) if self.reasoning is not None else None,
-                self.parser.stream() if self.parser is not None else None)
+                self.parser.stream(parallel_tool_calls=self.req.parallel_tool_calls is not False)
+                if self.parser is not None else None)
         streams: ChoiceStreams = choice.state
         if streams.reasoning is None:
             split = [{"content": text}] if text else []
@@ -197,7 +199,8 @@ class ChatCall(GenerationCall):
             reasoning, content = self.reasoning.extract(choice.text, inside=self.reasoning_inside)
         calls: list[dict] = []
         if self.parser is not None:
-            content, calls = self.parser.extract(content or "")
+            content, calls = self.parser.extract(content or "",
+                                                 parallel_tool_calls=self.req.parallel_tool_calls is not False)
         message = {"role": "assistant", "content": content, "refusal": None}
         if self.reasoning is not None:  # newer vLLM also names it ``reasoning``
             message["reasoning_content"] = message["reasoning"] = reasoning

@@ -3,13 +3,13 @@
 The request becomes a chat request (:func:`.protocol_responses.chat_request`): the same chat
 template, tools, ``tool_choice`` grammars, structured outputs and sampling. The model's text
 becomes output items — a ``message`` with one ``output_text`` part, and one ``function_call``
-item per tool call the ``--tool-call-parser`` reads — in a ``response`` object, or, streamed, as
-OpenAI's named events (``event: <type>``, each with a ``sequence_number``): ``response.created``,
-``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
-``response.output_text.delta`` …, ``response.function_call_arguments.delta`` …, the matching
-``.done`` events, then ``response.completed`` or, cut at ``max_output_tokens``,
-``response.incomplete`` with the whole response. As OpenAI's, the stream ends without
-``data: [DONE]``.
+item per tool call the ``--tool-call-parser`` reads (the first only, with ``parallel_tool_calls:
+false``) — in a ``response`` object, or, streamed, as OpenAI's named events (``event: <type>``,
+each with a ``sequence_number``): ``response.created``, ``response.in_progress``,
+``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
+…, ``response.function_call_arguments.delta`` …, the matching ``.done`` events, then
+``response.completed`` or, cut at ``max_output_tokens``, ``response.incomplete`` with the whole
+response. As OpenAI's, the stream ends without ``data: [DONE]``.
 
 ``store`` (default true) keeps a response's conversation — its input items and output items — in
 a bounded in-memory :class:`ResponseStore`, so ``previous_response_id`` continues it. The store
@@ -254,7 +254,10 @@ class ResponsesCall(GenerationCall):
         if choice.state is None:
             calls = None
             if self.parser is not None:
-                calls = self.parser.stream() if eager else ToolCallStream(self.parser.format, eager=False)
+                # parallel_tool_calls false: the first function_call item only (the grammar of a
+                # forced tool_choice already allows one; under "auto" later calls are dropped)
+                calls = self.parser.stream(eager=eager,
+                                           parallel_tool_calls=self.req.parallel_tool_calls is not False)
             choice.state = OutputItems(calls)
         return choice.state
 

@@ -35,6 +35,22 @@ def test_tokenize_messages_counts_what_chat_bills(http):
     assert without["count"] < body["count"]  # the opened assistant turn is gone
 
 
+def test_chat_template_kwargs_reach_the_template_of_tokenize_and_chat(http, engine, monkeypatch):
+    # The built-in template reads no variable of its own; for this test it reads ``system_hint``.
+    hint = "{% if system_hint is defined %}<|im_start|>system\n{{ system_hint }}<|im_end|>\n{% endif %}"
+    monkeypatch.setattr(engine.tokenizer, "chat_template", hint + engine.tokenizer.chat_template)
+    plain = http.post("/tokenize", json={"messages": CHAT}).json()
+    kwargs = {"chat_template_kwargs": {"system_hint": "Answer in French."}}
+    hinted = http.post("/tokenize", json={"messages": CHAT, **kwargs})
+    assert hinted.status_code == 200, hinted.text
+    hinted = hinted.json()
+    assert hinted["count"] > plain["count"] and hinted["tokens"][-plain["count"]:] == plain["tokens"]
+    text = http.post("/detokenize", json={"tokens": hinted["tokens"]}).json()["prompt"]
+    assert text.startswith("<|im_start|>system\nAnswer in French.<|im_end|>\n")
+    usage = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, **kwargs}).json()["usage"]
+    assert usage["prompt_tokens"] == hinted["count"]  # the chat endpoint renders the same prompt
+
+
 def test_detokenize_inverts_tokenize(http):
     text = "Grüße, 世界! 🎉"
     ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False,

@@ -83,6 +83,31 @@ def test_streamed_tool_call_deltas_add_up_to_the_whole_call(http):
     assert not "".join(d.get("content") or "" for d in deltas)
 
 
+# Two calls in the hermes format; a one-string choice makes the model write exactly this.
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
+
+
+def test_parallel_tool_calls_false_under_auto_returns_only_the_first_call_whole_and_streamed(http):
+    forced = {"tools": [WEATHER, TIME], "tool_choice": "auto", "structured_outputs": {"choice": [TWO_CALLS]},
+              "max_tokens": 200}
+    both = chat(http, **forced)["choices"][0]
+    assert [c["function"]["name"] for c in both["message"]["tool_calls"]] == ["get_weather", "get_time"]
+    one = chat(http, **forced, parallel_tool_calls=False)["choices"][0]
+    assert one["finish_reason"] == "tool_calls" and one["message"]["content"] is None
+    (call,) = one["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}
+    chunks = stream_chunks(http, "/v1/chat/completions", {"messages": ASK, "temperature": 0, **forced,
+                                                          "parallel_tool_calls": False})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    parts = [p for d in deltas for p in d.get("tool_calls") or []]
+    assert parts and all(p["index"] == 0 for p in parts)  # no delta of the second call
+    assert [p["function"]["name"] for p in parts if "id" in p] == ["get_weather"]
+    assert "".join(p["function"].get("arguments", "") for p in parts) == call["function"]["arguments"]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_tool_none_leaves_plain_text_and_auto_answers(http):
     none = chat(http, tools=[WEATHER], tool_choice="none", max_tokens=20)["choices"][0]
     assert "tool_calls" not in none["message"] and none["message"]["content"]

@@ -18,10 +18,15 @@ import llguidance.hf
 import numpy as np
 import pytest
 
+from slipstream.server.api import render
+from slipstream.server.api.protocol import validate
+from slipstream.server.api.protocol_responses import ResponsesRequest, chat_request
+from slipstream.server.api.serving_responses import ResponseStore, ResponsesCall
 from slipstream.server.api.tools import (ToolCallError, UnknownToolParser, check_tools, get_parser, grammar_for,
                                          prepare_messages, render_calls, template_supports_tools)
 from slipstream.server.api.tools.scan import ObjectScan, Scan
 from slipstream.server.engine.errors import InvalidRequest
+from slipstream.server.engine.outputs import CompletionOutput
 from slipstream.server.models.loader import load_tokenizer
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -125,9 +130,10 @@ def test_extract_returns_content_and_calls_in_openai_shape(parser, text, content
                             call["id"])
 
 
-def _stream(parser, chunks):
-    """Feed ``chunks``; check the deltas' shapes; return (content, [(name, args)], ids)."""
-    stream = get_parser(parser).stream()
+def _stream(parser, chunks, **options):
+    """Feed ``chunks`` to a stream made with ``options``; check the deltas' shapes; return
+    (content, [(name, args)])."""
+    stream = get_parser(parser).stream(**options)
     deltas = [d for c in chunks for d in stream.feed(c)] + stream.finish()
     content, calls, ids = "", [], []
     for d in deltas:
@@ -218,6 +224,84 @@ def test_output_broken_after_a_call_was_announced_is_content_to_extract_but_stre
         content, calls = _stream(parser, [text[:i], text[i:]])
         assert (content, calls) == (text, []) or (calls and calls[0][0] == call[0]
                                                  and call[1].startswith(calls[0][1])), f"split at {i}"
+
+
+# -- parallel_tool_calls: false --------------------------------------------------------------------
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES + [
+    ("hermes", "Let me check.\n" + hermes(WEATHER, TIME, TRICKY) + "\nDone.", "Let me check.Done.",
+     _want(WEATHER, TIME, TRICKY)),
+    ("llama3_json", llama(TIME, WEATHER) + " and more", "and more", _want(TIME, WEATHER)),
+    ("mistral", "Sure. " + mistral(TIME, WEATHER), "Sure.", _want(TIME, WEATHER)),
+], ids=IDS + ["hermes-three-calls", "llama3_json-two-calls", "mistral-two-calls"])
+def test_without_parallel_tool_calls_only_the_first_call_is_returned_and_the_content_is_the_same(
+        parser, text, content, calls):
+    every_content, every_call = get_parser(parser).extract(text)
+    assert (every_content, _names_args(every_call)) == (content, calls)  # as parallel calls read it
+    got_content, got_calls = get_parser(parser).extract(text, parallel_tool_calls=False)
+    assert (got_content, _names_args(got_calls)) == (content, calls[:1])
+    for i in range(len(text) + 1):
+        assert _stream(parser, [text[:i], text[i:]], parallel_tool_calls=False) == (content, calls[:1]), i
+    assert _stream(parser, list(text), parallel_tool_calls=False) == (content, calls[:1])
+
+
+@pytest.mark.parametrize("parser", sorted(CALL_WRITERS))
+def test_without_parallel_tool_calls_random_mixes_keep_the_first_call_and_all_the_content(parser):
+    rng = random.Random(parser + "-single")
+    for _ in range(150):
+        pieces = [("call", rng.choice([WEATHER, TIME, TRICKY])) for _ in range(rng.randint(0, 3))]
+        pieces += [("text", rng.choice(NOISE)) for _ in range(rng.randint(0, 5))]
+        rng.shuffle(pieces)
+        text = "".join(CALL_WRITERS[parser](v) if kind == "call" else v for kind, v in pieces)
+        content, every = get_parser(parser).extract(text)
+        single = get_parser(parser).extract(text, parallel_tool_calls=False)
+        assert (single[0], _names_args(single[1])) == (content, _names_args(every)[:1]), text
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 6)))
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert _stream(parser, chunks, parallel_tool_calls=False) == (content, _names_args(every)[:1]), chunks
+
+
+def test_without_parallel_tool_calls_a_stream_sends_no_delta_of_a_second_call():
+    stream = get_parser("hermes").stream(parallel_tool_calls=False)
+    first = stream.feed(hermes(WEATHER) + "\n")
+    assert [d["tool_calls"][0]["index"] for d in first] == [0, 0]  # the header, then the arguments
+    assert stream.feed(hermes(TIME)[:30]) == []  # the second call is read, not sent
+    assert stream.feed(hermes(TIME)[30:] + " Bye.") == [{"content": "Bye."}]  # text after it is content
+    assert stream.finish() == []
+    assert _names_args(stream.tool_calls) == _want(WEATHER)
+
+
+def _responses_call(parallel_tool_calls):
+    """A ``/v1/responses`` call over the hermes parser, as the endpoint builds it (no engine)."""
+    tools = [{"type": "function", **t["function"]} for t in (WEATHER_TOOL, TIME_TOOL)]
+    req = validate(ResponsesRequest, {"input": "Weather and time in Paris?", "tools": tools,
+                                      "parallel_tool_calls": parallel_tool_calls})
+    chat, _ = chat_request(req, req.items, ["input"])
+    assert chat.parallel_tool_calls is parallel_tool_calls
+    return ResponsesCall(SimpleNamespace(model_name="m"), chat, "resp_test", req, get_parser("hermes"), req.items,
+                         ResponseStore())
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_responses_without_parallel_tool_calls_has_one_function_call_item_whole_and_streamed(parallel):
+    text = hermes(WEATHER, TIME)
+    want = _want(WEATHER, TIME) if parallel else _want(WEATHER)
+    whole = _responses_call(parallel).response_body([render.Choice(0, text=text, finish_reason="stop")])
+    assert [(i["type"], i["name"], i["arguments"]) for i in whole["output"]] == [("function_call", *w) for w in want]
+    assert whole["parallel_tool_calls"] is parallel
+    call, choice = _responses_call(parallel), render.Choice(0)
+    events = [e for i in range(0, len(text), 7) for e in call.deltas(choice, CompletionOutput(0, text[i:i + 7], []))]
+    choice.finish_reason = "stop"
+    events += call.closing_deltas(choice) + [call.finish_delta(choice)]
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["type"], i["name"]) for i in added] == [("function_call", name) for name, _ in want]
+    for index, (_, arguments) in enumerate(want):
+        assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+                       and e["output_index"] == index) == arguments
+    assert not any(e["type"] == "response.output_text.delta" for e in events)
+    final = events[-1]["response"]
+    assert final["status"] == "completed"
+    assert [(i["name"], i["arguments"]) for i in final["output"]] == want
 
 
 VALID_OBJECTS = ['{}', ' { "a" : [ 1 , -2.5e+3 , 0.0, true, false, null, "x\\n\\u00e9\\"" ] } ',

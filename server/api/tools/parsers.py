@@ -22,6 +22,9 @@ Rules (the same for every format):
   grammar of :mod:`.grammar` allow declared names only).
 - Ids are OpenAI's shape, ``call_`` + 24 alphanumerics (``mistral``: 9 alphanumerics, the shape
   Mistral's templates require back in ``tool_call_id``).
+- With ``parallel_tool_calls=False`` only the first call is returned, as recent vLLM does: a later
+  call is read (so its text does not turn into content) and dropped — no deltas, not in
+  ``tool_calls``. Text outside the calls is content as usual.
 """
 from __future__ import annotations
 
@@ -73,13 +76,16 @@ class ToolCallStream:
     calls announced so far, ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
     with the arguments sent so far (finish_reason ``tool_calls`` when non-empty). Deltas may split
     text anywhere, e.g. inside a marker, a JSON string or an escape. ``eager=False`` announces a
-    call only once its object has closed (what :meth:`ToolParser.extract` uses).
+    call only once its object has closed (what :meth:`ToolParser.extract` uses);
+    ``parallel_tool_calls=False`` drops every call after the first (see the module docstring).
     """
 
-    def __init__(self, fmt: ToolFormat, *, eager: bool = True):
+    def __init__(self, fmt: ToolFormat, *, eager: bool = True, parallel_tool_calls: bool = True):
         self.fmt = fmt
         self.tool_calls: list[dict] = []
         self._eager = eager  # announce calls before their object closes (streaming)
+        self._single = not parallel_tool_calls  # keep the first call only
+        self._dropping = False  # the call being read is one after the first: read, never sent
         self._text = ""
         self._pos = 0  # text[:pos] is decided: emitted, or dropped as separator
         self._state = _State.START if fmt.bare_at_start else _State.CONTENT
@@ -249,6 +255,9 @@ class ToolCallStream:
         call = {"id": self.fmt.new_call_id(), "type": "function",
                 "function": {"name": json.loads(name_json), "arguments": ""}}
         self._call, self._sent, self._args_key = call, 0, args_key
+        self._dropping = self._single and bool(self.tool_calls)
+        if self._dropping:  # parallel_tool_calls false: a later call is read to its end and dropped
+            return
         self.tool_calls.append(call)
         self._events.append({"tool_calls": [{"index": len(self.tool_calls) - 1, **call,
                                              "function": dict(call["function"])}]})
@@ -259,7 +268,7 @@ class ToolCallStream:
         stop = len(self._scan.out) if end is None else end
         fragment = "".join(self._scan.out[max(begin, self._sent):stop])
         self._sent = stop
-        if fragment:
+        if fragment and not self._dropping:
             self._call["function"]["arguments"] += fragment
             self._events.append({"tool_calls": [{"index": len(self.tool_calls) - 1,
                                                  "function": {"arguments": fragment}}]})
@@ -300,22 +309,23 @@ class ToolParser:
         self.name = fmt.name
         self.skip_special_tokens = not fmt.special_marker
 
-    def extract(self, text: str) -> tuple[str | None, list[dict]]:
-        """Content and tool calls of a finished output.
+    def extract(self, text: str, *, parallel_tool_calls: bool = True) -> tuple[str | None, list[dict]]:
+        """Content and tool calls of a finished output (the first call only with
+        ``parallel_tool_calls=False``).
 
         Returns:
             ``(content, tool_calls)``: ``content`` is the text outside the calls (None when
             empty); ``tool_calls`` is a list of ``{"id": str, "type": "function",
             "function": {"name": str, "arguments": str (a JSON object's text)}}``.
         """
-        stream = ToolCallStream(self.format, eager=False)
+        stream = ToolCallStream(self.format, eager=False, parallel_tool_calls=parallel_tool_calls)
         deltas = stream.feed(text) + stream.finish()
         content = "".join(d["content"] for d in deltas if "content" in d)
         return content or None, stream.tool_calls
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, *, parallel_tool_calls: bool = True, eager: bool = True) -> ToolCallStream:
         """A new :class:`ToolCallStream` for one choice of one request."""
-        return ToolCallStream(self.format)
+        return ToolCallStream(self.format, eager=eager, parallel_tool_calls=parallel_tool_calls)
 
 
 def get_parser(name: str) -> ToolParser:
