@@ -146,8 +146,16 @@ def service_ready(spec: InferenceServiceSpec, deployment: Mapping[str, Any] | No
                   gateway: Mapping[str, Any] | None = None,
                   gateway_pods: list[Mapping[str, Any]] | None = None) -> tuple[str, str, str]:
     """(status, reason, message) of ``Ready``: :func:`ready_condition` of the model pods and,
-    while routing is enabled, the gateway ready too (requests reach the pods through it)."""
+    while routing is enabled, the gateway ready too (requests reach the pods through it). Scaled
+    to zero by an autoscaler that may (``minReplicas: 0``), the service is Ready when its gateway
+    is: the gateway holds a request and its waiting count starts a pod."""
     model = ready_condition(deployment, pods)
+    if model[1] == "ScaledToZero" and spec.routing.enabled and spec.autoscaling.enabled \
+            and spec.autoscaling.min_replicas == 0:
+        status, reason, message = gateway_condition(spec, gateway, gateway_pods)
+        if status != "True":
+            return "False", reason, f"{model[2]} and {message}"
+        return "True", "ScaledToZero", f"{model[2]}; {message}: a request starts one"
     if not spec.routing.enabled or model[0] != "True":
         return model
     status, reason, message = gateway_condition(spec, gateway, gateway_pods)

@@ -13,7 +13,9 @@ The tests in this module run in order on one installation.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -180,3 +182,54 @@ def test_deleting_the_service_garbage_collects_everything_it_owned(installed):
     installed.kubectl("delete", "infsvc", NAME, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
     wait_for(lambda: not get(installed, kinds, "-n", NAMESPACE, "-l", selector)["items"], 120,
              "every child of the InferenceService gone (garbage collection)")
+
+
+COLD = "cold"
+IDLE = 30  # scaleToZeroAfterSeconds of the scale-from-zero service
+COLD_REQUESTS = 12
+
+
+def test_a_service_at_zero_replicas_answers_every_request_and_goes_back_to_zero(installed):
+    """Scale from zero for real: the Deployment at 0, requests held by the gateway, the operator
+    reading the gateway's waiting requests as demand, the Deployment controller and the kubelet
+    starting the pod, the gateway hearing of it from the EndpointSlice; then, idle, back to 0."""
+    cold = service({"policy": "least-loaded", "replicas": 1, "queueTimeoutSeconds": 240})
+    cold["metadata"]["name"] = COLD
+    del cold["spec"]["replicas"]
+    cold["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 0, "maxReplicas": 1,
+                                   "scaleToZeroAfterSeconds": IDLE}
+    apply(installed, cold)
+    models = f"slipstream.dev/inferenceservice={COLD},app.kubernetes.io/component=model-server"
+    # At zero the service is Ready once its gateway is; no model pod runs.
+    obj = wait_for(lambda: (o := get(installed, "infsvc", COLD, "-n", NAMESPACE))
+                   and (condition(o, "Ready") or {}).get("status") == "True" and o,
+                   READY_TIMEOUT, f"InferenceService {COLD} Ready at zero replicas")
+    assert get(installed, "deploy", COLD, "-n", NAMESPACE)["spec"]["replicas"] == 0
+    assert get(installed, "pods", "-n", NAMESPACE, "-l", models)["items"] == []
+    gateway_ip = wait_for(lambda: slice_addresses(installed, COLD), 60, f"a ready gateway of {COLD}")[0]
+
+    def ask(i: int) -> tuple[int, str]:
+        body = json.dumps({"model": COLD, "max_tokens": 8,
+                           "messages": [{"role": "user", "content": f"Cold {i}."}]}).encode()
+        req = urllib.request.Request(f"http://{gateway_ip}:8000/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                return resp.status, json.loads(resp.read())["choices"][0]["finish_reason"]
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode(errors="replace")[:200]
+
+    with concurrent.futures.ThreadPoolExecutor(COLD_REQUESTS) as pool:
+        answers = list(pool.map(ask, range(COLD_REQUESTS)))
+    assert all(status == 200 for status, _ in answers), answers
+    status = get(installed, "infsvc", COLD, "-n", NAMESPACE)["status"]
+    assert [(e["fromReplicas"], e["toReplicas"]) for e in status["scalingHistory"]][:1] == [(0, 1)], status
+    # Idle: back to zero after scaleToZeroAfterSeconds, the pod gone.
+    wait_for(lambda: get(installed, "deploy", COLD, "-n", NAMESPACE)["spec"]["replicas"] == 0,
+             IDLE + 90, f"{COLD} scaled back to zero")
+    wait_for(lambda: not get(installed, "pods", "-n", NAMESPACE, "-l", models)["items"], 90,
+             f"{COLD}'s model pod gone")
+    obj = get(installed, "infsvc", COLD, "-n", NAMESPACE)
+    assert (condition(obj, "Ready") or {}).get("status") == "True", obj["status"]
+    assert [(e["fromReplicas"], e["toReplicas"]) for e in obj["status"]["scalingHistory"]][-1] == (1, 0)
+    installed.kubectl("delete", "infsvc", COLD, "-n", NAMESPACE, "--wait=true", "--timeout=120s")

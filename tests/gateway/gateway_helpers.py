@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +24,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadgen import free_port
 from slipstream.server.gateway.app import GATEWAY, Gateway, build_app
 from slipstream.server.gateway.config import GatewayConfig
 
@@ -29,8 +33,6 @@ API_KEY = "gateway-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # name -> address; every pod enforces API_KEY, so every test also shows the header passed through
 PODS = {"a": "127.0.0.31", "b": "127.0.0.32", "victim": "127.0.0.34"}
-
-
 
 
 @dataclass
@@ -44,6 +46,42 @@ class Pod:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
+
+
+def start_pods(addresses: dict[str, str], timeout: float = 90) -> dict[str, Pod]:
+    """``slipstream serve --model sim:tiny`` on each address of ``addresses`` (name -> address,
+    one port for all), started together; returns them once every one is ready. Raises
+    RuntimeError (after killing them) if one exits or is not ready within ``timeout`` seconds."""
+    port = free_port(list(addresses.values()))
+    logs = Path(tempfile.mkdtemp(prefix="slipstream-gateway-"))
+    started: dict[str, Pod] = {}
+    for name, address in addresses.items():
+        log = logs / f"{name}.log"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "slipstream.server", "serve", "--model", "sim:tiny,time_scale=1",
+             "--host", address, "--port", str(port), "--max-num-seqs", "8", "--log-interval", "0",
+             "--shutdown-timeout", "5", "--api-key", API_KEY],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            cwd=tempfile.gettempdir())  # not the repository root, whose operator/ shadows the stdlib's
+        started[name] = Pod(name, f"http://{address}:{port}", process, log)
+    try:
+        deadline = time.monotonic() + timeout
+        waiting = set(started)
+        while waiting:
+            for name in list(waiting):
+                pod = started[name]
+                if pod.process.poll() is not None:
+                    raise RuntimeError(f"pod {name} exited: {pod.log.read_text()[-2000:]}")
+                if pod_ready(pod.url):
+                    waiting.discard(name)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pods not ready after {timeout:.0f} s: {sorted(waiting)}")
+            time.sleep(0.1)
+    except BaseException:
+        for pod in started.values():
+            pod.kill()
+        raise
+    return started
 
 
 def pod_ready(url: str) -> bool:

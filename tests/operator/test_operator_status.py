@@ -288,6 +288,26 @@ def test_with_routing_ready_needs_a_ready_gateway_too():
     assert message == "1/1 replicas ready; 1/2 gateway replicas ready"
 
 
+def test_scaled_to_zero_with_routing_is_ready_when_its_gateway_is():
+    spec = parse_spec({"autoscaling": {"enabled": True, "minReplicas": 0}})
+    zero = deployment(spec_replicas=0)
+    assert st.service_ready(spec, zero, gateway=None)[:2] == ("False", "GatewayMissing")
+    assert st.service_ready(spec, zero, gateway=deployment(spec_replicas=2, replicas=2))[:2] == \
+        ("False", "NoGatewayReplicasReady")
+    ready, reason, message = st.service_ready(
+        spec, zero, gateway=deployment(spec_replicas=2, replicas=2, readyReplicas=2))
+    assert (ready, reason) == ("True", "ScaledToZero")
+    assert message == "the Deployment has 0 replicas; 2/2 gateway replicas ready: a request starts one"
+
+
+def test_scaled_to_zero_by_hand_or_without_a_gateway_is_not_ready():
+    gateway = deployment(spec_replicas=2, replicas=2, readyReplicas=2)
+    for fields in ({"replicas": 0},  # nothing would start a pod on a request
+                   {"autoscaling": {"enabled": True, "minReplicas": 0}, "routing": {"enabled": False}}):
+        assert st.service_ready(parse_spec(fields), deployment(spec_replicas=0), gateway=gateway)[:2] == \
+            ("False", "ScaledToZero"), fields
+
+
 def test_model_pods_not_ready_say_so_before_the_gateway_does():
     spec = parse_spec({})
     assert st.service_ready(spec, deployment(spec_replicas=1, replicas=1), gateway=None)[1] == \
