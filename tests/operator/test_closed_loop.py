@@ -19,32 +19,23 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import signal
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import aiohttp
-import kmock
-import kopf
 import pytest
-import yaml
 
-from kube_emulator import ApiServer
+from emulated_pods import NAMESPACE, PodController, emulated_api, operator_on
 from loadgen import LoadGenerator, free_port
-from operator_helpers import CRD_PATH, running_operator
-from slipstream.operator.handlers import OperatorConfig, register
-from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube
-from slipstream.operator.resources import labels
+from slipstream.operator.kube import INFERENCESERVICES, PODS, Kube
 from slipstream.operator.scraper import PodTarget, scrape_pods
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
               pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")]
 
-NAMESPACE = "default"
 NAME = "chat"
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 12)]
 OUTPUT_TOKENS = 10
@@ -56,120 +47,6 @@ TICK = 1.0
 PRESTOP = 2.0  # seconds between a Pod's deletion and SIGTERM (a preStop sleep)
 # (requests/s, seconds)
 BASELINE, OVERLOAD, AFTER = (1.0, 8.0), (10.0, 45.0), (1.0, 45.0)
-
-
-class ForgetfulApiServer(ApiServer):
-    """The operator tests' emulator, keeping only kmock's newest requests.
-
-    kmock logs every request (for assertions) and matches each new one against that whole log, so
-    a request costs time linear in the number before it; this test makes thousands and asserts on
-    none, and without the trim the emulator alone would take a CPU core by the end.
-    """
-
-    async def __call__(self, raw: Any) -> Any:
-        if len(self._requests) > 200:
-            del self._requests[:-100]  # the newest stay: one may still be being matched
-        return await super().__call__(raw)
-
-
-@dataclass
-class Pod:
-    name: str
-    ip: str
-    process: asyncio.subprocess.Process
-    log: pathlib.Path
-    ready: bool = False
-    deleted_at: float | None = None
-    signalled: bool = False
-
-
-class PodController:
-    """Stands in for the Deployment controller and the kubelet (polls every 0.5 s)."""
-
-    def __init__(self, kube: Kube, port: int, logs: pathlib.Path):
-        self.kube, self.port, self.logs = kube, port, logs
-        self.pods: dict[str, Pod] = {}
-        self.replica_changes: list[tuple[float, int]] = []  # (time, spec.replicas) as seen
-        self._serial = 0
-
-    def _free_ip(self) -> str:
-        used = {p.ip for p in self.pods.values()}
-        return next(a for a in ADDRESSES if a not in used)
-
-    async def _start(self) -> None:
-        self._serial += 1
-        name, ip = f"{NAME}-{self._serial}", self._free_ip()
-        log = self.logs / f"{name}.log"
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "slipstream.server", "serve", "--model", "sim:tiny,time_scale=6",
-            "--served-model-name", NAME, "--host", ip, "--port", str(self.port), "--max-num-seqs", "4",
-            "--kv-cache-memory-bytes", str(KV_BLOCKS * 16 * 8192), "--max-waiting", "100000",
-            "--shutdown-timeout", "60", "--log-interval", "0",
-            stdout=log.open("wb"), stderr=asyncio.subprocess.STDOUT)
-        self.pods[name] = Pod(name, ip, process, log)
-        await self.kube.create(PODS, {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels(NAME)},
-            "spec": {"containers": [{"name": "server", "image": "slipstream"}]},
-            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "False"}]}})
-
-    async def _stop(self, pod: Pod) -> None:
-        pod.deleted_at = time.monotonic()
-        await self.kube.request("DELETE", PODS.path(NAMESPACE, pod.name))
-
-    async def _check_ready(self, session: aiohttp.ClientSession, pod: Pod) -> None:
-        try:
-            async with session.get(f"http://{pod.ip}:{self.port}/ready") as response:
-                ready = response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):  # still starting, or busy warming up
-            return
-        if ready:
-            pod.ready = True
-            await self.kube.merge_patch(PODS, NAMESPACE, pod.name, {"status": {"conditions": [
-                {"type": "Ready", "status": "True"}]}})
-
-    async def run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=1.0)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                await self._sync(session)
-                await asyncio.sleep(0.5)  # every API call costs the emulator milliseconds of CPU
-
-    async def _sync(self, session: aiohttp.ClientSession) -> None:
-        dep = await self.kube.get(DEPLOYMENTS, NAMESPACE, NAME)
-        if dep is None:
-            return
-        want = dep["spec"]["replicas"]
-        if not self.replica_changes or self.replica_changes[-1][1] != want:
-            self.replica_changes.append((time.monotonic(), want))
-        live = [p for p in self.pods.values() if p.deleted_at is None]
-        for _ in range(want - len(live)):
-            await self._start()
-        # Like a ReplicaSet: not-ready pods go first, then the newest.
-        for pod in sorted(live, key=lambda p: (p.ready, p.name))[:max(0, len(live) - want)]:
-            await self._stop(pod)
-        for pod in list(self.pods.values()):
-            if pod.deleted_at is None and not pod.ready:
-                await self._check_ready(session, pod)
-            elif pod.deleted_at is not None and time.monotonic() - pod.deleted_at > PRESTOP \
-                    and pod.process.returncode is None and not pod.signalled:
-                pod.signalled = True  # preStop done: the server drains what it holds, then exits
-                pod.process.send_signal(signal.SIGTERM)
-            if pod.process.returncode is not None and pod.deleted_at is not None:
-                del self.pods[pod.name]
-        ready = sum(1 for p in self.pods.values() if p.ready and p.deleted_at is None)
-        total = sum(1 for p in self.pods.values() if p.deleted_at is None)
-        status = {"observedGeneration": dep["metadata"]["generation"], "replicas": total,
-                  "updatedReplicas": total, "readyReplicas": ready, "availableReplicas": ready}
-        if any(dep.get("status", {}).get(k) != v for k, v in status.items()):
-            await self.kube.merge_patch(DEPLOYMENTS, NAMESPACE, NAME, {"status": status}, subresource="status")
-
-    async def shutdown(self) -> None:
-        for pod in self.pods.values():
-            if pod.process.returncode is None:
-                pod.process.kill()
-        for pod in self.pods.values():
-            await pod.process.wait()
 
 
 @dataclass
@@ -237,29 +114,23 @@ async def closed_loop() -> AsyncIterator[ClosedLoop]:
     """The emulator, the real operator (1-second autoscaler tick), the pod controller, the load
     generator's endpoint watch and a status watch; server processes are killed afterwards."""
     port = free_port(ADDRESSES)
-    async with ForgetfulApiServer() as api, kmock.Server(api):
-        api.add_crd(yaml.safe_load(CRD_PATH.read_text()))
-        url = str(api.url)
-        kube = Kube(url)
-        registry = kopf.OperatorRegistry()
-        register(registry, OperatorConfig(resync_seconds=10.0, autoscale_seconds=TICK,
-                                          login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
-                                          kube=lambda: Kube(url)))
-        settings = kopf.OperatorSettings()
-        settings.watching.server_timeout = 10
+    async with emulated_api() as (url, kube):
         logs = pathlib.Path(tempfile.mkdtemp(prefix="closed-loop-"))  # the servers' output, shown on failure
-        loop = ClosedLoop(kube, port, PodController(kube, port, logs),
-                         EmulatedLoad(NAME, port, OUTPUT_TOKENS, kube=kube))
+        controller = PodController(
+            kube, NAME, port, logs, ADDRESSES, prestop=PRESTOP, serve_args=[
+                "--model", "sim:tiny,time_scale=6", "--max-num-seqs", "4",
+                "--kv-cache-memory-bytes", str(KV_BLOCKS * 16 * 8192), "--max-waiting", "100000",
+                "--shutdown-timeout", "60", "--log-interval", "0"])
+        loop = ClosedLoop(kube, port, controller, EmulatedLoad(NAME, port, OUTPUT_TOKENS, kube=kube))
         loop.background = [asyncio.create_task(c) for c in (
             loop.controller.run(), loop.load.watch_endpoints(), loop.watch_queue(), loop.watch_status())]
         try:
-            async with running_operator(registry=registry, settings=settings, clusterwide=True, standalone=True):
+            async with operator_on(url, TICK):
                 yield loop
         finally:
             for task in loop.background:
                 task.cancel()
             await loop.controller.shutdown()
-            await kube.close()
 
 
 async def test_operator_scales_sim_servers_up_under_load_and_down_after_the_delay(closed_loop: ClosedLoop):
@@ -279,11 +150,10 @@ async def test_operator_scales_sim_servers_up_under_load_and_down_after_the_dela
     zero = spans["baseline"][0]
 
     def report() -> str:
-        tails = "\n".join(f"--- {p.name}\n" + p.read_text()[-1500:] for p in sorted(controller.logs.glob("*.log")))
         return (f"phases {[(k, round(a - zero, 1)) for k, (a, _) in spans.items()]}\n"
-                f"replicas {[(round(t - zero, 1), n) for t, n in controller.replica_changes]}\n"
                 f"queue {[(round(t - zero, 1), q) for t, q in queue]}\n"
-                f"status.queueDepth {[(round(t - zero, 1), q) for t, q in closed_loop.status_queue]}\n{tails}")
+                f"status.queueDepth {[(round(t - zero, 1), q) for t, q in closed_loop.status_queue]}\n"
+                + controller.report(zero))
 
     ttft = {phase: [r.ttft for r in load.results if r.phase == phase] for phase in spans}
     print(f"requests {len(load.results)}; replicas {[(round(t - zero, 1), n) for t, n in controller.replica_changes]}; "

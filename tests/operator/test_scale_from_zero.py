@@ -3,8 +3,8 @@ gateway holds them, the real operator reads them waiting in the gateway's ``/met
 to one pod; all 50 are answered once that pod is ready; after ``scaleToZeroAfterSeconds``
 without a request the operator scales back to zero.
 
-Stand-ins, as in test_closed_loop.py: the operator tests' Kubernetes API emulator (kmock); a pod
-controller that starts or stops ``slipstream serve --model sim:tiny`` processes on 127.0.0.2, …
+Stand-ins (emulated_pods.py), as in test_closed_loop.py: the operator tests' Kubernetes API
+emulator (kmock); a pod controller that starts or stops ``slipstream serve --model sim:tiny`` processes on 127.0.0.2, …
 to match the Deployment's ``spec.replicas``, publishing a Pod object (Ready once ``/ready``
 answers) for each. In front, the real gateway (``slipstream gateway``'s app) runs in this process
 on 127.0.0.30:8000 (the port the operator reads gateway pods on), published as a Ready gateway
@@ -15,28 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import random
-import signal
-import socket
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import aiohttp
-import kmock
-import kopf
 import pytest
-import yaml
 from aiohttp import web
 
-from kube_emulator import ApiServer
-from operator_helpers import CRD_PATH, running_operator
+from emulated_pods import NAMESPACE, PodController, emulated_api, operator_on
+from loadgen import free_port
 from slipstream.operator.gateway_resources import GATEWAY_PORT, gateway_labels
-from slipstream.operator.handlers import OperatorConfig, register
-from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, PODS, Kube
-from slipstream.operator.resources import labels
+from slipstream.operator.kube import INFERENCESERVICES, PODS, Kube
 from slipstream.server.gateway.app import GATEWAY, build_app
 from slipstream.server.gateway.config import GatewayConfig
 
@@ -44,7 +35,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120),
               # kmock 0.8 loads its bundled resource list with a deprecated importlib call.
               pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")]
 
-NAMESPACE = "default"
 NAME = "chat"
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 8)]
 GATEWAY_IP = "127.0.0.30"
@@ -56,133 +46,6 @@ SCALING = {"enabled": True, "minReplicas": 0, "maxReplicas": 1, "targetQueueDept
            "scaleToZeroAfterSeconds": IDLE}
 TICK = 1.0
 PRESTOP = 1.0  # seconds between a Pod's deletion and SIGTERM (a preStop sleep)
-
-
-class ForgetfulApiServer(ApiServer):
-    """The emulator keeping only kmock's newest requests (each new one is matched against the
-    whole log; this test asserts on none of them)."""
-
-    async def __call__(self, raw: Any) -> Any:
-        if len(self._requests) > 200:
-            del self._requests[:-100]
-        return await super().__call__(raw)
-
-
-def free_port() -> int:
-    """A port free on every address the model pods may use."""
-    for _ in range(50):
-        port = random.randint(20000, 60000)
-        try:
-            for address in ADDRESSES:
-                with socket.socket() as s:
-                    s.bind((address, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on 127.0.0.2-7")
-
-
-@dataclass
-class Pod:
-    name: str
-    ip: str
-    process: asyncio.subprocess.Process
-    ready: bool = False
-    ready_at: float | None = None
-    deleted_at: float | None = None
-    signalled: bool = False
-
-
-@dataclass
-class PodController:
-    """Stands in for the Deployment controller, the kubelet and the EndpointSlice controller
-    (polls every 0.3 s)."""
-
-    kube: Kube
-    port: int
-    logs: pathlib.Path
-    gateway: Any  # slipstream.server.gateway.app.Gateway
-    pods: dict[str, Pod] = field(default_factory=dict)
-    replica_changes: list[tuple[float, int]] = field(default_factory=list)  # (time, spec.replicas)
-    started: list[Pod] = field(default_factory=list)
-    _serial: int = 0
-
-    async def _start(self) -> None:
-        self._serial += 1
-        used = {p.ip for p in self.pods.values()}
-        name, ip = f"{NAME}-{self._serial}", next(a for a in ADDRESSES if a not in used)
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "slipstream.server", "serve", "--model", "sim:tiny",
-            "--served-model-name", NAME, "--host", ip, "--port", str(self.port), "--max-num-seqs", "16",
-            "--shutdown-timeout", "30", "--log-interval", "0",
-            stdout=(self.logs / f"{name}.log").open("wb"), stderr=asyncio.subprocess.STDOUT)
-        self.pods[name] = Pod(name, ip, process)
-        self.started.append(self.pods[name])
-        await self.kube.create(PODS, {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels(NAME)},
-            "spec": {"containers": [{"name": "server", "image": "slipstream"}]},
-            "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "False"}]}})
-
-    async def _check_ready(self, session: aiohttp.ClientSession, pod: Pod) -> None:
-        try:
-            async with session.get(f"http://{pod.ip}:{self.port}/ready") as response:
-                if response.status != 200:
-                    return
-        except (aiohttp.ClientError, asyncio.TimeoutError):  # still starting
-            return
-        pod.ready, pod.ready_at = True, time.monotonic()
-        await self.kube.merge_patch(PODS, NAMESPACE, pod.name, {"status": {"conditions": [
-            {"type": "Ready", "status": "True"}]}})
-
-    async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
-            while True:
-                await self._sync(session)
-                await asyncio.sleep(0.3)
-
-    async def _sync(self, session: aiohttp.ClientSession) -> None:
-        dep = await self.kube.get(DEPLOYMENTS, NAMESPACE, NAME)
-        if dep is None:
-            return
-        want = dep["spec"]["replicas"]
-        if not self.replica_changes or self.replica_changes[-1][1] != want:
-            self.replica_changes.append((time.monotonic(), want))
-        live = [p for p in self.pods.values() if p.deleted_at is None]
-        for _ in range(want - len(live)):
-            await self._start()
-        for pod in sorted(live, key=lambda p: (p.ready, p.name))[:max(0, len(live) - want)]:
-            pod.deleted_at = time.monotonic()
-            await self.kube.request("DELETE", PODS.path(NAMESPACE, pod.name))
-        for pod in list(self.pods.values()):
-            if pod.deleted_at is None and not pod.ready:
-                await self._check_ready(session, pod)
-            elif pod.deleted_at is not None and time.monotonic() - pod.deleted_at > PRESTOP \
-                    and pod.process.returncode is None and not pod.signalled:
-                pod.signalled = True
-                pod.process.send_signal(signal.SIGTERM)
-            if pod.process.returncode is not None and pod.deleted_at is not None:
-                del self.pods[pod.name]
-        # The gateway's endpoints: the ready pods not being deleted (an EndpointSlice's view).
-        self.gateway.endpoints.set_endpoints(
-            [f"http://{p.ip}:{self.port}" for p in self.pods.values() if p.ready and p.deleted_at is None])
-        ready = sum(1 for p in self.pods.values() if p.ready and p.deleted_at is None)
-        total = sum(1 for p in self.pods.values() if p.deleted_at is None)
-        status = {"observedGeneration": dep["metadata"]["generation"], "replicas": total,
-                  "updatedReplicas": total, "readyReplicas": ready, "availableReplicas": ready}
-        if any(dep.get("status", {}).get(k) != v for k, v in status.items()):
-            await self.kube.merge_patch(DEPLOYMENTS, NAMESPACE, NAME, {"status": status}, subresource="status")
-
-    async def shutdown(self) -> None:
-        for pod in self.pods.values():
-            if pod.process.returncode is None:
-                pod.process.kill()
-        for pod in self.pods.values():
-            await pod.process.wait()
-
-    def report(self, zero: float) -> str:
-        tails = "\n".join(f"--- {p.name}\n" + p.read_text()[-1500:] for p in sorted(self.logs.glob("*.log")))
-        return f"replicas {[(round(t - zero, 1), n) for t, n in self.replica_changes]}\n{tails}"
 
 
 @dataclass
@@ -201,7 +64,7 @@ class Loop:
 async def loop() -> AsyncIterator[Loop]:
     """The emulator, the real operator (1-second autoscaler tick), the gateway on
     127.0.0.30:8000 published as a Ready gateway Pod, and the pod controller."""
-    port = free_port()
+    port = free_port(ADDRESSES)
     app = build_app(GatewayConfig(policy="least-loaded", queue_timeout=90.0, scrape_interval=0.2))
     runner = web.AppRunner(app, shutdown_timeout=1.0)
     await runner.setup()
@@ -210,16 +73,7 @@ async def loop() -> AsyncIterator[Loop]:
     except OSError as exc:
         await runner.cleanup()
         pytest.skip(f"the gateway cannot listen on {GATEWAY_IP}:{GATEWAY_PORT}: {exc}")
-    async with ForgetfulApiServer() as api, kmock.Server(api):
-        api.add_crd(yaml.safe_load(CRD_PATH.read_text()))
-        url = str(api.url)
-        kube = Kube(url)
-        registry = kopf.OperatorRegistry()
-        register(registry, OperatorConfig(resync_seconds=10.0, autoscale_seconds=TICK,
-                                          login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
-                                          kube=lambda: Kube(url)))
-        settings = kopf.OperatorSettings()
-        settings.watching.server_timeout = 10
+    async with emulated_api() as (url, kube):
         await kube.create(PODS, {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": f"{NAME}-gateway-0", "namespace": NAMESPACE, "labels": gateway_labels(NAME)},
@@ -227,16 +81,20 @@ async def loop() -> AsyncIterator[Loop]:
             "status": {"phase": "Running", "podIP": GATEWAY_IP,
                        "conditions": [{"type": "Ready", "status": "True"}]}})
         logs = pathlib.Path(tempfile.mkdtemp(prefix="scale-from-zero-"))
-        controller = PodController(kube, port, logs, app[GATEWAY])
+        # The gateway's endpoints: the ready pods not being deleted (its EndpointSlice watch's view).
+        controller = PodController(
+            kube, NAME, port, logs, ADDRESSES, prestop=PRESTOP, poll=0.3,
+            on_endpoints=app[GATEWAY].endpoints.set_endpoints,
+            serve_args=["--model", "sim:tiny", "--max-num-seqs", "16", "--shutdown-timeout", "30",
+                        "--log-interval", "0"])
         loop = Loop(kube, controller, [asyncio.create_task(controller.run())])
         try:
-            async with running_operator(registry=registry, settings=settings, clusterwide=True, standalone=True):
+            async with operator_on(url, TICK):
                 yield loop
         finally:
             for task in loop.background:
                 task.cancel()
             await controller.shutdown()
-            await kube.close()
             await runner.cleanup()
 
 
