@@ -370,10 +370,12 @@ def _check_message(message: ChatMessage, where: str) -> None:
     if content is not None and not isinstance(content, (str, list)):
         raise bad_request(f"{where}.content must be a string or an array of text parts", f"{where}.content")
     for j, part in enumerate(content if isinstance(content, list) else []):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad_request(f"{where}.content[{j}] of type {kind!r:.40} is not supported; only text parts are",
                               f"{where}.content[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content[{j}].text")
     if message.role == "tool" and message.tool_call_id is None:
         raise bad_request(f"{where}.tool_call_id is required for a tool message", f"{where}.tool_call_id")
     if message.tool_calls and message.role != "assistant":

@@ -172,7 +172,7 @@ class Proxy:
             return RouteRequest(), self.fallback
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
             payload = None
         if not isinstance(payload, dict):  # the pod answers the 400
             return RouteRequest(session=request.headers.get(SESSION_ID) or None), self.router

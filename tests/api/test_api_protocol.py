@@ -235,6 +235,8 @@ def test_tool_turns_reach_the_template_as_openai_sends_them():
     ({"role": "robot", "content": "x"}, "messages[0].role"),
     ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages[0].content[0].type"),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0].text"),
     ({"role": "user"}, "messages[0].content"),
     ({"role": "user", "content": 5}, "messages[0].content"),
     ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls[0].function"),

@@ -125,6 +125,17 @@ async def test_client_disconnect_aborts_the_request_on_the_pod_and_frees_its_blo
         assert gateway.endpoints.get(pod).in_flight == 0
 
 
+async def test_bodies_the_gateway_cannot_parse_reach_the_pod_which_answers_the_400(pods):
+    """Not JSON, not an object, or nested past the parser's depth: routed by load, and the pod's
+    own OpenAI-shaped 400 comes back (the gateway never answers 500 for a client's body)."""
+    async with running_gateway(endpoints=(pods["a"].url,), policy="prefix") as (url, _), \
+            aiohttp.ClientSession(headers={**AUTH, "Content-Type": "application/json"}) as session:
+        for body in (b"{not json", b"[1, 2]", b"[" * 100_000 + b"]" * 100_000):
+            async with session.post(url + "/v1/completions", data=body) as response:
+                assert response.status == 400, body[:20]
+                assert (await response.json())["error"]["type"] == "invalid_request_error"
+
+
 async def test_round_robin_alternates_between_pods(pods):
     urls = (pods["a"].url, pods["b"].url)
     async with running_gateway(endpoints=urls, policy="round-robin") as (url, _), \
