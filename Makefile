@@ -12,7 +12,7 @@ PORT ?= 8000
 MODEL ?= builtin
 ARGS ?=
 
-.PHONY: install test test-fast cluster cluster-up cluster-down serve bench clean
+.PHONY: install test test-fast cluster cluster-up cluster-down serve bench clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 
 # The whole suite, the tests on the real control plane included (CI runs this).
 test: $(STAMP) $(CLUSTER_STAMP)
-	SLIPSTREAM_REQUIRE_CLUSTER=1 $(PY) -m pytest -q $(ARGS)
+	SLIPSTREAM_REQUIRE_CLUSTER=1 $(PY) -m pytest -q --durations=30 $(ARGS)
 
 # The inner loop (a few minutes): unit, oracle subset, emulator; no control plane, nothing slow.
 test-fast: $(STAMP)
@@ -60,3 +60,22 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# What travels to a GPU machine that reaches no registry (benchmarks/README.md, "GPU check"): x86_64
+# wheels for Python 3.12 of what the engine and the kernel tests need beyond torch, triton,
+# transformers, aiohttp and prometheus-client (benchmarks/gpu_check/env.py: SHIPPED, pinned to the
+# versions here), and the built-in tokenizer's files. Needs network; never a dependency of CI.
+GPU_WHEEL_PLATFORMS := $(foreach n,$(shell seq 17 39),--platform manylinux_2_$(n)_x86_64) \
+	--platform manylinux2014_x86_64 --platform any
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_WHEEL_PLATFORMS) -d .whl $$($(PY) benchmarks/gpu_check/env.py pins)
+	$(PY) benchmarks/gpu_check/env.py tokenizer .whl/tokenizer
+	du -sh .whl
+
+# Every GPU check in one command (~6 minutes on an H200; a CPU rehearsal elsewhere). Runs on the
+# GPU machine's own python3 (no venv there); here on the venv's. Results under $$OUT or benchmarks/out/gpu-check.
+GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check/run.py $(ARGS)

@@ -17,6 +17,7 @@ Without a CUDA device it prints ``no CUDA device: skipped`` and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -31,6 +32,8 @@ SPEC_BANDWIDTH = {
     "V100": 0.9e12, "T4": 0.32e12,
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# What --json writes: the decode table's rows (times µs, bandwidth TB/s, fraction of the roofline 0..1).
+RESULT: dict = {"rows": []}
 
 
 def spec_bandwidth(name: str) -> float | None:
@@ -79,6 +82,8 @@ def bench_decode(args, device: torch.device) -> None:
     measured, spec = measured_bandwidth(device), spec_bandwidth(name)
     bandwidth = spec if args.bandwidth == "spec" and spec else measured
     elem = torch.finfo(DTYPES[args.dtype]).bits // 8
+    RESULT.update(device=name, copy_bandwidth_tbps=measured / 1e12, roofline_bandwidth_tbps=bandwidth / 1e12,
+                  header_line=f"device: {name}; copy bandwidth {measured / 1e12:.2f} TB/s, roofline at {bandwidth / 1e12:.2f} TB/s")
     print(f"device: {name}; copy bandwidth {measured / 1e12:.2f} TB/s"
           + (f", datasheet {spec / 1e12:.2f} TB/s" if spec else "")
           + f"; roofline uses {'datasheet' if bandwidth == spec else 'measured'} {bandwidth / 1e12:.2f} TB/s")
@@ -109,12 +114,17 @@ def bench_decode(args, device: torch.device) -> None:
                 ref_ms = do_bench(lambda: reference.paged_attention(query, k_cache, v_cache, meta, scale),
                                   warmup=3, rep=args.rep)
                 ref_cell, speedup = f"{ref_ms * 1e3:.0f}", f"{ref_ms / ms:.1f}x"
+            RESULT["rows"].append(dict(batch=batch, context=context, mib=round((kv_bytes + qo_bytes) / 2**20),
+                                       us=round(ms * 1e3, 1), tbps=round((kv_bytes + qo_bytes) / (ms * 1e-3) / 1e12, 2),
+                                       fraction=round(frac, 3), ref_us=ref_cell, speedup=speedup))
             print(f"| {batch} | {context} | {(kv_bytes + qo_bytes) / 2**20:.0f} | {ms * 1e3:.1f} | "
                   f"{(kv_bytes + qo_bytes) / (ms * 1e-3) / 1e12:.2f} | {frac:.0%} | {ref_cell} | {speedup} |")
             del query, k_cache, v_cache, meta
             torch.cuda.empty_cache()
     if target:
         verdict = "met" if min(target) >= 0.7 else "NOT met"
+        RESULT.update(target_fraction=0.7, lowest_fraction_at_target=min(target), target_met=min(target) >= 0.7,
+                      target_line=f"target ≥ 70% of roofline at batch ≥ 32, context ≥ 4k: {verdict} (lowest {min(target):.0%})")
         print(f"\ntarget ≥ 70% of roofline at batch ≥ 32, context ≥ 4k: {verdict} (lowest {min(target):.0%})")
 
 
@@ -124,7 +134,11 @@ def random_llama_1b(device: torch.device, dtype: torch.dtype):
     from slipstream.server.models.llama import LlamaModel
     from slipstream.server.models.loader import LoadedModel, load_model
 
-    tokenizer = load_model("builtin", torch.device("cpu"), torch.float32).tokenizer
+    if os.environ.get("SLIPSTREAM_TOKENIZER_DIR"):  # the GPU machine has no GGUF: gpu_check carries the files
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(os.environ["SLIPSTREAM_TOKENIZER_DIR"])
+    else:
+        tokenizer = load_model("builtin", torch.device("cpu"), torch.float32).tokenizer
     cfg = ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=2048,
                       intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                       rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
@@ -189,12 +203,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--kv-gib", type=int, default=32, help="GiB for the engine's KV cache")
+    p.add_argument("--json", default=None, help="also write the decode table as JSON to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: skipped")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"skipped": "no CUDA"}, f)
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
     bench_decode(args, device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULT, f, indent=1)
     if not args.no_engine:
         bench_engine(args, device)
     return 0

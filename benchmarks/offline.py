@@ -193,6 +193,26 @@ def run_hf_static(workload, model, args) -> Result:
     return res
 
 
+def hf_cb_collect(manager, reqs: list[WorkloadRequest], tag: str) -> list[int]:
+    """Send ``reqs`` to a started transformers continuous-batching manager and wait for them all;
+    returns each request's generated token count, in order. Raises RuntimeError when a request
+    fails or the manager's generation thread dies."""
+    ids = [manager.add_request(r.prompt, request_id=f"{tag}{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
+           for i, r in enumerate(reqs)]
+    done: dict[str, int] = {}
+    while len(done) < len(ids):
+        out = manager.get_result(timeout=1)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError("hf-cb: the generation thread died")
+            continue
+        if out.error:
+            raise RuntimeError(f"hf-cb: request {out.request_id} failed: {out.error}")
+        if out.is_finished():
+            done[out.request_id] = len(out.generated_tokens)
+    return [done[i] for i in ids]
+
+
 def run_hf_cb(workload, model, args) -> Result:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -214,20 +234,7 @@ def run_hf_cb(workload, model, args) -> Result:
     manager.start()
 
     def collect(reqs: list[WorkloadRequest], tag: str) -> list[int]:
-        ids = [manager.add_request(r.prompt, request_id=f"{tag}{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
-               for i, r in enumerate(reqs)]
-        done: dict[str, int] = {}
-        while len(done) < len(ids):
-            out = manager.get_result(timeout=1)
-            if out is None:
-                if not manager.is_running():
-                    raise RuntimeError("hf-cb: the generation thread died")
-                continue
-            if out.error:
-                raise RuntimeError(f"hf-cb: request {out.request_id} failed: {out.error}")
-            if out.is_finished():
-                done[out.request_id] = len(out.generated_tokens)
-        return [done[i] for i in ids]
+        return hf_cb_collect(manager, reqs, tag)
 
     try:
         with torch.inference_mode():

@@ -3,7 +3,9 @@
 One seeded workload (``slipstream.server.bench.workload``: random prompts of 32–256 tokens, forced output
 lengths from {16, …, 512} with a heavy tail, EOS ignored), sent as streaming
 ``POST /v1/completions`` with token-id prompts by an aiohttp client, with Poisson arrivals
-(exponential gaps, seeded) at each request rate. Both servers serve the same GGUF file (the
+(exponential gaps, seeded) at each request rate. Each rate gets its own prompts (the first
+``NONCE_TOKENS`` ids of every prompt redrawn per rate, lengths unchanged), so neither llama.cpp's
+prompt cache nor slipstream's prefix cache answers a rate from an earlier one. Both servers serve the same GGUF file (the
 built-in SmolLM2-135M-Instruct Q4_1 unless ``--model``) on CPU, one after the other; llama-server
 gets as many parallel slots as slipstream's ``--max-num-seqs``.
 
@@ -30,19 +32,22 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
 
 from slipstream.server.bench.client import run_rate
-from slipstream.server.bench.workload import WorkloadRequest, describe, make_workload
+from slipstream.server.bench.workload import FIRST_ORDINARY_ID, WorkloadRequest, describe, make_workload
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"  # also the working directory of every subprocess: the repository root has a folder
                     # named operator/, which would shadow the standard library's operator module
 LLAMA_VENV = OUT / "llama-venv"
 SYSTEMS = ("slipstream", "llama.cpp")
+NONCE_TOKENS = 4  # redrawn at the start of each prompt per rate: no cached prefix survives the first token
+VOCAB_SIZE = 49152  # make_workload's default: the built-in model's vocabulary
 
 
 # --- the servers under test ---------------------------------------------------------------------
@@ -134,6 +139,19 @@ def make_server(system: str, args: argparse.Namespace, model: str) -> tuple[Serv
 
 # --- the run -------------------------------------------------------------------------------------
 
+def prompts_for_rate(workload: list[WorkloadRequest], rate_index: int, seed: int) -> list[WorkloadRequest]:
+    """``workload`` with the first :data:`NONCE_TOKENS` ids of every prompt redrawn for this rate
+    (seeded by ``seed`` and ``rate_index``); lengths and output lengths unchanged.
+
+    The same servers answer every rate, and both cache prompts (llama-server reuses a slot's
+    common prefix, slipstream's prefix cache shares full blocks), so identical prompts at a later
+    rate would skip their prefill. A different first token leaves no common prefix.
+    """
+    rng = random.Random(f"online-rate-{seed}-{rate_index}")
+    return [replace(r, prompt=[rng.randrange(FIRST_ORDINARY_ID, VOCAB_SIZE) for _ in r.prompt[:NONCE_TOKENS]]
+                    + r.prompt[NONCE_TOKENS:]) for r in workload]
+
+
 async def bench_system(system: str, args: argparse.Namespace, model: str, workload: list[WorkloadRequest],
                        rates: list[float]) -> list[dict]:
     server, ready_path = make_server(system, args, model)
@@ -144,9 +162,9 @@ async def bench_system(system: str, args: argparse.Namespace, model: str, worklo
         warm = make_workload(2, seed=args.seed + 1, max_output=8)
         await run_rate(server.url, warm, 100.0, args.seed)  # first-call costs out of the measurement
         rows = []
-        for rate in rates:
+        for i, rate in enumerate(rates):
             load0 = os.getloadavg()[0]
-            row = await run_rate(server.url, workload, rate, args.seed)
+            row = await run_rate(server.url, prompts_for_rate(workload, i, args.seed), rate, args.seed)
             row.update(system=system, load=(load0 + os.getloadavg()[0]) / 2)
             print(f"[{system}] rate {rate}: {row['completed']}/{row['requests']} done, "
                   f"{row['tok_s']:.1f} output tok/s, TTFT p50 {row['ttft_p50']:.3f}s", flush=True)
@@ -192,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024, help="context per request (both servers)")
     p.add_argument("--llama-threads", type=int, default=None, help="llama-server --threads (default: all CPUs)")
     p.add_argument("--slipstream-threads", type=int, default=None,
-                   help="slipstream serve --num-threads (default: torch's, one per core)")
+                   help="slipstream serve --num-threads (default: torch's, one per core, capped at the CPU limit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file (default: the built-in model's)")
     p.add_argument("--systems", default=",".join(SYSTEMS))

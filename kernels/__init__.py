@@ -1,7 +1,9 @@
 """Attention over the paged KV cache: Triton kernels on CUDA, the torch reference elsewhere.
 
-The engine calls :func:`write_kv` and :func:`paged_attention` once per layer. Which
-implementation runs is chosen per call from the tensors' device and ``SLIPSTREAM_ATTENTION``:
+The engine resolves an :class:`AttentionBackend` once per model runner (:func:`resolve_backend`)
+and its layers call the backend's ``write_kv`` and ``paged_attention``. The module-level
+:func:`write_kv` and :func:`paged_attention` choose per call instead (tests, one-off use). Either
+way the choice comes from the device and ``SLIPSTREAM_ATTENTION``:
 
 - ``auto`` (default): Triton on CUDA tensors, the torch reference on anything else;
 - ``torch``: always the reference;
@@ -12,14 +14,17 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 import torch
 
 from . import reference
 from .metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "write_kv", "paged_attention", "select_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "write_kv", "paged_attention", "resolve_backend",
+           "select_backend"]
 
 ENV_VAR = "SLIPSTREAM_ATTENTION"
 MODES = ("auto", "torch", "triton")
@@ -59,6 +64,37 @@ def select_backend(tensor: torch.Tensor) -> ModuleType:
     from .triton_common import check_runnable
     check_runnable(tensor)
     return backend
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The attention implementation one model runner uses, resolved once.
+
+    Attributes:
+        name: ``"torch"`` (the reference) or ``"triton"``.
+        write_kv: as :func:`write_kv`.
+        paged_attention: as :func:`paged_attention`.
+        graph_safe: whether a decode step through it can be captured in a CUDA graph: no host
+            sync, launch shapes from host-side metadata only (the Triton kernels; the reference
+            reads lengths back with ``tolist``).
+    """
+
+    name: str
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    graph_safe: bool
+
+
+def resolve_backend(device: torch.device | str) -> AttentionBackend:
+    """The backend for tensors on ``device``, chosen as :func:`select_backend` would.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`select_backend`.
+    """
+    module = select_backend(torch.empty(0, device=device))
+    if module is reference:
+        return AttentionBackend("torch", reference.write_kv, reference.paged_attention, graph_safe=False)
+    return AttentionBackend("triton", module.write_kv, module.paged_attention, graph_safe=True)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -2,8 +2,9 @@
 
 The live object carries server defaults (``imagePullPolicy``, ``clusterIP``, probe ``scheme``
 …) that the rendered one lacks, so "in sync" means: every field we render is there with an
-equal value (quantities compared by value, ``"1000m" == "1"``), and the Deployment's spec-hash
-annotation equals the rendered one (that catches a spec change that only removes a field).
+equal value (quantities, under ``resources`` and an emptyDir's ``sizeLimit``, compared by
+value: ``"1000m" == "1"``), and the Deployment's spec-hash annotation equals the rendered one
+(that catches a spec change that only removes a field).
 An update starts from the live object and replaces what we own, so fields other controllers
 keep there (``deployment.kubernetes.io/revision``, ``clusterIP``) survive.
 """
@@ -29,7 +30,8 @@ def _quantity(value: Any) -> Decimal | None:
 def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
     """True when ``live`` holds everything ``desired`` says: dicts by their keys (extra live
     keys allowed; an empty desired dict or list may be absent), lists element by element with
-    equal lengths, scalars equal, and under a ``resources`` key quantities equal by value."""
+    equal lengths, scalars equal, and under a ``resources`` key (or as a ``sizeLimit``)
+    quantities equal by value."""
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return False
@@ -46,7 +48,7 @@ def contains(live: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
                 and all(contains(a, b, path) for a, b in zip(live, desired)))
     if live == desired and type(live) is type(desired):
         return True
-    if "resources" in path:
+    if "resources" in path or path[-1:] == ("sizeLimit",):
         a, b = _quantity(live), _quantity(desired)
         return a is not None and a == b
     return isinstance(live, (int, float)) and isinstance(desired, (int, float)) and \

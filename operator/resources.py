@@ -14,6 +14,7 @@ import math
 from typing import Any, Mapping
 
 import kopf
+from kubernetes.utils.quantity import parse_quantity
 
 from slipstream.operator.spec import InferenceServiceSpec, parse_spec
 
@@ -31,6 +32,10 @@ CONTAINER_NAME = "server"
 PORT_NAME = "http"
 SERVICE_PORT = 80
 MODEL_MOUNT = "/mnt/models"
+# GPU pods' /dev/shm (PyTorch's and NCCL's shared buffers; the runtime's 64 MiB default is too
+# small for NCCL): memory-backed, so it counts against the memory limit; capped at a quarter of it.
+SHM_MOUNT = "/dev/shm"
+SHM_SIZE_LIMIT_BYTES = 2 << 30
 # Seconds the preStop hook waits before the kubelet sends SIGTERM (which starts the drain):
 # endpoint controllers and kube-proxy take a moment to stop routing to a terminating pod.
 PRESTOP_SLEEP_SECONDS = 5
@@ -105,13 +110,27 @@ def server_args(spec: InferenceServiceSpec, name: str) -> list[str]:
         "--served-model-name", spec.model.served_model_name or name,
         "--max-num-seqs", str(engine.max_num_seqs),
         "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-        "--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes),
         "--block-size", str(engine.block_size),
         "--shutdown-timeout", str(spec.shutdown_timeout_seconds),
     ]
+    # Unset, the engine sizes the KV pool itself: from free GPU memory after profiling on CUDA.
+    if engine.kv_cache_memory is not None:
+        args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
+    if engine.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    if engine.enforce_eager:
+        args.append("--enforce-eager")
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
     return args
+
+
+def shm_size_limit(spec: InferenceServiceSpec) -> str:
+    """``sizeLimit`` of a GPU pod's ``/dev/shm``: :data:`SHM_SIZE_LIMIT_BYTES`, or a quarter
+    of ``spec.resources.memory`` if less, in whole MiB written as the API server writes it back
+    (``2Gi``, ``768Mi``)."""
+    mib = int(min(SHM_SIZE_LIMIT_BYTES, parse_quantity(spec.resources.memory) / 4)) >> 20
+    return f"{mib >> 10}Gi" if mib and mib % 1024 == 0 else f"{max(mib, 1)}Mi"
 
 
 def termination_grace_period(spec: InferenceServiceSpec) -> int:
@@ -166,9 +185,13 @@ def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
     }
     if spec.env:
         container["env"] = [dict(var) for var in spec.env]
+    mounts = []
     if spec.model.source == "pvc":
-        container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT,
-                                      "readOnly": True}]
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if res.gpus:
+        mounts.append({"name": "shm", "mountPath": SHM_MOUNT})
+    if mounts:
+        container["volumeMounts"] = mounts
     return container
 
 
@@ -194,9 +217,15 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    volumes = []
     if spec.model.source == "pvc":
-        pod_spec["volumes"] = [{"name": "model", "persistentVolumeClaim": {
-            "claimName": spec.model.claim_name, "readOnly": True}}]
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model.claim_name, "readOnly": True}})
+    if spec.resources.gpus:
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
+                                                    "sizeLimit": shm_size_limit(spec)}})
+    if volumes:
+        pod_spec["volumes"] = volumes
     deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

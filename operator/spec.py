@@ -27,6 +27,9 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A Service name is an RFC 1035 label; the InferenceService's name becomes one.
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# The KV pool ``slipstream serve`` takes on CPU when no --kv-cache-memory-bytes is given
+# (server/engine/config.py CPU_KV_CACHE_BYTES; a test keeps the two equal).
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class SpecError(ValueError):
@@ -58,17 +61,23 @@ class ModelSpec:
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     """Engine settings passed to ``slipstream serve``. ``kv_cache_memory`` is a quantity string
-    (``"1Gi"``); ``max_model_len`` None leaves the model's own context length."""
+    (``"1Gi"``); None lets the engine size the KV pool (on a GPU from ``gpu_memory_utilization``,
+    the fraction in (0, 1] of the GPU's memory it may use, engine default 0.9 when None; on CPU
+    :data:`CPU_KV_CACHE_BYTES`). ``enforce_eager``: no CUDA graphs for decode. ``max_model_len``
+    None leaves the model's own context length."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    kv_cache_memory: str = "1Gi"
+    kv_cache_memory: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
 
     @property
-    def kv_cache_memory_bytes(self) -> int:
-        return int(parse_quantity(self.kv_cache_memory))
+    def kv_cache_memory_bytes(self) -> int | None:
+        """``kv_cache_memory`` in bytes; None when unset (the engine sizes the pool)."""
+        return None if self.kv_cache_memory is None else int(parse_quantity(self.kv_cache_memory))
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +213,8 @@ _FIELDS: dict[type, dict[str, str]] = {
                 "profile": "profile", "servedModelName": "served_model_name"},
     EngineSpec: {"maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
                  "kvCacheMemory": "kv_cache_memory", "maxModelLen": "max_model_len",
-                 "blockSize": "block_size"},
+                 "blockSize": "block_size", "gpuMemoryUtilization": "gpu_memory_utilization",
+                 "enforceEager": "enforce_eager"},
     ResourcesSpec: {"cpu": "cpu", "memory": "memory", "gpus": "gpus"},
     InferenceServiceSpec: {
         "model": "model", "image": "image", "replicas": "replicas", "autoscaling": "autoscaling",
@@ -288,7 +298,7 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
 
     Raises SpecError with ``reason`` InvalidSpec (or InvalidName for ``name``) on the first
     rule broken: the CRD schema's bounds and its CEL rules, plus the rules the schema cannot
-    state (KV cache memory below the memory limit on CPU pods).
+    state (KV cache memory below the memory limit on CPU pods, set or the engine's 1 GiB).
     """
     if name is not None:
         validate_name(name)
@@ -340,19 +350,35 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     if engine.block_size not in BLOCK_SIZES:
         raise SpecError("InvalidSpec", f"spec.engine.blockSize must be a power of two from 1 to "
                                        f"256, got {engine.block_size!r}")
-    kv_bytes = _quantity(engine.kv_cache_memory, "spec.engine.kvCacheMemory")
-    if kv_bytes < 1 or kv_bytes != int(kv_bytes):
-        raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory must be a whole number of "
-                                       f"bytes ≥ 1, got {engine.kv_cache_memory!r}")
+    if engine.kv_cache_memory is not None:
+        kv_bytes = _quantity(engine.kv_cache_memory, "spec.engine.kvCacheMemory")
+        if kv_bytes < 1 or kv_bytes != int(kv_bytes):
+            raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory must be a whole number of "
+                                           f"bytes ≥ 1, got {engine.kv_cache_memory!r}")
+    utilization = engine.gpu_memory_utilization
+    if utilization is not None and (isinstance(utilization, bool) or not isinstance(
+            utilization, (int, float)) or not 0 < utilization <= 1):
+        raise SpecError("InvalidSpec", f"spec.engine.gpuMemoryUtilization must be a number in "
+                                       f"(0, 1], got {utilization!r}")
+    if not isinstance(engine.enforce_eager, bool):
+        raise SpecError("InvalidSpec", f"spec.engine.enforceEager must be true or false, "
+                                       f"got {engine.enforce_eager!r}")
 
     if _quantity(res.cpu, "spec.resources.cpu") <= 0:
         raise SpecError("InvalidSpec", f"spec.resources.cpu must be > 0, got {res.cpu!r}")
     memory = _quantity(res.memory, "spec.resources.memory")
     _check_int(res.gpus, "spec.resources.gpus", 0)
+    if res.gpus > 1:
+        raise SpecError("InvalidSpec", f"spec.resources.gpus is {res.gpus}, but tensor parallelism "
+                                       f"is not supported yet: a pod runs its model on one GPU; "
+                                       f"use one GPU per replica (gpus: 1) and scale replicas")
+    kv_bytes = (CPU_KV_CACHE_BYTES if engine.kv_cache_memory is None
+                else engine.kv_cache_memory_bytes)
     if res.gpus == 0 and model.source != "sim" and kv_bytes >= memory:
         # On CPU the KV cache lives in the pod's memory, beside the weights and the runtime
-        # (a simulated one is only counted, never allocated).
-        raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory ({engine.kv_cache_memory}) "
+        # (on a GPU it lives in GPU memory; a simulated one is only counted, never allocated).
+        given = engine.kv_cache_memory or f"unset, so the engine's {CPU_KV_CACHE_BYTES >> 30}Gi"
+        raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory ({given}) "
                                        f"must be below spec.resources.memory ({res.memory}) on a "
                                        f"CPU pod: the KV cache, the weights and the server share "
                                        f"that memory; raise memory or lower kvCacheMemory")

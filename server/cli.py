@@ -42,6 +42,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` unless the help already speaks of the default or there is none to show."""
 
@@ -74,14 +81,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     m.add_argument("--seed", type=int, default=d["seed"], help="engine random seed; requests without a 'seed' of their own sample from it")
     m.add_argument("--num-threads", type=_positive_int, default=d["num_threads"],
-                   help="torch threads for the forward pass (default: torch's own; on a busy CPU 1 can be faster)")
+                   help="torch threads for the forward pass (default: torch's own, capped at the CPUs this process may use: "
+                        "the cgroup quota, i.e. a pod's CPU limit, and the affinity mask; on a busy CPU 1 can be faster)")
     e = p.add_argument_group("engine (continuous batching, paged KV cache)")
     e.add_argument("--max-num-seqs", type=_positive_int, default=d["max_num_seqs"],
                    help="most sequences running in one batch")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=d["max_num_batched_tokens"],
                    help="token budget of one step: decode tokens plus prefill-chunk tokens")
     e.add_argument("--kv-cache-memory-bytes", type=byte_size, default=d["kv_cache_memory_bytes"],
-                   help="memory of the KV block pool (e.g. 512MiB, 2GiB); sets the number of blocks")
+                   help="memory of the KV block pool (e.g. 512MiB, 2GiB); sets the number of blocks (default: on CUDA "
+                        "what --gpu-memory-utilization leaves after weights, activations and CUDA graphs; 1GiB on CPU)")
+    e.add_argument("--gpu-memory-utilization", type=_fraction, default=d["gpu_memory_utilization"],
+                   help="fraction of the GPU's memory this server may use in all (weights, activations, CUDA graphs, "
+                        "KV cache); CUDA only")
+    e.add_argument("--enforce-eager", action="store_true", default=d["enforce_eager"],
+                   help="run every step eagerly: no CUDA graphs for decode (CUDA only)")
     e.add_argument("--max-model-len", type=_positive_int, default=d["max_model_len"],
                    help="most tokens (prompt + output) per request (default: the model's context length, "
                         "or what the KV cache holds if that is less)")

@@ -1,5 +1,6 @@
 """Paged-attention kernels: the torch reference against dense attention, the Triton kernels
-(in Triton's interpreter, on CPU) against the reference, and the dispatch between them.
+against the reference (compiled on CUDA tensors when CUDA is present, else in Triton's
+interpreter on CPU tensors: see ``kernel_device``), and the dispatch between them.
 
 Tolerances compare each kernel with the reference run in fp32 on the same (already rounded)
 inputs, so they bound only the kernel's own rounding:
@@ -15,13 +16,8 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 
-# Triton 3.9 reads TRITON_INTERPRET when triton.language is first imported (its library kernels
-# are decorated then), when our kernels are decorated, and again at launch: so it is set for the
-# whole session, before anything imports triton. Harmless elsewhere: CPU tensors take the torch
-# path under the default SLIPSTREAM_ATTENTION=auto.
-os.environ["TRITON_INTERPRET"] = "1"
+from kernel_device import DEVICE  # first: sets or clears TRITON_INTERPRET before triton is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -38,21 +34,42 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.b
 
 @pytest.fixture(scope="module")
 def tk():
-    """The Triton kernel modules, defined under Triton's interpreter so they run on CPU tensors."""
+    """The Triton kernel modules: compiled on CUDA, defined under Triton's interpreter on CPU."""
     mods = {name: importlib.import_module(f"slipstream.kernels.{name}") for name in TRITON_MODULES}
-    assert mods["triton_common"].INTERPRETED, (
-        "triton was imported before TRITON_INTERPRET=1 was set: run these tests in their own "
-        "process or set TRITON_INTERPRET=1 in the environment")
+    if DEVICE.type == "cuda":
+        assert not mods["triton_common"].INTERPRETED, "Triton's interpreter is on in a CUDA run: unset TRITON_INTERPRET"
+    else:
+        assert mods["triton_common"].INTERPRETED, (
+            "triton was imported before TRITON_INTERPRET=1 was set: run these tests in their own "
+            "process or set TRITON_INTERPRET=1 in the environment")
     return type("Kernels", (), mods)
 
 
+@pytest.fixture(scope="module")
+def device():
+    """Where the Triton tests' tensors live (``kernel_device.DEVICE``)."""
+    return DEVICE
+
+
+def to(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def on(device, meta: AttentionMetadata) -> AttentionMetadata:
+    """``meta`` with its tensors on ``device``."""
+    return AttentionMetadata(slot_mapping=meta.slot_mapping.to(device), query_start_loc=meta.query_start_loc.to(device),
+                             seq_lens=meta.seq_lens.to(device), block_tables=meta.block_tables.to(device),
+                             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+
+
 def make_batch(q_lens, seq_lens, *, block_size=16, num_kv_heads=2, group=1, head_dim=64,
-               dtype=torch.float32, pad_tokens=0, seed=0):
+               dtype=torch.float32, pad_tokens=0, seed=0, device="cpu"):
     """Random caches and a batch over them with shuffled (non-contiguous) block tables.
 
     Request ``b`` has ``q_lens[b]`` new tokens ending a ``seq_lens[b]``-token context; its blocks
     are a random draw from a pool with spare blocks. ``pad_tokens`` query rows after the last
-    request stand for padding (slot -1).
+    request stand for padding (slot -1). Everything is drawn on CPU (the same numbers on every
+    device), then moved to ``device``.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
@@ -74,18 +91,18 @@ def make_batch(q_lens, seq_lens, *, block_size=16, num_kv_heads=2, group=1, head
         query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-    return query, k_cache, v_cache, meta
+    return (*to(device, query, k_cache, v_cache), on(device, meta))
 
 
 def oracle(query, k_cache, v_cache, meta, scale):
-    """The reference in fp32 on the same rounded inputs."""
-    return reference.paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, scale)
+    """The reference in fp32 on the same rounded inputs, on CPU."""
+    return reference.paged_attention(*(t.float().cpu() for t in (query, k_cache, v_cache)), on("cpu", meta), scale)
 
 
 def assert_matches(out, expected, dtype):
     rtol, atol = TOL[dtype]
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=rtol, atol=atol)
 
 
 def boundary_contexts(block_size):
@@ -158,12 +175,13 @@ def test_context_groups_keep_each_group_within_twice_its_shortest():
 @DTYPES
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("kv_dtype", ["same", "fp32"])
-def test_triton_write_kv_scatters_like_reference_and_skips_padding(tk, block_size, dtype, kv_dtype):
+def test_triton_write_kv_scatters_like_reference_and_skips_padding(tk, device, block_size, dtype, kv_dtype):
     q_lens = seq_lens = [3, block_size + 1]
-    _, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, pad_tokens=2)
+    _, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, block_size=block_size, dtype=dtype, pad_tokens=2,
+                                           device=device)
     num_tokens, num_kv_heads, head_dim = meta.slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3]
     # K as a view into a fused QKV projection (strided rows), V contiguous; cache dtype or fp32.
-    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim).to(dtype if kv_dtype == "same" else torch.float32)
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim).to(device, dtype if kv_dtype == "same" else torch.float32)
     key = qkv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
     value = qkv[:, 2 * num_kv_heads * head_dim:].reshape(num_tokens, num_kv_heads, head_dim).clone()
     before = k_cache.clone()
@@ -191,11 +209,11 @@ def case_id(case):
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
-def test_triton_decode_matches_reference_unsplit_and_split_k(tk, case):
+def test_triton_decode_matches_reference_unsplit_and_split_k(tk, device, case):
     block_size, head_dim, group, dtype = case
     seq_lens = boundary_contexts(block_size)
     query, k_cache, v_cache, meta = make_batch([1] * len(seq_lens), seq_lens, block_size=block_size,
-                                               group=group, head_dim=head_dim, dtype=dtype)
+                                               group=group, head_dim=head_dim, dtype=dtype, device=device)
     scale = head_dim ** -0.5
     expected = oracle(query, k_cache, v_cache, meta, scale)
 
@@ -206,9 +224,9 @@ def test_triton_decode_matches_reference_unsplit_and_split_k(tk, case):
         assert_matches(out, expected, dtype)
 
 
-def test_triton_decode_default_tiles_on_long_context(tk):
+def test_triton_decode_default_tiles_on_long_context(tk, device):
     seq_lens = [1, 200, 64, 65]
-    query, k_cache, v_cache, meta = make_batch([1] * 4, seq_lens, block_size=16, group=3)
+    query, k_cache, v_cache, meta = make_batch([1] * 4, seq_lens, block_size=16, group=3, device=device)
     expected = oracle(query, k_cache, v_cache, meta, 0.125)
     for num_splits in (None, 3):
         out = torch.zeros_like(query)
@@ -236,11 +254,11 @@ def prefill_batch(block_size):
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
-def test_triton_prefill_matches_reference_on_chunks_and_cached_prefixes(tk, case):
+def test_triton_prefill_matches_reference_on_chunks_and_cached_prefixes(tk, device, case):
     block_size, head_dim, group, dtype = case
     q_lens, seq_lens = prefill_batch(block_size)
     query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, block_size=block_size, group=group,
-                                               head_dim=head_dim, dtype=dtype)
+                                               head_dim=head_dim, dtype=dtype, device=device)
     scale = head_dim ** -0.5
     expected = oracle(query, k_cache, v_cache, meta, scale)
 
@@ -252,8 +270,8 @@ def test_triton_prefill_matches_reference_on_chunks_and_cached_prefixes(tk, case
         assert_matches(out, expected, dtype)
 
 
-def test_triton_prefill_leaves_rows_shorter_than_min_q_len_to_decode(tk):
-    query, k_cache, v_cache, meta = make_batch([1, 4], [9, 9])
+def test_triton_prefill_leaves_rows_shorter_than_min_q_len_to_decode(tk, device):
+    query, k_cache, v_cache, meta = make_batch([1, 4], [9, 9], device=device)
     out = torch.zeros_like(query)
     tk.triton_prefill.prefill_attention(query, k_cache, v_cache, meta, 0.125, out, min_q_len=2)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -263,12 +281,12 @@ def test_triton_prefill_leaves_rows_shorter_than_min_q_len_to_decode(tk):
 # --- the entry point ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_entry_point_runs_a_mixed_batch_with_padding_through_triton(tk, monkeypatch, dtype):
+def test_entry_point_runs_a_mixed_batch_with_padding_through_triton(tk, device, monkeypatch, dtype):
     # Decode rows (1-token and multi-block contexts), a chunk after a cached prefix, a fresh
     # prompt, and two padding tokens at the end; K/V are written through the entry point first.
     q_lens, seq_lens = [1, 1, 6, 19, 2, 1], [1, 50, 38, 19, 17, 16]
-    query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, group=3, dtype=dtype, pad_tokens=2)
-    key = torch.randn(query.shape[0], k_cache.shape[2], k_cache.shape[3]).to(dtype)
+    query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, group=3, dtype=dtype, pad_tokens=2, device=device)
+    key = torch.randn(query.shape[0], k_cache.shape[2], k_cache.shape[3]).to(device, dtype)
     value = torch.randn_like(key)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
 
@@ -287,6 +305,8 @@ def test_entry_point_runs_a_mixed_batch_with_padding_through_triton(tk, monkeypa
 @pytest.mark.parametrize("mode, expected", [("auto", "reference"), ("torch", "reference"),
                                             ("triton", "triton_attention"), (" Triton ", "triton_attention")])
 def test_slipstream_attention_selects_the_backend_for_cpu_tensors(tk, monkeypatch, mode, expected):
+    if expected == "triton_attention" and DEVICE.type == "cuda":
+        pytest.skip("CPU tensors run the Triton kernels only in the interpreter, which a CUDA run leaves off")
     monkeypatch.setenv("SLIPSTREAM_ATTENTION", mode)
     assert kernels.select_backend(torch.zeros(1)).__name__ == f"slipstream.kernels.{expected}"
 
@@ -309,7 +329,7 @@ def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(tk, mo
         kernels.select_backend(torch.zeros(1))
 
 
-def test_triton_attention_rejects_mismatched_dtypes(tk):
-    query, k_cache, v_cache, meta = make_batch([1], [5])
+def test_triton_attention_rejects_mismatched_dtypes(tk, device):
+    query, k_cache, v_cache, meta = make_batch([1], [5], device=device)
     with pytest.raises(ValueError, match="dtypes must match"):
         tk.triton_attention.paged_attention(query.half(), k_cache, v_cache, meta, 0.125)

@@ -5,6 +5,7 @@ from slipstream.server.engine.kv_cache import KVCacheManager
 from slipstream.server.engine.outputs import RequestMetrics
 from slipstream.server.engine.request import Request
 from slipstream.server.engine.sampling_params import SamplingParams
+from slipstream.server.engine.scheduler import Scheduler, SchedulerOutput
 
 
 def req(tokens, rid="r"):
@@ -12,11 +13,11 @@ def req(tokens, rid="r"):
 
 
 def compute(kv, r, n=None):
-    """Pretend the model computed the request's tokens (as the engine does after a step)."""
+    """Pretend the model computed ``n`` of the request's tokens (default: the rest) and apply the
+    step as the engine does: the scheduler's ``update_from_output``, nothing sampled."""
     n = r.num_tokens - r.num_computed_tokens if n is None else n
     assert kv.allocate(r, n)
-    r.num_computed_tokens += n
-    kv.cache_full_blocks(r)
+    Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=n).update_from_output(SchedulerOutput([r], [n]), {})
 
 
 def test_allocate_is_all_or_nothing():

@@ -42,6 +42,8 @@ CASES = {
     "llama-tied-llama3-rope": ("llama", dict(tie_word_embeddings=True, rope_theta=50000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32})),
+    # transformers 5 writes a default rope's theta only inside rope_parameters
+    "llama-default-rope-theta": ("llama", dict(rope_theta=500000.0)),
     "qwen2-bias-untied": ("qwen2", dict(tie_word_embeddings=False)),
     "mistral-head-dim": ("mistral", dict(head_dim=32, sliding_window=None)),
 }
@@ -117,3 +119,21 @@ def test_gguf_weight_cache_round_trips_exactly(tmp_path, monkeypatch, loaded, ca
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert second.config == first.config
     assert second.model.lm_head.weight is second.model.embed_tokens.weight  # still tied
+
+
+@pytest.mark.slow
+def test_a_changed_gguf_replaces_its_cached_weights_and_tokenizer(tmp_path, monkeypatch):
+    import os
+    import shutil
+    from slipstream.server.models.loader import builtin_model_path
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    shutil.copyfile(builtin_model_path(), gguf)
+    os.utime(gguf, (1_000_000_000, 1_000_000_000))
+    load_model(str(gguf), torch.device("cpu"), torch.float32)
+    first = {kind: sorted(p.name for p in (tmp_path / "cache" / kind).iterdir()) for kind in ("weights", "tokenizers")}
+    os.utime(gguf, (2_000_000_000, 2_000_000_000))  # the file changed: new entries, old ones removed
+    load_model(str(gguf), torch.device("cpu"), torch.float32)
+    for kind, before in first.items():
+        after = sorted(p.name for p in (tmp_path / "cache" / kind).iterdir())
+        assert len(before) == len(after) == 1 and after != before, kind

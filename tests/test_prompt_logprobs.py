@@ -171,7 +171,9 @@ async def test_async_stream_delivers_them_in_the_first_increment(make_llm, promp
 
 
 def test_a_runner_without_a_forward_pass_refuses_them(make_llm):
-    class Fake:
+    class Fake:  # a StepRunner without a forward pass (as the simulator's)
+        supports_prompt_logprobs = False
+
         def run(self, batch, sample_rows):
             raise AssertionError("not reached")
 

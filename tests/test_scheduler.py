@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from slipstream.server.engine import SamplingParams
+from slipstream.server.engine.kv_cache import KVCacheManager
+from slipstream.server.engine.outputs import RequestMetrics
+from slipstream.server.engine.request import Request
+from slipstream.server.engine.scheduler import Scheduler
 
 TOKEN = 42  # the fake model always predicts this (not EOS)
 
@@ -178,3 +182,95 @@ def test_n_choices_share_prompt_blocks(engine):
     assert all(r.block_table[:3] == shared for r in group[1:])
     assert all(eng.kv.ref_counts[b] == 3 for b in shared)
     run_all(eng)
+
+
+# --- the after-step update (Scheduler.update_from_output), on the scheduler alone ----------------
+
+EOS = 2
+
+
+def bare_scheduler(max_num_batched_tokens=64, max_model_len=None):
+    """A scheduler over 8 blocks of 4 tokens whose EOS is token 2."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    return Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=[EOS],
+                     max_model_len=max_model_len)
+
+
+def queue(sched, prompt, **params) -> Request:
+    req = Request("r", "r", 0, list(prompt), SamplingParams(**params), None, RequestMetrics(0.0))
+    sched.add(req)
+    return req
+
+
+def step(sched, token):
+    """Schedule one step and apply it, every sampled request drawing ``token``."""
+    batch = sched.schedule()
+    return sched.update_from_output(batch, {batch.requests[i]: token for i in batch.sample_indices()})
+
+
+def test_update_advances_and_caches_a_prefill_chunk_without_appending_a_token():
+    sched = bare_scheduler(max_num_batched_tokens=8)
+    req = queue(sched, range(10, 20))
+    assert step(sched, 7) == []
+    assert req.num_computed_tokens == 8 and req.num_output_tokens == 0
+    assert [sched.kv.hash_of[b] for b in req.block_table[:2]] == req.block_hashes[:2]  # both full blocks named
+
+
+def test_update_appends_the_sampled_token_on_the_last_prefill_chunk():
+    sched = bare_scheduler(max_num_batched_tokens=8)
+    req = queue(sched, range(10, 20))
+    step(sched, 7)
+    assert step(sched, 7) == [req]
+    assert req.num_computed_tokens == 10 and req.output_token_ids == [7] and not req.finished
+
+
+def test_eos_finishes_with_reason_stop_and_frees_the_blocks():
+    sched = bare_scheduler()
+    req = queue(sched, [10, 11, 12])
+    assert step(sched, EOS) == [req]
+    assert req.finished and (req.finish_reason, req.stop_reason) == ("stop", None)
+    assert sched.num_running == 0 and sched.kv.num_used_blocks == 0
+
+
+def test_ignore_eos_and_min_tokens_keep_the_request_running_past_eos():
+    sched = bare_scheduler()
+    ignoring = queue(sched, [10, 11], ignore_eos=True)
+    step(sched, EOS)
+    assert not ignoring.finished
+    sched = bare_scheduler()
+    early = queue(sched, [10, 11], min_tokens=2)
+    step(sched, EOS)
+    assert not early.finished  # 1 output token < min_tokens
+    step(sched, EOS)
+    assert early.finished and early.finish_reason == "stop"
+
+
+def test_a_stop_token_id_finishes_with_that_id_as_stop_reason():
+    sched = bare_scheduler()
+    req = queue(sched, [10, 11], stop_token_ids=[9])
+    step(sched, 9)
+    assert req.finished and (req.finish_reason, req.stop_reason) == ("stop", 9)
+
+
+def test_max_tokens_finishes_with_length():
+    sched = bare_scheduler()
+    req = queue(sched, [10, 11], max_tokens=2)
+    step(sched, 7)
+    assert not req.finished
+    step(sched, 7)
+    assert req.finished and (req.finish_reason, req.stop_reason) == ("length", None)
+    assert req.output_token_ids == [7, 7] and sched.kv.num_used_blocks == 0
+
+
+def test_eos_on_the_last_allowed_token_is_a_stop_not_a_length_cap():
+    sched = bare_scheduler()
+    req = queue(sched, [10, 11], max_tokens=1)
+    step(sched, EOS)
+    assert req.finish_reason == "stop"
+
+
+def test_max_model_len_finishes_with_length():
+    sched = bare_scheduler(max_model_len=5)
+    req = queue(sched, [10, 11, 12, 13], max_tokens=16)
+    step(sched, 7)
+    assert req.finished and req.finish_reason == "length" and req.num_tokens == 5

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The KV pool's size where no device memory can be profiled (CPU), unless given.
+CPU_KV_CACHE_BYTES = 1 << 30
+
 
 @dataclass
 class EngineConfig:
@@ -13,22 +16,29 @@ class EngineConfig:
     block_size: tokens per KV-cache block (PagedAttention, Kwon et al. SOSP '23, §4.1).
     max_num_seqs: most requests running at once (the batch's rows).
     max_num_batched_tokens: token budget of one step: decode tokens plus prefill chunk tokens.
-    kv_cache_memory_bytes: bytes given to the KV block pool; it sets ``num_blocks``.
+    kv_cache_memory_bytes: bytes given to the KV block pool; it sets ``num_blocks``. None (the
+        default): on CUDA, what ``gpu_memory_utilization`` leaves after weights, peak activations
+        and CUDA-graph pools (see :mod:`~slipstream.server.engine.memory`); elsewhere
+        :data:`CPU_KV_CACHE_BYTES`. An explicit value always wins.
+    gpu_memory_utilization: fraction (0, 1] of the GPU's total memory this engine may use
+        (weights, activations, graphs and KV cache together); CUDA only.
+    enforce_eager: launch every step eagerly (no CUDA graphs for decode); CUDA only.
     max_model_len: most tokens (prompt + output) one request may hold; None takes the
         model's context length, or the KV cache's token slots if those are fewer.
     enable_prefix_caching: share full blocks of equal prefixes between requests.
     device: ``"cpu"`` or ``"cuda"``; None picks CUDA when present.
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; None picks fp32 on CPU, bf16 on GPU.
     trace: record a :class:`~slipstream.server.engine.trace.StepRecord` per step.
-    num_threads: torch intra-op threads for the forward pass; None keeps torch's default. On a
-        shared CPU fewer threads can be much faster (OpenMP threads spin while waiting).
+    num_threads: torch intra-op threads for the forward pass; None keeps torch's default, capped at
+        the CPUs the cgroup quota (a pod's CPU limit) and affinity mask allow. On a shared CPU
+        fewer threads can be much faster (OpenMP threads spin while waiting).
     """
 
     model: str = "builtin"
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     device: str | None = None
@@ -36,13 +46,19 @@ class EngineConfig:
     trace: bool = False
     seed: int = 0
     num_threads: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             value = getattr(self, name)
+            if value is None and name == "kv_cache_memory_bytes":
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

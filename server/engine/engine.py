@@ -11,17 +11,19 @@ from dataclasses import replace
 import torch
 
 from ..models.loader import LoadedModel, load_model
-from .config import EngineConfig
+from .config import CPU_KV_CACHE_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequest, RequestRejected
 from .kv_cache import KVCacheManager
-from .model_runner import ModelRunner, prompt_spans
+from .memory import plan_kv_cache
+from .model_runner import ModelRunner, StepRunner, prompt_spans
 from .outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from .request import Request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_outputs import GrammarCompiler, GrammarMatcher
+from .threads import choose_threads, cpu_limit
 from .trace import EngineStats, StepRecord
 
 log = logging.getLogger("slipstream.engine")
@@ -44,15 +46,15 @@ class LLMEngine:
         config: engine settings (see :class:`EngineConfig`).
         loaded: an already loaded model to reuse (tests and benchmarks build several engines
             over one model); ``config.model`` is then only a name.
-        runner: something with ModelRunner's ``run(batch, sample_rows) -> logits`` to use instead
-            of the model's forward pass (a fake in tests, a cost model in the simulator);
-            ``loaded.model`` may then be None. Requests with ``prompt_logprobs`` need a runner that
-            also has ModelRunner's ``run_with_prompt_logprobs``.
+        runner: a :class:`StepRunner` to use instead of the model's forward pass (the simulator's
+            cost model); ``loaded.model`` may then be None. Requests with ``prompt_logprobs`` need
+            a runner that ``supports_prompt_logprobs``.
 
     Raises:
         ModelLoadError: the model could not be loaded.
         ValueError: settings that cannot work (a KV budget smaller than one block, a
-            ``max_model_len`` beyond the model's context).
+            ``max_model_len`` beyond the model's context, GPU memory that leaves no room for one
+            ``max_model_len`` request).
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, runner=None):
@@ -69,9 +71,13 @@ class LLMEngine:
                              f"of {cfg.max_position_embeddings} tokens")
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         block_bytes = config.block_size * cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
-        num_blocks = config.kv_cache_memory_bytes // block_bytes
+        self.runner: StepRunner = runner or ModelRunner(loaded.model, config.block_size, self.device, self.dtype,
+                                                        max_num_seqs=config.max_num_seqs,
+                                                        enforce_eager=config.enforce_eager)
+        kv_bytes = self._kv_cache_bytes(block_bytes)
+        num_blocks = kv_bytes // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no KV block "
+            raise ValueError(f"kv_cache_memory_bytes={kv_bytes} holds no KV block "
                              f"(one block of {config.block_size} tokens needs {block_bytes} bytes)")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         capacity = self.kv.num_slots
@@ -84,8 +90,9 @@ class LLMEngine:
                             "is %d (give more --kv-cache-memory-bytes to raise it)", capacity, self.max_model_len,
                             capacity)
                 self.max_model_len = capacity
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = runner or ModelRunner(loaded.model, num_blocks, config.block_size, self.device, self.dtype)
+        self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   cfg.eos_token_ids, self.max_model_len)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
@@ -99,10 +106,28 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d", num_blocks, config.block_size,
                  num_blocks * block_bytes / 2**20, self.max_model_len)
 
+    def _kv_cache_bytes(self, block_bytes: int) -> int:
+        """The KV pool's bytes: the config's when given; on CUDA with the model's own runner, what
+        ``gpu_memory_utilization`` leaves after profiling (:mod:`.memory`); else the CPU default."""
+        config = self.config
+        if config.kv_cache_memory_bytes is not None:
+            return config.kv_cache_memory_bytes
+        if self.device.type != "cuda" or not isinstance(self.runner, ModelRunner):
+            return CPU_KV_CACHE_BYTES
+        profile = self.runner.profile_memory(config.max_num_batched_tokens)
+        plan = plan_kv_cache(profile, config.gpu_memory_utilization, block_bytes, config.block_size,
+                             self.max_model_len)
+        log.info("%s", plan.describe(profile, config.gpu_memory_utilization))
+        return plan.kv_cache_bytes
+
     def apply_threads(self) -> None:
-        """Set torch's thread count for the calling thread (the one that will run :meth:`step`)."""
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        """Set torch's thread count for the calling thread (the one that will run :meth:`step`):
+        ``num_threads``, else torch's default capped at the CPUs the cgroup quota and affinity
+        mask allow. Decided (and logged) on the first call; later calls apply the same count."""
+        if getattr(self, "num_threads", None) is None:
+            self.num_threads, why = choose_threads(self.config.num_threads, torch.get_num_threads(), cpu_limit())
+            log.info("torch threads: %d (%s)", self.num_threads, why)
+        torch.set_num_threads(self.num_threads)
 
     # --- requests in ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -143,7 +168,7 @@ class LLMEngine:
         bad = [t for t in params.logit_bias or {} if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab}), got {bad[0]!r}", "logit_bias")
-        if params.prompt_logprobs is not None and not hasattr(self.runner, "run_with_prompt_logprobs"):
+        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
             raise InvalidRequest(f"prompt_logprobs needs the model's forward pass, which this engine's runner "
                                  f"({type(self.runner).__name__}) does not run. Leave prompt_logprobs unset.",
                                  "prompt_logprobs", "unsupported_parameter")
@@ -236,8 +261,7 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
                 if req.index == 0:
                     self.prompt_tokens_total += req.num_prompt_tokens
-        sample_idx = [i for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                      if req.num_computed_tokens + n == req.num_tokens]
+        sample_idx = batch.sample_indices()
         to_sample = [batch.requests[i] for i in sample_idx]
         record = self._record(batch)
         t_run = time.perf_counter()
@@ -254,22 +278,29 @@ class LLMEngine:
             log.exception("step %d failed; aborting its %d requests", self.num_steps, len(batch.requests))
             return self._fail(batch.requests, f"internal error in engine step: {type(e).__name__}: {e}")
         t_fwd = time.perf_counter()
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
-        outputs = self._postprocess(to_sample, sampled.token_ids, sampled.logprobs)
+        outputs = self._postprocess(batch, to_sample, sampled.token_ids, sampled.logprobs)
         self.num_steps += 1
         record.forward_time = t_fwd - t_run
         record.step_time = time.perf_counter() - t0
         self._publish(record)
         return outputs
 
-    def _postprocess(self, requests: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, requests: list[Request], tokens: list[int],
+                     logprobs: list) -> list[RequestOutput]:
+        """The engine's share of the after-step update, around the scheduler's own
+        (:meth:`Scheduler.update_from_output`: advance, cache blocks, append, EOS/stop-token/length).
+
+        ``requests`` are the batch's sampled ones, ``tokens`` and ``logprobs`` aligned with them.
+        Before the update: the grammar's acceptance (a refused token is never appended) and
+        forking a first choice's siblings. After it: detokenization, stop strings, a complete
+        grammar, metrics and the outputs.
+        """
         now = time.monotonic()
         changed: dict[str, list[CompletionOutput]] = {}
         prompt_logprobs: dict[str, list] = {}
         failed: dict[str, Request] = {}
-        for req, tok, lp in zip(requests, tokens, logprobs):
+        accepted: dict[Request, int] = {}
+        for req, tok in zip(requests, tokens):
             if req.finished:
                 continue
             if req.grammar is not None and not req.grammar.accept(tok):  # the mask allowed it: a bug, not the user's
@@ -277,14 +308,17 @@ class LLMEngine:
                           req.grammar.error)
                 failed.setdefault(req.group_id, req)
                 continue
-            req.token_ids.append(tok)
+            accepted[req] = tok
+            if req.metrics.first_token_time is None and req.index == 0 and req.params.n > 1:
+                self._fork(req)  # now: the update may finish the parent and free the blocks its siblings share
+        logprob_of = dict(zip(requests, logprobs))
+        for req in self.scheduler.update_from_output(batch, accepted):
+            tok, lp = accepted[req], logprob_of[req]
             self.generation_tokens_total += 1
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 if req.prompt_logprobs is not None:  # delivered once, with the first token
                     prompt_logprobs[req.group_id] = req.prompt_logprobs
-                if req.index == 0 and req.params.n > 1:
-                    self._fork(req)
             req.metrics.last_token_time = now
             self._check_stop(req, tok)
             if req.finished:
@@ -299,32 +333,27 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, req: Request, tok: int) -> None:
-        p = req.params
-        past_min = req.num_output_tokens >= p.min_tokens
+        """Detokenize ``tok`` (just appended) and judge the stops that are the engine's, after the
+        scheduler's: a stop string (needs the text) and a complete structured output. Either
+        outranks the length cap the scheduler may have applied to the same token (as vLLM's
+        output processor lets a stop string override it), neither an EOS or stop token id."""
+        past_min = req.num_output_tokens >= req.params.min_tokens
         stop_str = req.detokenizer.append(tok, check_stop=past_min)
-        if past_min and not p.ignore_eos and tok in self.eos_token_ids:
-            self._finish(req, FinishReason.STOP, None)
-        elif past_min and tok in p.stop_token_ids:
-            self._finish(req, FinishReason.STOP, tok)
-        elif stop_str is not None:
-            self._finish(req, FinishReason.STOP, stop_str)
+        if req.finish_reason == FinishReason.STOP.value:
+            return  # an EOS or a stop token id
+        if stop_str is not None:
+            self.scheduler.finish(req, FinishReason.STOP, stop_str)
         elif req.grammar is not None and req.grammar.done:  # complete: min_tokens and ignore_eos cannot extend it
-            self._finish(req, FinishReason.STOP, None)
-        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            self._finish(req, FinishReason.LENGTH, None)
-
-    def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
-        req.finish_reason = reason.value
-        req.stop_reason = stop_reason
-        self.scheduler.finish(req)
+            self.scheduler.finish(req, FinishReason.STOP, None)
 
     def _fork(self, parent: Request) -> None:
-        """Start choices 1..n-1 of a request, sharing the parent's prompt blocks."""
+        """Start choices 1..n-1 of a request, sharing the parent's prompt blocks (all computed by
+        this step's forward pass; the scheduler's count catches up in ``update_from_output``)."""
         group = self.groups[parent.group_id]
         for i in range(parent.params.n - 1, 0, -1):
             child = self._new_request(parent.group_id, i, parent.prompt_token_ids, parent.params,
                                       parent.metrics.arrival_time, parent.grammar and parent.grammar.fresh())
-            self.kv.fork(parent, child)
+            self.kv.fork(parent, child, num_computed=parent.num_tokens)
             group.append(child)
             self.scheduler.add(child, front=True)
 

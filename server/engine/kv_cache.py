@@ -160,13 +160,17 @@ class KVCacheManager:
             req.block_table.append(block)
         return True
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Request, child: Request, num_computed: int | None = None) -> None:
         """Let ``child`` (same prompt) share the parent's computed full prompt blocks.
 
         Shares at most ``(prompt_len - 1) // block_size`` blocks, so the child computes its own
         last prompt token (and samples its own first token) in a block of its own.
+        num_computed: the parent's tokens whose K/V is in its blocks, when the forward pass is
+        ahead of ``parent.num_computed_tokens`` (the engine forks between the forward pass and
+        :meth:`Scheduler.update_from_output`, which may finish the parent and free its blocks).
         """
-        shared = min((child.num_tokens - 1) // self.block_size, parent.num_computed_tokens // self.block_size)
+        computed = parent.num_computed_tokens if num_computed is None else num_computed
+        shared = min((child.num_tokens - 1) // self.block_size, computed // self.block_size)
         for block in parent.block_table[:shared]:
             self._ref(block)
         child.block_table = parent.block_table[:shared]

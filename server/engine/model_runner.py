@@ -1,16 +1,27 @@
-"""Lays a scheduled step out as one flattened token batch, runs the model, returns logits."""
+"""Runs a scheduled step: the flattened token batch through the model, logits out.
+
+:class:`StepRunner` is what the engine asks of whatever runs its steps: :class:`ModelRunner` (the
+model's forward pass) and the simulator's cost-model runner implement it.
+"""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import Protocol
 
-import numpy as np
 import torch
 
-from slipstream.kernels import AttentionMetadata
+from slipstream import kernels
 
 from ..models.llama import LlamaModel
+from .cuda_graphs import DecodeGraphs, capture_sizes
+from .memory import MemoryProfile
 from .outputs import Logprob
 from .scheduler import SchedulerOutput
+from .step_inputs import DeviceStep, HostStep, Transfer, dummy_step, layout, unpack
+
+log = logging.getLogger("slipstream.engine")
 
 # Rows of full-vocabulary logits held at once for prompt logprobs: 256 × 49,152 fp32 ≈ 48 MiB.
 PROMPT_LOGPROBS_CHUNK_ROWS = 256
@@ -54,53 +65,91 @@ def prompt_spans(batch: SchedulerOutput) -> list[PromptSpan]:
     return spans
 
 
+class StepRunner(Protocol):
+    """What :class:`~slipstream.server.engine.engine.LLMEngine` calls to run its steps.
+
+    Attributes:
+        supports_prompt_logprobs: whether :meth:`run_with_prompt_logprobs` computes them (the
+            model's forward pass does; a cost model does not, and such requests are refused).
+    """
+
+    supports_prompt_logprobs: bool
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the block pool (``num_blocks`` blocks) once the engine has sized it; the
+        longest request is ``max_model_len`` tokens."""
+
+    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+        """Run the step; fp32 logits ``[len(sample_rows), V]`` at each sampled request's last
+        scheduled token (``sample_rows`` index ``batch.requests``; ``V`` ≤ the vocabulary)."""
+
+    def run_with_prompt_logprobs(self, batch: SchedulerOutput, sample_rows: list[int],
+                                 spans: list[PromptSpan]) -> tuple[torch.Tensor, list[list[Logprob]]]:
+        """:meth:`run`'s logits and the prompt logprobs of ``spans`` (see :func:`prompt_spans`)."""
+
+
 class ModelRunner:
-    """Owns the KV cache tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Runs steps through the model and owns the KV cache tensor
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    The attention backend is resolved once here and handed to the model. Each step's inputs
+    reach the device in one copy (:mod:`.step_inputs`); decode steps replay CUDA graphs
+    (:mod:`.cuda_graphs`) unless ``enforce_eager``, the device is not CUDA, or the backend is
+    not graph-safe.
 
     Args:
         model: the loaded model (on ``device``).
-        num_blocks, block_size: the pool's shape.
+        block_size: tokens per KV block.
         device, dtype: where the cache lives and its precision (the model's).
+        max_num_seqs: most requests in one step (the largest graph bucket).
+        enforce_eager: never capture CUDA graphs.
+        graphs: force the graph path on (True, on CPU: the padded static buffers run eagerly,
+            which tests use) or off (False); None decides as above.
+
+    Raises:
+        ValueError, RuntimeError: ``SLIPSTREAM_ATTENTION`` invalid or not runnable here.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
-        cfg = model.cfg
+    supports_prompt_logprobs = True
+
+    def __init__(self, model: LlamaModel, block_size: int, device: torch.device, dtype: torch.dtype, *,
+                 max_num_seqs: int = 32, enforce_eager: bool = False, graphs: bool | None = None):
         self.model = model
         self.block_size = block_size
-        self.device = device
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=dtype, device=device)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.attention = kernels.resolve_backend(self.device)
+        if graphs is None:
+            graphs = not enforce_eager and self.device.type == "cuda" and self.attention.graph_safe
+            if not enforce_eager and self.device.type == "cuda" and not self.attention.graph_safe:
+                log.warning("attention backend %s is not graph-safe: decode steps run eagerly", self.attention.name)
+        self.use_graphs = graphs
+        self.transfer = Transfer(self.device)
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the step: ``input_ids`` and ``positions`` ``[num_tokens]``, the attention
-        metadata, and the row where each request's scheduled tokens start (``num_requests + 1``
-        entries, the last one ``num_tokens``: request i's rows are ``starts[i] .. starts[i+1] - 1``)."""
-        bs = self.block_size
-        ids, pos, slots, q_start, seq_lens = [], [], [], [0], []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            positions = np.arange(start, start + n)
-            table = np.asarray(req.block_table, dtype=np.int64)
-            ids.append(np.asarray(req.token_ids[start:start + n], dtype=np.int64))
-            pos.append(positions)
-            slots.append(table[positions // bs] * bs + positions % bs)
-            q_start.append(q_start[-1] + n)
-            seq_lens.append(start + n)
-        width = max(len(r.block_table) for r in batch.requests)
-        tables = np.zeros((len(batch.requests), width), dtype=np.int32)
-        for i, req in enumerate(batch.requests):
-            tables[i, :len(req.block_table)] = req.block_table
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        return (torch.from_numpy(np.concatenate(ids)).to(dev), torch.from_numpy(np.concatenate(pos)).to(dev),
-                meta, q_start)
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate the cache and, on the graph path, capture the decode graphs over it."""
+        cfg = self.model.cfg
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        if not self.use_graphs:
+            return
+        capture = self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, capture_sizes(self.max_num_seqs),
+                                   self.block_size, max_model_len, capture=capture)
+        if capture:
+            t0, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            self.graphs.capture_all()
+            log.info("captured CUDA graphs for decode batches of %s in %.1f s (%.0f MiB)", self.graphs.sizes,
+                     time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - before) / 2**20)
+
+    def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> tuple[HostStep, DeviceStep]:
+        """Lay the step out flat (``[num_tokens]`` ids and positions, the attention metadata, the
+        sampled rows) and move it to the device in one copy."""
+        step = layout(batch, self.block_size, sample_rows)
+        return step, unpack(self.transfer(step), step)
 
     def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
         """Forward the step; returns fp32 logits ``[len(sample_rows), vocab]`` for the given
@@ -117,20 +166,68 @@ class ModelRunner:
         Logits are computed only for the sampled rows and the spans' rows, at most
         :data:`PROMPT_LOGPROBS_CHUNK_ROWS` rows of the full vocabulary at a time.
         """
-        input_ids, positions, meta, starts = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if self.graphs is not None and not spans and self.graphs.fits(batch):
+            hidden, rows = self.graphs.run(batch, sample_rows, self.transfer)
+        else:
+            step, inputs = self.prepare(batch, sample_rows)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.attention)
+            rows = inputs.sample_rows
         if sample_rows:
-            rows = torch.tensor([starts[i + 1] - 1 for i in sample_rows], device=self.device)
-            logits = self.model.logits(hidden[rows])
+            logits = self.model.logits(hidden.index_select(0, rows))
         else:
             logits = hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
         computed = []
         for span in spans:
             req = batch.requests[span.index]
-            row0 = starts[span.index] + (span.first - 1 - req.num_computed_tokens)
+            row0 = int(step.query_start_loc[span.index]) + (span.first - 1 - req.num_computed_tokens)
             targets = req.prompt_token_ids[span.first:span.first + span.count]
             computed.append(self._logprobs(hidden[row0:row0 + span.count], targets, span.top_n))
         return logits, computed
+
+    @torch.inference_mode()
+    def profile_memory(self, max_num_batched_tokens: int) -> MemoryProfile:
+        """Measure, on CUDA, the peak memory of a step at the token budget and of a decode step at
+        the largest graph bucket (see :mod:`.memory`). Call before :meth:`allocate_kv_cache`.
+
+        The profiling steps spread ``max_num_batched_tokens`` tokens over ``max_num_seqs``
+        sequences over a one-block cache they never write to, and take full-vocabulary logits of
+        as many rows as a step ever holds at once (the sampled rows, or a chunk of prompt logprobs).
+        """
+        dev = self.device
+        cfg = self.model.cfg
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        seen: set[int] = set()
+        weights = 0
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if t.data_ptr() not in seen:  # tied embeddings count once
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+        cache = torch.zeros(cfg.num_layers, 2, 1, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                            dtype=self.dtype, device=dev)
+
+        def peak_of(step: HostStep) -> int:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            before = torch.cuda.memory_allocated(dev)
+            inputs = unpack(self.transfer(step), step)
+            hidden = self.model(inputs.input_ids, inputs.positions, cache, inputs.meta, self.attention)
+            # Full-vocabulary rows at their most: the sampled rows, or a chunk of prompt logprobs.
+            rows = min(step.num_tokens, max(step.num_requests, PROMPT_LOGPROBS_CHUNK_ROWS))
+            logits = self.model.logits(hidden[:rows])
+            torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's top-p path: its largest buffers
+            torch.cuda.synchronize(dev)
+            return torch.cuda.max_memory_allocated(dev) - before
+
+        seqs = min(self.max_num_seqs, max_num_batched_tokens)
+        q_lens = [max_num_batched_tokens // seqs] * seqs
+        q_lens[-1] += max_num_batched_tokens - sum(q_lens)
+        peak = peak_of(dummy_step(q_lens, -(-max(q_lens) // self.block_size)))
+        reserve = peak_of(dummy_step([1] * capture_sizes(self.max_num_seqs)[-1], 1)) if self.use_graphs else 0
+        del cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        return MemoryProfile(total, free, weights, peak, reserve)
 
     def _logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[Logprob]:
         """``hidden`` ``[k, hidden_size]``, ``targets`` the k tokens those rows predict."""

@@ -147,9 +147,9 @@ class Sampler:
         self._mask_early_stop(logits, requests)
         self._mask_grammar(logits, requests)
 
-        greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(r.params.greedy for r in requests):  # decided on the host: no device sync
+            greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
             temps = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
             scaled = logits / temps[:, None]
             scaled = apply_top_k_top_p_min_p(
@@ -165,7 +165,7 @@ class Sampler:
                     noise[row].exponential_(generator=req.generator)
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
-        token_list = tokens.tolist()
+        token_list = tokens.tolist()  # the step's one device→host copy
         return SamplerOutput(token_list, self._logprobs(raw, requests, token_list) if want_logprobs
                              else [None] * len(requests))
 

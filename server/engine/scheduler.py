@@ -7,13 +7,22 @@ blocks are freed and it waits at the head of the queue to be recomputed (vLLM's 
 preemption, Kwon et al. SOSP '23, §4.5). If nothing runs and the head of the queue still does not
 fit, waiting requests give back the blocks they hold, so the queue always moves. Finished
 requests leave at once, so a freed seat is filled on the very next step.
+
+After the forward pass, :meth:`Scheduler.update_from_output` is the other half of the state
+machine (vLLM v1's ``Scheduler.update_from_output``, nano-vllm's ``Scheduler.postprocess``): it
+advances ``num_computed_tokens``, caches full blocks, appends sampled tokens and finishes the
+requests whose stop it can judge from token ids alone. The engine, the simulator and the tests
+all call it; only the stops that need text or a grammar (stop strings, a complete structured
+output) are the engine's, and it ends those with :meth:`Scheduler.finish`.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager
+from .outputs import FinishReason
 from .request import Request, RequestStatus
 
 
@@ -28,18 +37,30 @@ class SchedulerOutput:
     def __bool__(self) -> bool:
         return bool(self.requests)
 
+    def sample_indices(self) -> list[int]:
+        """Positions in ``requests`` whose step reaches the end of their tokens, so the forward pass
+        samples a next token for them (a mid-prompt chunk samples nothing). Valid until
+        :meth:`Scheduler.update_from_output` advances the counts."""
+        return [i for i, (req, n) in enumerate(zip(self.requests, self.num_new_tokens))
+                if req.num_computed_tokens + n == req.num_tokens]
+
 
 class Scheduler:
     """Args:
         kv: the block pool.
         max_num_seqs: most running requests.
         max_num_batched_tokens: token budget per step (decode tokens + prefill chunk tokens).
+        eos_token_ids: token ids that end a request (unless its ``ignore_eos``); none: never.
+        max_model_len: most tokens (prompt + output) a request may hold; None: only ``max_tokens`` caps it.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -93,8 +114,69 @@ class Scheduler:
             budget -= n
         return out
 
-    def finish(self, req: Request) -> None:
-        """Remove a finished or aborted request and free its blocks at once."""
+    def update_from_output(self, batch: SchedulerOutput, sampled: Mapping[Request, int]) -> list[Request]:
+        """Apply one step's result: the after-step half of the state machine (vLLM v1's
+        ``Scheduler.update_from_output``; nano-vllm's ``Scheduler.postprocess``).
+
+        Every scheduled request advances ``num_computed_tokens`` by its ``num_new_tokens`` and
+        names its newly full blocks (:meth:`KVCacheManager.cache_full_blocks`). Each request in
+        ``sampled`` (one of :meth:`SchedulerOutput.sample_indices`; the engine leaves out a token
+        its grammar refused) appends its token id and is finished, its blocks freed, on the first
+        of: an EOS id once past ``min_tokens`` and not ``ignore_eos`` (reason ``stop``); one of its
+        ``stop_token_ids`` once past ``min_tokens`` (``stop``, ``stop_reason`` = that id);
+        ``max_tokens`` output tokens or ``max_model_len`` tokens in all (``length``).
+
+        Args:
+            batch: the step's :meth:`schedule` output, not yet applied.
+            sampled: request -> the token id sampled for it this step.
+        Returns:
+            The requests that got a token, in batch order; those it finished have
+            ``finished`` True and ``finish_reason``/``stop_reason`` set.
+        """
+        got = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.finished:
+                continue
+            full = req.num_computed_tokens // self.kv.block_size
+            req.num_computed_tokens += n
+            if req.num_computed_tokens // self.kv.block_size > full:  # else no block became full: no new name
+                self.kv.cache_full_blocks(req)
+            tok = sampled.get(req)
+            if tok is None:
+                continue
+            req.token_ids.append(tok)
+            got.append(req)
+            reason = self._check_stop(req, tok)
+            if reason is not None:
+                self.finish(req, *reason)
+        return got
+
+    def _check_stop(self, req: Request, tok: int) -> tuple[FinishReason, int | None] | None:
+        """The stop, if any, that ``tok`` (just appended) brings: (reason, stop_reason)."""
+        p = req.params
+        num_output = req.num_output_tokens
+        if num_output >= p.min_tokens:
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                return FinishReason.STOP, None
+            if tok in p.stop_token_ids:
+                return FinishReason.STOP, tok
+        if (p.max_tokens is not None and num_output >= p.max_tokens) or \
+                (self.max_model_len is not None and req.num_tokens >= self.max_model_len):
+            return FinishReason.LENGTH, None
+        return None
+
+    def finish(self, req: Request, reason: FinishReason | None = None, stop_reason: str | int | None = None) -> None:
+        """Remove a finished or aborted request and free its blocks at once.
+
+        reason, stop_reason: set on the request when given (else the caller has set them). A
+        request already finished only takes the new reason: a stop string the engine finds in
+        the token that also reached ``max_tokens`` outranks ``length``.
+        """
+        if reason is not None:
+            req.finish_reason = reason.value
+            req.stop_reason = stop_reason
+        if req.finished:
+            return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:

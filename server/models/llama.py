@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from slipstream import kernels
-from slipstream.kernels import AttentionMetadata
+from slipstream.kernels import AttentionBackend, AttentionMetadata
 
 from .config import ModelConfig
 
@@ -102,7 +102,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -110,8 +110,8 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = attention.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -136,8 +136,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, cos, sin, kv_cache, meta, attention):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -156,7 +156,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, attention: AttentionBackend | None = None) -> torch.Tensor:
         """Hidden states of the step's tokens.
 
         Args:
@@ -164,16 +164,19 @@ class LlamaModel(nn.Module):
             positions: ``[num_tokens]`` int64, each token's position in its request.
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
             meta: where each request's tokens and context are (see :class:`AttentionMetadata`).
+            attention: the backend the runner resolved once; None resolves one for ``input_ids``'
+                device (a direct call, e.g. in tests).
 
         Returns:
             ``[num_tokens, hidden_size]`` after the final norm; see :meth:`logits`.
         """
+        attention = attention or kernels.resolve_backend(input_ids.device)
         x = self.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer, layer_cache in zip(self.layers, kv_cache):
-            x = layer(x, cos, sin, layer_cache, meta)
+            x = layer(x, cos, sin, layer_cache, meta, attention)
         return self.norm(x)
 
     @torch.inference_mode()

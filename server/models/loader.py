@@ -6,13 +6,10 @@ and cached on disk (the conversion takes seconds, reloading it a fraction of one
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import disk_cache
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaModel, rope_inv_freq
 
@@ -120,7 +118,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
         raise ModelLoadError(f"{path}: {e}") from None
     net.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint; rebuild off the meta device
     if cache_entry is not None:
-        _fill_cache(cache_entry, lambda tmp: _write_weight_cache(tmp, cfg, net))
+        disk_cache.fill_cache(cache_entry, lambda tmp: _write_weight_cache(tmp, cfg, net), path)
     net.to(device).eval()
     log.info("loaded %s in %.1f s", name, time.perf_counter() - start)
     return LoadedModel(net, cfg, tokenizer, name, str(path))
@@ -137,7 +135,7 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object
     them and copy nothing.
     """
     use_cache = os.environ.get("SLIPSTREAM_WEIGHT_CACHE", "1") != "0"
-    entry = _cache_entry(path, "weights")
+    entry = disk_cache.cache_entry(path, "weights")
     cached = _read_weight_cache(entry) if use_cache else None
     cfg, weights = cached or _parse_gguf(path)
     tokenizer = _gguf_tokenizer(path)
@@ -247,36 +245,11 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("SLIPSTREAM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slipstream")
-    return Path(root)
-
-
-def _cache_entry(path: Path, kind: str) -> Path:
-    """A cache folder for what was derived from ``path``; a changed file gets a new one."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return _cache_dir() / kind / key
-
-
-def _fill_cache(entry: Path, write) -> None:
-    """Create ``entry`` atomically (``write(tmp_dir)`` then rename); a failure only warns."""
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=entry.parent))
-        write(tmp)
-        shutil.rmtree(entry, ignore_errors=True)
-        os.replace(tmp, entry)
-    except OSError as e:
-        log.warning("could not write the cache %s: %s", entry, e)
-
-
 def _gguf_tokenizer(path: Path):
     """transformers tokenizer converted from the GGUF, cached under ``$SLIPSTREAM_CACHE_DIR``."""
     from transformers import AutoTokenizer
 
-    cached = _cache_entry(path, "tokenizers")
+    cached = disk_cache.cache_entry(path, "tokenizers")
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
@@ -285,7 +258,7 @@ def _gguf_tokenizer(path: Path):
     t0 = time.perf_counter()
     log.info("converting the GGUF tokenizer (once; cached in %s)", cached)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    _fill_cache(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)))
+    disk_cache.fill_cache(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)), path)
     log.info("tokenizer converted in %.1f s", time.perf_counter() - t0)
     return tokenizer
 
@@ -346,6 +319,8 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], obje
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     rope = raw.get("rope_scaling") or raw.get("rope_parameters")
+    # transformers 5 keeps rope_theta only inside rope_parameters, also for the default type
+    rope_theta = float(raw.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0)
     if rope and rope.get("rope_type", rope.get("type")) == "default":
         rope = None
     eos = raw.get("eos_token_id")
@@ -359,7 +334,7 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], obje
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(raw.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0),
+        rope_theta=rope_theta,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),

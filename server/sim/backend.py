@@ -118,7 +118,8 @@ def word_token_ids(tokenizer, below: int = WORD_ID_LIMIT) -> list[int]:
 
 
 class SimRunner:
-    """Stands in for :class:`~slipstream.server.engine.model_runner.ModelRunner`.
+    """A :class:`~slipstream.server.engine.model_runner.StepRunner` whose steps take the cost
+    model's time instead of running a model (no KV tensor, no prompt logprobs).
 
     Args:
         options: profile, time scale, output length, seed.
@@ -143,6 +144,14 @@ class SimRunner:
         self.steps = 0
         self.overruns = 0  # steps the engine's own CPU time made longer than modelled
         self._warned = False
+
+    supports_prompt_logprobs = False
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Nothing to allocate: the scheduler's block pool is the whole simulated cache."""
+
+    def run_with_prompt_logprobs(self, batch: SchedulerOutput, sample_rows: list[int], spans: list) -> tuple:
+        raise NotImplementedError("the simulator computes no prompt logprobs (supports_prompt_logprobs is False)")
 
     def request_seed(self, req: Request) -> int:
         """The request's stream seed: its own ``seed`` if it set one, else a hash of its prompt;
@@ -235,7 +244,7 @@ def build_engine(config: EngineConfig, tokenizer=None, sleep: Callable[[float], 
     """An :class:`LLMEngine` over ``config.model`` = ``sim:...``.
 
     The KV pool is the profile's (``memory × utilization − weights``) unless
-    ``config.kv_cache_memory_bytes`` differs from EngineConfig's default, in which case that wins;
+    ``config.kv_cache_memory_bytes`` is given, in which case that wins;
     KV is held in BF16 like the modelled GPU's. Engine limits (``max_num_seqs``, …) are the
     config's. Raises ValueError for a bad model string.
     """
@@ -243,7 +252,7 @@ def build_engine(config: EngineConfig, tokenizer=None, sleep: Callable[[float], 
     profile = options.profile
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer("builtin")
     kv_bytes = config.kv_cache_memory_bytes
-    if kv_bytes == EngineConfig.kv_cache_memory_bytes:
+    if kv_bytes is None:
         kv_bytes = profile.kv_cache_bytes
     sim_config = replace(config, device="cpu", dtype="bfloat16", kv_cache_memory_bytes=kv_bytes)
     cfg = model_config(options, tokenizer)

@@ -26,6 +26,7 @@ leaves; every step's outputs land at its end; a request's output tokens are its 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -45,8 +46,14 @@ from .cost_model import Profile, batch_shape, step_time
 from .trace import Arrival, Content
 from .workloads import distinct_prompt
 
-_PARAMS = SamplingParams()  # the scheduler never reads them; one shared instance
 _SERIALS = itertools.count(1)  # distinct prompts for requests without content
+
+
+@functools.lru_cache(maxsize=4096)
+def _params(output_tokens: int) -> SamplingParams:
+    """What the scheduler reads of a simulated request: it ends after ``output_tokens`` (at least
+    one: a step that completes the prompt samples a token); shared per length."""
+    return SamplingParams(max_tokens=max(1, output_tokens), ignore_eos=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +146,8 @@ class VirtualReplica:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens")
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.prefix_caching)
         self.kv.record_events(kv_events)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_model_len=profile.model.max_model_len)
         self.time = created
         self.created = created
         self.ready_at = ready_at
@@ -179,11 +187,17 @@ class VirtualReplica:
         self._requests[rid] = sim
         if sim.content is not None:
             self._replies[rid] = sim.content.reply_ids()
-        req = Request(rid, rid, 0, prompt_ids if prompt_ids is not None else sim.prompt_ids(), _PARAMS, None,
-                      RequestMetrics(now))
+        req = Request(rid, rid, 0, prompt_ids if prompt_ids is not None else sim.prompt_ids(),
+                      _params(sim.output_tokens), None, RequestMetrics(now))
         req.block_hashes = list(block_hashes)
         self.scheduler.add(req)
         self.time = max(self.time, now)
+
+    def _next_token(self, req: Request) -> int:
+        """The token a step samples for ``req``: the next of its content's reply (zeros past it)."""
+        reply = self._replies.get(req.request_id)
+        position = req.num_output_tokens
+        return reply[position] if reply is not None and position < len(reply) else 0
 
     def advance(self, until: float) -> None:
         """Run every step that starts before ``until``; an idle replica's clock jumps to it."""
@@ -194,22 +208,13 @@ class VirtualReplica:
                 return
             end = self.time + step_time(self.profile, batch_shape(
                 (r.num_computed_tokens, n) for r, n in zip(batch.requests, batch.num_new_tokens)))
-            for req, n in zip(batch.requests, batch.num_new_tokens):
-                full = req.num_computed_tokens // self.kv.block_size
-                req.num_computed_tokens += n
-                if req.num_computed_tokens // self.kv.block_size > full:
-                    self.kv.cache_full_blocks(req)  # as the engine's step does; only a new full block adds a name
-                if req.num_computed_tokens < req.num_tokens:
-                    continue  # mid-prompt chunk: nothing sampled
+            sampled = {batch.requests[i]: self._next_token(batch.requests[i]) for i in batch.sample_indices()}
+            for req in self.scheduler.update_from_output(batch, sampled):  # the engine's own after-step update
                 sim = self._requests[req.request_id]
-                reply = self._replies.get(req.request_id)
-                position = req.num_output_tokens
-                req.token_ids.append(reply[position] if reply is not None and position < len(reply) else 0)
                 if sim.first_token is None:
                     sim.first_token = end
                     sim.cached_tokens = req.num_cached_tokens
-                if req.num_output_tokens >= sim.output_tokens:
-                    self.scheduler.finish(req)
+                if req.finished:  # at max_tokens = its output length
                     sim.finished = end
                     del self._requests[req.request_id]
                     self._replies.pop(req.request_id, None)

@@ -84,12 +84,10 @@ def continuous_batching(outputs: tuple[int, ...], slots: int) -> BatchingRun:
     kv = KVCacheManager(num_blocks=sum(-(-(n + 1) // 16) for n in outputs), block_size=16,
                         enable_prefix_caching=False)
     scheduler = Scheduler(kv, max_num_seqs=slots, max_num_batched_tokens=max(slots, 16))
-    params = SamplingParams()
-    target_of: dict[str, tuple[int, int]] = {}
-    for i, n in enumerate(outputs):
+    for i, n in enumerate(outputs):  # request i ends at max_tokens = its output length
         rid = str(i)
-        target_of[rid] = (i, n)
-        scheduler.add(Request(rid, rid, 0, [0], params, None, RequestMetrics(0.0)))
+        scheduler.add(Request(rid, rid, 0, [0], SamplingParams(max_tokens=n, ignore_eos=True), None,
+                              RequestMetrics(0.0)))
     finish = [0] * len(outputs)
     target = sum(outputs[:slots])
     produced = step = steps_to = idle = emptied = 0
@@ -98,16 +96,11 @@ def continuous_batching(outputs: tuple[int, ...], slots: int) -> BatchingRun:
         step += 1
         if not scheduler.num_waiting and not emptied:
             emptied = step
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue
-            req.token_ids.append(0)
+        sampled = {batch.requests[i]: 0 for i in batch.sample_indices()}
+        for req in scheduler.update_from_output(batch, sampled):  # the engine's own after-step update
             produced += 1
-            index, length = target_of[req.request_id]
-            if req.num_output_tokens >= length:
-                finish[index] = step
-                scheduler.finish(req)
+            if req.finished:
+                finish[int(req.request_id)] = step
         if produced >= target and not steps_to:
             steps_to, idle = step, slots * step - produced
     first_batch = max(finish[:slots])

@@ -130,6 +130,15 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
     # (Its nodeSelector asks for a GPU node before its nvidia.com/gpu limit is even counted.)
     said = condition(pending[0], "PodScheduled")["message"]
     assert "0/1 nodes are available" in said and "node affinity/selector" in said, said
+    # The API server kept what a GPU pod needs: one GPU, a memory-backed /dev/shm, no KV size.
+    pod_spec = pending[0]["spec"]
+    [server] = pod_spec["containers"]
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod_spec["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"}.items() <= next(
+        m for m in server["volumeMounts"] if m["name"] == "shm").items()
+    assert "--kv-cache-memory-bytes" not in server["args"]
+    assert server["args"][server["args"].index("--gpu-memory-utilization") + 1] == "0.9"
     ready = wait_for(lambda: (c := condition(get(installed, "infsvc", gname, "-n", gns), "Ready"))
                      and "nodes are available" in c.get("message", "") and c, 60,
                      "the GPU service's Ready condition in the scheduler's words")

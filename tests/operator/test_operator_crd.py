@@ -162,7 +162,50 @@ def test_the_crd_and_the_autoscaling_parser_name_the_same_fields(crd_schema):
         AutoscalingSpec()
 
 
+def test_the_crd_and_the_spec_model_name_the_same_fields(crd_schema):
+    spec_node = crd_schema["properties"]["spec"]
+    nodes = {spec_module.InferenceServiceSpec: spec_node, spec_module.ModelSpec:
+             spec_node["properties"]["model"], spec_module.EngineSpec:
+             spec_node["properties"]["engine"], spec_module.ResourcesSpec:
+             spec_node["properties"]["resources"]}
+    for cls, node in nodes.items():
+        assert list(node["properties"]) == list(spec_module._FIELDS[cls]), cls.__name__
+        assert set(spec_module._FIELDS[cls].values()) == {f.name for f in dataclasses.fields(cls)}
+
+
 PROBES = (-1, 0, 0.05, 0.5, 1, 1.0, 1.5, 2, 7, 99.5, 1000, True, "5", [])
+ENGINE_PROBES = [("engine", "gpuMemoryUtilization", v) for v in PROBES + (1e-9, None)] + [
+    ("engine", "enforceEager", v) for v in (True, False, 0, 1, "true", None)] + [
+    ("engine", "kvCacheMemory", v) for v in ("512Mi", 2 ** 20, "lots", None)] + [
+    ("resources", "gpus", v) for v in (-1, 0, 1, 2, 8, 1.5, True, "1")]
+
+
+def api_accepts(crd_schema, obj) -> bool:
+    """Whether the API server would admit ``obj``: schema bounds, then CEL rules after defaulting."""
+    return not schema_errors(crd_schema, obj) and not cel_violations(crd_schema, schema_defaults(crd_schema, obj))
+
+
+def parser_accepts(obj) -> bool:
+    """Whether the operator's parser takes ``obj``'s spec."""
+    try:
+        parse_spec(obj["spec"], name="probe")
+    except SpecError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("block,key,value", ENGINE_PROBES, ids=str)
+def test_the_api_server_and_the_parser_accept_the_same_engine_and_gpu_values(block, key, value,
+                                                                             crd_schema):
+    """The GPU settings of issue 14, value by value: schema bounds and CEL rules (gpus ≤ 1)
+    after defaulting, against parse_spec. (A null is pruned by the API server and skipped by
+    the parser.) The pod's memory is large enough for any KV cache probed here."""
+    raw = {block: {key: value}} if value is not None else {block: {}}
+    raw.setdefault("resources", {}).setdefault("memory", "64Gi")
+    obj = {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": "probe"}, "spec": raw}
+    api, ours = api_accepts(crd_schema, obj), parser_accepts(obj)
+    assert ours is api, f"{key}={value!r}: API server {api}, parser {ours}"
 
 
 def test_the_crd_and_the_routing_parser_name_the_same_fields(crd_schema):
@@ -192,13 +235,7 @@ def test_the_api_server_and_the_parser_accept_the_same_routing_values(key, value
     ever sees what the server kept."""
     obj = {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
            "metadata": {"name": "probe"}, "spec": {"routing": {key: value}}}
-    api = not schema_errors(crd_schema, obj) and not cel_violations(
-        crd_schema, schema_defaults(crd_schema, obj))
-    try:
-        parse_spec(obj["spec"], name="probe")
-        ours = True
-    except SpecError:
-        ours = False
+    api, ours = api_accepts(crd_schema, obj), parser_accepts(obj)
     unknown = key == "extra" or (key == "weights" and isinstance(value, dict) and "bias" in value)
     assert ours is (False if unknown else api), f"{key}={value!r}: API server {api}, parser {ours}"
 

@@ -18,7 +18,7 @@ from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNO
                                            render_disruption_budget, render_service, spec_hash)
 from slipstream.operator.gateway_resources import GATEWAY_RULES, gateway_args, \
     render_gateway, render_gateway_deployment, render_pods_service
-from slipstream.operator.spec import parse_spec
+from slipstream.operator.spec import CPU_KV_CACHE_BYTES, SpecError, parse_spec
 
 # The newest Kubernetes kubernetes-validate knows, and the oldest this CRD supports (CEL rules
 # in CRDs are on by default from 1.25).
@@ -32,8 +32,10 @@ def isvc(name: str = "chat", namespace: str = "ml", **spec: Any) -> dict[str, An
 
 SPECS = {
     "defaults": {},
-    "gpu": {"resources": {"cpu": "8", "memory": "32Gi", "gpus": 2},
+    "gpu": {"resources": {"cpu": "8", "memory": "32Gi", "gpus": 1},
             "engine": {"kvCacheMemory": "40Gi", "maxModelLen": 8192}},
+    "gpu-profiled": {"resources": {"memory": "1Gi", "gpus": 1},
+                     "engine": {"gpuMemoryUtilization": 0.85, "enforceEager": True}},
     "pvc": {"model": {"source": "pvc", "claimName": "weights", "path": "llama/1b"}},
     "image": {"model": {"source": "image", "path": "/models/m.gguf", "servedModelName": "m"}},
     "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}},
@@ -77,19 +79,114 @@ def test_rendered_objects_pass_kubernetes_validate_strict(body, version):
         kubernetes_validate.validate(child, version, strict=True)
 
 
+COMMON_ARGS = ["serve", "--model", "builtin", "--host", "0.0.0.0", "--port", "8000",
+               "--served-model-name", "chat", "--max-num-seqs", "32",
+               "--max-num-batched-tokens", "512", "--block-size", "16", "--shutdown-timeout", "30"]
+
+
 def test_server_args_carry_the_engine_settings():
     dep = render_deployment(isvc(engine={"maxNumSeqs": 7, "maxNumBatchedTokens": 300,
                                          "kvCacheMemory": "256Mi", "maxModelLen": 1024,
                                          "blockSize": 32}, port=8123))
     assert container(dep)["command"] == ["slipstream"]
-    assert container(dep)["args"][0] == "serve"
-    assert [arg(dep, f) for f in ("--model", "--host", "--port", "--served-model-name",
-                                  "--max-num-seqs", "--max-num-batched-tokens",
-                                  "--kv-cache-memory-bytes", "--max-model-len", "--block-size",
-                                  "--shutdown-timeout")] == \
-        ["builtin", "0.0.0.0", "8123", "chat", "7", "300", str(256 * 2 ** 20), "1024", "32", "30"]
+    assert container(dep)["args"] == [
+        "serve", "--model", "builtin", "--host", "0.0.0.0", "--port", "8123",
+        "--served-model-name", "chat", "--max-num-seqs", "7", "--max-num-batched-tokens", "300",
+        "--block-size", "32", "--shutdown-timeout", "30",
+        "--kv-cache-memory-bytes", str(256 * 2 ** 20), "--max-model-len", "1024"]
     assert container(dep)["ports"] == [{"name": "http", "containerPort": 8123,
                                         "protocol": "TCP"}]
+
+
+def test_unset_kv_cache_memory_passes_no_size_so_the_engine_profiles_the_gpu():
+    assert container(render_deployment(isvc()))["args"] == COMMON_ARGS
+    assert container(render_deployment(isvc(resources={"gpus": 1})))["args"] == COMMON_ARGS
+    assert container(render_deployment(isvc(engine={"kvCacheMemory": "1Gi"})))["args"] == \
+        COMMON_ARGS + ["--kv-cache-memory-bytes", str(2 ** 30)]
+
+
+def test_gpu_memory_utilization_and_enforce_eager_are_passed_only_when_set():
+    gpu = {"gpus": 1}
+    assert container(render_deployment(isvc(resources=gpu, engine={
+        "gpuMemoryUtilization": 0.85, "enforceEager": True})))["args"] == \
+        COMMON_ARGS + ["--gpu-memory-utilization", "0.85", "--enforce-eager"]
+    assert container(render_deployment(isvc(resources=gpu, engine={
+        "gpuMemoryUtilization": 1, "enforceEager": False})))["args"] == \
+        COMMON_ARGS + ["--gpu-memory-utilization", "1"]
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.5, True, "0.9"])
+def test_gpu_memory_utilization_outside_zero_to_one_is_refused(value):
+    with pytest.raises(SpecError, match="gpuMemoryUtilization must be a number in"):
+        parse_spec({"engine": {"gpuMemoryUtilization": value}})
+
+
+def test_the_operators_cpu_kv_cache_size_is_the_engines():
+    from slipstream.server.engine.config import CPU_KV_CACHE_BYTES as ENGINE_CPU_KV_CACHE_BYTES
+    assert CPU_KV_CACHE_BYTES == ENGINE_CPU_KV_CACHE_BYTES == 2 ** 30
+
+
+def test_an_unset_kv_cache_must_still_fit_a_cpu_pod_but_not_a_gpu_pods_host_memory():
+    """Unset on CPU, the engine takes 1 GiB of the pod's memory; on a GPU the pool is in GPU
+    memory, so the pod's host memory limit says nothing about it."""
+    with pytest.raises(SpecError, match=r"kvCacheMemory \(unset, so the engine's 1Gi\) must be "
+                                        r"below spec.resources.memory \(1Gi\)"):
+        parse_spec({"resources": {"memory": "1Gi"}})
+    parse_spec({"resources": {"memory": "1536Mi"}})
+    parse_spec({"resources": {"memory": "1Gi", "gpus": 1}})
+    parse_spec({"resources": {"memory": "1Gi", "gpus": 1}, "engine": {"kvCacheMemory": "40Gi"}})
+    with pytest.raises(SpecError, match=r"kvCacheMemory \(2Gi\) must be below"):
+        parse_spec({"resources": {"memory": "2Gi"}, "engine": {"kvCacheMemory": "2Gi"}})
+
+
+def test_more_than_one_gpu_per_pod_is_refused_until_tensor_parallelism_exists():
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"resources": {"gpus": 2}})
+    assert caught.value.reason == "InvalidSpec"
+    assert caught.value.message == (
+        "spec.resources.gpus is 2, but tensor parallelism is not supported yet: a pod runs its "
+        "model on one GPU; use one GPU per replica (gpus: 1) and scale replicas")
+    assert parse_spec({"resources": {"gpus": 1}}).resources.gpus == 1
+
+
+@pytest.mark.parametrize("memory,limit", [("16Gi", "2Gi"), ("8Gi", "2Gi"), ("3Gi", "768Mi"),
+                                          ("1000M", "238Mi")])
+def test_gpu_pods_get_a_memory_backed_dev_shm_and_cpu_pods_none(memory, limit):
+    pod = render_deployment(isvc(resources={"memory": memory, "gpus": 1}))["spec"]["template"][
+        "spec"]
+    assert pod["volumes"] == [{"name": "shm", "emptyDir": {"medium": "Memory",
+                                                           "sizeLimit": limit}}]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}]
+    cpu = render_deployment(isvc(resources={"memory": memory}, engine={
+        "kvCacheMemory": "256Mi"}))["spec"]["template"]["spec"]
+    assert "volumes" not in cpu and "volumeMounts" not in cpu["containers"][0]
+
+
+def test_a_gpu_pod_with_a_pvc_mounts_both_the_weights_and_dev_shm():
+    pod = render_deployment(isvc(model={"source": "pvc", "claimName": "w", "path": "m"},
+                                 resources={"gpus": 1}))["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["model", "shm"]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "model", "mountPath": "/mnt/models", "readOnly": True},
+        {"name": "shm", "mountPath": "/dev/shm"}]
+
+
+def test_the_gpu_example_profiles_the_gpu_with_one_gpu_and_dev_shm():
+    [path] = [p for p in EXAMPLES if p.name == "inferenceservice-gpu-pvc.yaml"]
+    dep = render_deployment(yaml.safe_load(path.read_text()))
+    kubernetes_validate.validate(dep, VERSIONS[0], strict=True)
+    pod = dep["spec"]["template"]["spec"]
+    assert container(dep)["resources"]["limits"] == {"memory": "16Gi", "nvidia.com/gpu": 1}
+    assert container(dep)["args"] == [
+        "serve", "--model", "/mnt/models/llama-3.2-1b-instruct", "--host", "0.0.0.0",
+        "--port", "8000", "--served-model-name", "llama-3.2-1b-instruct", "--max-num-seqs", "128",
+        "--max-num-batched-tokens", "4096", "--block-size", "16", "--shutdown-timeout", "60",
+        "--gpu-memory-utilization", "0.9", "--max-model-len", "8192"]
+    assert pod["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "model-weights",
+                                                    "readOnly": True}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container(dep)["volumeMounts"]
 
 
 def test_unset_max_model_len_leaves_the_models_own():
@@ -97,8 +194,8 @@ def test_unset_max_model_len_leaves_the_models_own():
 
 
 def test_gpus_become_the_nvidia_limit_and_cpu_pods_have_none():
-    gpu = container(render_deployment(isvc(resources={"gpus": 2})))["resources"]
-    assert gpu["limits"]["nvidia.com/gpu"] == 2
+    gpu = container(render_deployment(isvc(resources={"gpus": 1})))["resources"]
+    assert gpu["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in gpu["requests"]
     cpu = container(render_deployment(isvc()))["resources"]
     assert "nvidia.com/gpu" not in cpu["limits"]
@@ -197,6 +294,9 @@ def test_server_accepts_the_rendered_arguments(body):
         spec.engine.kv_cache_memory_bytes, spec.engine.block_size, spec.port, "0.0.0.0")
     assert args.max_model_len == spec.engine.max_model_len
     assert args.shutdown_timeout == spec.shutdown_timeout_seconds
+    if spec.engine.gpu_memory_utilization is not None:
+        assert args.gpu_memory_utilization == spec.engine.gpu_memory_utilization
+    assert args.enforce_eager is spec.engine.enforce_eager
 
 
 def test_sim_source_runs_the_server_with_a_simulated_model():

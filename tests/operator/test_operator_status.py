@@ -151,6 +151,18 @@ def test_contains_tolerates_server_defaults_and_normalized_quantities():
     assert not contains({"port": "80"}, {"port": 80})  # a port name is not a number
 
 
+def test_a_gpu_pods_dev_shm_size_limit_is_compared_as_a_quantity():
+    spec = parse_spec({"resources": {"gpus": 1, "memory": "3Gi"}})
+    desired = render_deployment(isvc(resources={"gpus": 1, "memory": "3Gi"}), spec)
+    live = as_the_server_keeps_it(desired)
+    [shm] = live["spec"]["template"]["spec"]["volumes"]
+    shm["emptyDir"]["sizeLimit"] = "805306368"  # 768Mi, spelt otherwise
+    assert plan_deployment(desired, live, spec) == (None, "")
+    shm["emptyDir"]["sizeLimit"] = "1Gi"
+    assert plan_deployment(desired, live, spec)[1] == \
+        "restored fields that were changed outside the operator"
+
+
 def test_plan_deployment_is_quiet_for_an_unchanged_live_object():
     spec = parse_spec({})
     desired = render_deployment(isvc(), spec)

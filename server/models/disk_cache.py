@@ -1,0 +1,99 @@
+"""On-disk cache of what is derived from a model file (dequantized weights, converted tokenizers).
+
+``$SLIPSTREAM_CACHE_DIR/<kind>/<key>``: the key hashes the source's path, size and mtime, so a
+changed file gets a new entry. Each entry holds ``source.json`` naming the source path; when an
+entry is written, older entries of the same path are removed (540 MB each for the built-in
+model's weights). Entries from before ``source.json`` existed are removed once older than
+:data:`UNLABELLED_MAX_AGE_S`; the next load of their file rebuilds them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("slipstream.loader")
+
+SOURCE_FILE = "source.json"
+UNLABELLED_MAX_AGE_S = 30 * 86400
+_KEY = re.compile(r"[0-9a-f]{16}")  # entry names; mkdtemp's "tmp…" folders being written never match
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SLIPSTREAM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slipstream")
+    return Path(root)
+
+
+def _key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def cache_entry(path: Path, kind: str) -> Path:
+    """A cache folder for what was derived from ``path``; a changed file gets a new one."""
+    return cache_dir() / kind / _key(path)
+
+
+def fill_cache(entry: Path, write, source: Path) -> None:
+    """Create ``entry`` atomically (``write(tmp_dir)``, label it with ``source``, then rename),
+    then remove the entries it replaces (:func:`stale_entries`); a failure only warns."""
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent))
+        write(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({"path": str(source.resolve())}))
+        shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+        tmp = None
+    except OSError as e:
+        log.warning("could not write the cache %s: %s", entry, e)
+        return
+    finally:
+        if tmp is not None:  # a half-written folder is never used; do not leave it behind
+            shutil.rmtree(tmp, ignore_errors=True)
+    for stale in stale_entries(entry, source):
+        log.info("removing the stale cache %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def stale_entries(entry: Path, source: Path, now: float | None = None) -> list[Path]:
+    """The other entries beside ``entry`` that it replaces: those whose ``source.json`` names the
+    resolved ``source`` path, and unlabelled ones older than :data:`UNLABELLED_MAX_AGE_S`.
+
+    Only finished entries (16-hex-digit folders, not symlinks) directly beside ``entry`` are
+    considered, so a folder another process is still writing, and anything outside the cache,
+    is never returned. A process still reading a removed entry keeps its memory map (POSIX
+    unlink semantics); one about to open it finds it unreadable and rebuilds.
+    """
+    now = time.time() if now is None else now
+    wanted = str(source.resolve())
+    stale = []
+    try:
+        siblings = list(entry.parent.iterdir())
+    except OSError:
+        return []
+    for other in siblings:
+        if other.name == entry.name or not _KEY.fullmatch(other.name) or other.is_symlink() or not other.is_dir():
+            continue
+        try:
+            label = json.loads((other / SOURCE_FILE).read_text())
+        except FileNotFoundError:
+            try:
+                if now - other.stat().st_mtime > UNLABELLED_MAX_AGE_S:
+                    stale.append(other)
+            except OSError:
+                pass
+            continue
+        except (OSError, ValueError):
+            continue
+        if isinstance(label, dict) and label.get("path") == wanted:
+            stale.append(other)
+    return sorted(stale)
