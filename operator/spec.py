@@ -381,7 +381,8 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
         raise SpecError("InvalidSpec", f"spec.engine.kvCacheMemory ({given}) "
                                        f"must be below spec.resources.memory ({res.memory}) on a "
                                        f"CPU pod: the KV cache, the weights and the server share "
-                                       f"that memory; raise memory or lower kvCacheMemory")
+                                       f"that memory; raise memory or "
+                                       f"{'lower' if engine.kv_cache_memory else 'set'} kvCacheMemory")
 
     for i, var in enumerate(spec.env):
         if not isinstance(var.get("name"), str) or not ENV_NAME.match(var["name"]):

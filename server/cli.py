@@ -49,6 +49,10 @@ def _fraction(text: str) -> float:
     return value
 
 
+# argparse names a refused value by its type's __name__ ("invalid fraction value: 'abc'")
+_positive_int.__name__, _fraction.__name__ = "positive integer", "fraction"
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` unless the help already speaks of the default or there is none to show."""
 

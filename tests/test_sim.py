@@ -203,3 +203,17 @@ async def test_async_engine_queues_in_wall_clock_time_and_reports_kv_use(tokeniz
     waited = sorted(f - start for f in firsts)
     assert waited[4] > waited[3] + 10 * 0.013 * 2  # the second wave's first token came after the first wave's run
     assert max(seen_kv) > 0
+
+
+def test_the_simulated_pool_follows_gpu_memory_utilization_unless_a_size_is_given():
+    from slipstream.server.sim.backend import build_engine
+
+    full = build_engine(EngineConfig(model="sim:llama3-8b-h100")).kv
+    half = build_engine(EngineConfig(model="sim:llama3-8b-h100", gpu_memory_utilization=0.5)).kv
+    profile = parse_sim_model("sim:llama3-8b-h100").profile
+    per_block = 16 * profile.model.kv_bytes_per_token
+    assert full.num_blocks == profile.kv_cache_bytes // per_block
+    assert half.num_blocks == int(profile.device.memory_bytes * 0.5 - profile.model.weight_bytes) // per_block
+    given = build_engine(EngineConfig(model="sim:llama3-8b-h100", gpu_memory_utilization=0.5,
+                                      kv_cache_memory_bytes=64 * per_block)).kv
+    assert given.num_blocks == 64

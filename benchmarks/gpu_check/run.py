@@ -29,6 +29,7 @@ import argparse
 import json
 import shlex
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,11 +74,12 @@ class Run:
         self.summary = {"started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "stages": {}}
         self.env = dict(os.environ)
 
-    def save(self, name: str, record: dict) -> None:
+    def save(self, name: str, record: dict, announce: bool = True) -> None:
         (self.out / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
         self.summary["stages"][name] = record
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
-        print(f"[gpu-check] {name}: {record['status']} ({record.get('seconds', 0):.0f} s)", flush=True)
+        if announce:  # once per stage; later saves only add to its record
+            print(f"[gpu-check] {name}: {record['status']} ({record.get('seconds', 0):.0f} s)", flush=True)
 
     def stage(self, st: Stage, argv: list[str], extra_env: dict | None = None) -> dict:
         """Run ``argv`` as stage ``st``; its result is what it wrote to ``<name>.result.json``."""
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     refused = run.out / "guard-refused.txt"
     if refused.is_file():
         rec.setdefault("result", {})["guard_refused"] = sorted(set(refused.read_text().split()))
-        run.save("import-check", rec)
+        run.save("import-check", rec, announce=False)
     run.cuda = bool(rec.get("result", {}).get("cuda"))
     run.summary["cuda"], run.summary["device"] = run.cuda, rec.get("result", {}).get("device")
     failed = rec["status"] != "ok" or not env_rec["tokenizer"]
@@ -264,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
             record = run.stage(st, stage_argv(run, st.name))
             if st.name == "kernel-tests":
                 record["result"] = kernel_test_counts(run.out / "kernel-tests.xml")
-                run.save(st.name, record)
+                run.save(st.name, record, announce=False)
     tables = report.markdown(run.summary)
     (run.out / "gpu-check.md").write_text(tables)
     print("\n" + tables)
     bad = [n for n, r in run.summary["stages"].items() if not (r["status"] == "ok" or r["status"].startswith("skipped"))]
     print(f"[gpu-check] results in {run.out}" + (f"; not ok: {', '.join(bad)}" if bad else "; every stage ok or skipped"))
+    if not run.args.tmp:  # our own temp folder (wheels, models): ~90 MB per run
+        shutil.rmtree(run.tmp, ignore_errors=True)
     return 1 if bad else 0
 
 

@@ -243,7 +243,7 @@ def model_config(options: SimOptions, tokenizer) -> ModelConfig:
 def build_engine(config: EngineConfig, tokenizer=None, sleep: Callable[[float], None] = time.sleep) -> LLMEngine:
     """An :class:`LLMEngine` over ``config.model`` = ``sim:...``.
 
-    The KV pool is the profile's (``memory × utilization − weights``) unless
+    The KV pool is ``memory × config.gpu_memory_utilization − weights`` of the profile's GPU unless
     ``config.kv_cache_memory_bytes`` is given, in which case that wins;
     KV is held in BF16 like the modelled GPU's. Engine limits (``max_num_seqs``, …) are the
     config's. Raises ValueError for a bad model string.
@@ -252,8 +252,8 @@ def build_engine(config: EngineConfig, tokenizer=None, sleep: Callable[[float], 
     profile = options.profile
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer("builtin")
     kv_bytes = config.kv_cache_memory_bytes
-    if kv_bytes is None:
-        kv_bytes = profile.kv_cache_bytes
+    if kv_bytes is None:  # the modelled GPU's memory × the config's utilization, less the weights
+        kv_bytes = replace(profile, gpu_memory_utilization=config.gpu_memory_utilization).kv_cache_bytes
     sim_config = replace(config, device="cpu", dtype="bfloat16", kv_cache_memory_bytes=kv_bytes)
     cfg = model_config(options, tokenizer)
     runner = SimRunner(options, cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
