@@ -99,6 +99,7 @@ def test_torch_default_kept_under_the_limit_or_without_one():
 
 def test_engine_applies_the_cpu_limit_and_logs_it_once(make_llm, monkeypatch, caplog):
     before = torch.get_num_threads()
+    torch.set_num_threads(2)  # another test may have left this process at 1: the limit must be lower
     monkeypatch.setattr(threads, "cgroup_cpus", lambda root="/sys/fs/cgroup": 1)
     caplog.set_level(logging.INFO, logger="slipstream.engine")
     try:

@@ -151,7 +151,7 @@ class ApiServer(kmock.KubernetesEmulator):
     _schemas: dict[Any, dict[str, Any]] = attrs.field(factory=dict, init=False)
     _status_subresource: set[Any] = attrs.field(factory=set, init=False)
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
-    _failures: list[tuple[str, str, int]] = attrs.field(factory=list, init=False)
+    _failures: list[tuple[str, str, int, str | None]] = attrs.field(factory=list, init=False)
     _log: list[tuple[int, Any, dict[str, Any]]] = attrs.field(factory=list, init=False)
     _stalls: list[str] = attrs.field(factory=list, init=False)
     watches: list[str] = attrs.field(factory=list, init=False)  # plural of each watch served
@@ -182,9 +182,10 @@ class ApiServer(kmock.KubernetesEmulator):
         ending (a half-open connection), until the client gives up."""
         self._stalls += [plural] * count
 
-    def fail_next(self, method: str, plural: str, status: int) -> None:
-        """The next ``method`` (POST, PUT, PATCH, DELETE) on ``plural`` answers ``status``."""
-        self._failures.append((method.upper(), plural, status))
+    def fail_next(self, method: str, plural: str, status: int, name: str | None = None) -> None:
+        """The next ``method`` (POST, PUT, PATCH, DELETE) on ``plural`` — on the object ``name``
+        when given — answers ``status``."""
+        self._failures.append((method.upper(), plural, status, name))
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         if raw.path.rstrip("/") == "/api/v1/namespaces":  # kmock 0.8 cannot parse this path
@@ -213,8 +214,9 @@ class ApiServer(kmock.KubernetesEmulator):
             return await super()._handle(request)  # reads: kmock serves the stored objects
         if request.resource not in self.resources:
             raise kmock.KubernetesResourceNotFoundError()
-        for i, (method, plural, status) in enumerate(self._failures):
-            if method == request.method and plural == request.resource.plural:
+        for i, (method, plural, status, name) in enumerate(self._failures):
+            target = request.name or ((request.data or {}).get("metadata") or {}).get("name")
+            if method == request.method and plural == request.resource.plural and name in (None, target):
                 del self._failures[i]
                 raise kmock.KubernetesError(status=status, reason="Injected",
                                             message=f"injected {status} for a test")

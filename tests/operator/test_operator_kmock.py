@@ -256,11 +256,11 @@ async def test_invalid_spec_is_reported_and_other_services_still_served(api, kub
 
 
 async def test_api_errors_are_retried_and_refusals_reported(api, kube, operator):
-    api.fail_next("POST", "deployments", 503)
+    api.fail_next("POST", "deployments", 503, name="flaky")
     await kube.create(INFERENCESERVICES, inference_service("flaky"))
     await eventually(lambda: kube.get(DEPLOYMENTS, NAMESPACE, "flaky"), what="retried create")
 
-    api.fail_next("POST", "deployments", 422)
+    api.fail_next("POST", "deployments", 422, name="refused")  # not flaky's resync, which posts too
     await kube.create(INFERENCESERVICES, inference_service("refused"))
     isvc = await eventually(lambda: _with_condition(kube, "refused", "Ready"), what="status")
     assert condition(isvc, "Ready")["reason"] == "ApplyFailed"
