@@ -23,11 +23,11 @@ import logging
 import numpy as np
 import torch
 
-from slipstream.kernels import AttentionBackend, AttentionMetadata
+from slipstream.kernels import AttentionBackend
 
 from ..models.llama import LlamaModel
 from .scheduler import SchedulerOutput
-from .step_inputs import DeviceStep, HostStep, Transfer, dummy_step, layout, unpack
+from .step_inputs import HostStep, Transfer, dummy_step, layout, unpack
 
 log = logging.getLogger("slipstream.engine")
 
@@ -60,17 +60,12 @@ class _Graph:
 
     def __init__(self, size: int, width: int, max_seq_len: int, device: torch.device):
         self.size, self.width = size, width
-        # The transfer layout of a padded decode step of this size (see HostStep.parts).
-        self.flat = torch.zeros(3 * size + (size + 1) + size + size * width + size, dtype=torch.int64, device=device)
-        sizes = [size, size, size, size + 1, size, size * width, size]
-        ids, pos, slots, _, _, _, sample = torch.split(self.flat, sizes)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.ones(size, dtype=torch.int32, device=device),
-            block_tables=torch.zeros(size, width, dtype=torch.int32, device=device),
-            max_query_len=1, max_seq_len=max_seq_len)
-        self.inputs = DeviceStep(ids, pos, meta, sample)
+        # Padding only, in the transfer layout of a step of this size; the decode kernel's split is
+        # sized for the longest context any replay may bring.
+        self.dummy = dummy_step([1] * size, width)
+        self.dummy.max_seq_len = max_seq_len
+        self.flat = torch.from_numpy(np.concatenate(self.dummy.parts())).to(device)
+        self.inputs = unpack(self.flat, self.dummy)  # int64 views of flat; the int32 casts are the static metadata
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
 
@@ -120,16 +115,14 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             g = self.graphs[size]
-            dummy = dummy_step([1] * size, self.width)
-            g.flat.copy_(torch.from_numpy(np.concatenate(dummy.parts())))
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
-                self._forward(g, g.flat, dummy)  # warm-up: Triton compiles and autotunes outside capture
+                self._forward(g, g.flat, g.dummy)  # warm-up: Triton compiles and autotunes outside capture
             torch.cuda.current_stream().wait_stream(stream)
             g.graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(g.graph, pool=self.pool):
-                g.hidden = self._forward(g, g.flat, dummy)
+                g.hidden = self._forward(g, g.flat, g.dummy)
         torch.cuda.synchronize()
 
     def run(self, batch: SchedulerOutput, sample: list[int], transfer: Transfer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,6 +59,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, runner=None):
         self.config = config
+        self.num_threads: int | None = None  # decided by the first apply_threads
         self.device, self.dtype = resolve_device(config)
         torch.manual_seed(config.seed)
         self.apply_threads()
@@ -124,7 +125,7 @@ class LLMEngine:
         """Set torch's thread count for the calling thread (the one that will run :meth:`step`):
         ``num_threads``, else torch's default capped at the CPUs the cgroup quota and affinity
         mask allow. Decided (and logged) on the first call; later calls apply the same count."""
-        if getattr(self, "num_threads", None) is None:
+        if self.num_threads is None:
             self.num_threads, why = choose_threads(self.config.num_threads, torch.get_num_threads(), cpu_limit())
             log.info("torch threads: %d (%s)", self.num_threads, why)
         torch.set_num_threads(self.num_threads)

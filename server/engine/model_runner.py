@@ -206,7 +206,7 @@ class ModelRunner:
         cache = torch.zeros(cfg.num_layers, 2, 1, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                             dtype=self.dtype, device=dev)
 
-        def peak_of(step: HostStep) -> int:
+        def peak_of(step: HostStep, cache: torch.Tensor) -> int:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
             before = torch.cuda.memory_allocated(dev)
@@ -222,8 +222,8 @@ class ModelRunner:
         seqs = min(self.max_num_seqs, max_num_batched_tokens)
         q_lens = [max_num_batched_tokens // seqs] * seqs
         q_lens[-1] += max_num_batched_tokens - sum(q_lens)
-        peak = peak_of(dummy_step(q_lens, -(-max(q_lens) // self.block_size)))
-        reserve = peak_of(dummy_step([1] * capture_sizes(self.max_num_seqs)[-1], 1)) if self.use_graphs else 0
+        peak = peak_of(dummy_step(q_lens, -(-max(q_lens) // self.block_size)), cache)
+        reserve = peak_of(dummy_step([1] * capture_sizes(self.max_num_seqs)[-1], 1), cache) if self.use_graphs else 0
         del cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
