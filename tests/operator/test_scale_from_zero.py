@@ -140,8 +140,11 @@ async def test_fifty_requests_at_zero_replicas_all_succeed_and_the_service_retur
     async def at_zero() -> bool:
         return (await scaling_condition(kube)).get("reason") == "ScaledToZero"
 
+    async def seen_at_zero() -> bool:  # the pod controller polls: it may see the Deployment after the condition
+        return await at_zero() and bool(controller.replica_changes)
+
     # Created at minReplicas 0; the autoscaler reads the (empty) gateway and holds zero.
-    await wait_for("the autoscaler to hold zero replicas", at_zero, 30, loop, report)
+    await wait_for("the autoscaler to hold zero replicas", seen_at_zero, 30, loop, report)
     assert [n for _, n in controller.replica_changes] == [0] and not controller.pods
 
     timeout = aiohttp.ClientTimeout(total=100)
