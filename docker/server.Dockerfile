@@ -29,6 +29,10 @@ LABEL org.opencontainers.image.title="slipstream" \
       org.opencontainers.image.source="https://github.com/slipstream-dev/slipstream" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
+# gcc builds the quantized-weight CPU kernels (kernels/ggml_cpu.c) for the node's CPU on first start
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/slipstream \
         --shell /usr/sbin/nologin slipstream
 COPY --from=build /opt/slipstream /opt/slipstream

@@ -1,7 +1,7 @@
 """The per-step description of a flattened batch that the attention ops read."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,9 @@ class AttentionMetadata:
         block_tables: ``[batch, max_blocks]`` int32, padded with 0 past each request's blocks.
         max_query_len: largest query length in the batch (Python int, avoids a device sync).
         max_seq_len: largest context length in the batch (Python int).
+        backend_cache: what an attention backend derives from the layout once per forward pass
+            and reuses in every layer (the reference's padded groups); the model clears it at
+            the start of each forward, since CUDA-graph buffers are refilled in place.
     """
 
     slot_mapping: torch.Tensor
@@ -31,6 +34,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

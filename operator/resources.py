@@ -120,6 +120,8 @@ def server_args(spec: InferenceServiceSpec, name: str) -> list[str]:
         args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     if engine.enforce_eager:
         args.append("--enforce-eager")
+    if engine.quantization is not None:
+        args += ["--quantization", engine.quantization]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
     return args

@@ -64,7 +64,8 @@ class EngineSpec:
     (``"1Gi"``); None lets the engine size the KV pool (on a GPU from ``gpu_memory_utilization``,
     the fraction in (0, 1] of the GPU's memory it may use, engine default 0.9 when None; on CPU
     :data:`CPU_KV_CACHE_BYTES`). ``enforce_eager``: no CUDA graphs for decode. ``max_model_len``
-    None leaves the model's own context length."""
+    None leaves the model's own context length. ``quantization``: ``"auto"`` / ``"none"``
+    (``slipstream serve --quantization``), None leaves the server's default (auto)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -73,6 +74,7 @@ class EngineSpec:
     block_size: int = 16
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
+    quantization: str | None = None
 
     @property
     def kv_cache_memory_bytes(self) -> int | None:
@@ -214,7 +216,7 @@ _FIELDS: dict[type, dict[str, str]] = {
     EngineSpec: {"maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
                  "kvCacheMemory": "kv_cache_memory", "maxModelLen": "max_model_len",
                  "blockSize": "block_size", "gpuMemoryUtilization": "gpu_memory_utilization",
-                 "enforceEager": "enforce_eager"},
+                 "enforceEager": "enforce_eager", "quantization": "quantization"},
     ResourcesSpec: {"cpu": "cpu", "memory": "memory", "gpus": "gpus"},
     InferenceServiceSpec: {
         "model": "model", "image": "image", "replicas": "replicas", "autoscaling": "autoscaling",
@@ -363,6 +365,9 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     if not isinstance(engine.enforce_eager, bool):
         raise SpecError("InvalidSpec", f"spec.engine.enforceEager must be true or false, "
                                        f"got {engine.enforce_eager!r}")
+    if engine.quantization not in (None, "auto", "none"):
+        raise SpecError("InvalidSpec", f"spec.engine.quantization must be 'auto' or 'none', "
+                                       f"got {engine.quantization!r}")
 
     if _quantity(res.cpu, "spec.resources.cpu") <= 0:
         raise SpecError("InvalidSpec", f"spec.resources.cpu must be > 0, got {res.cpu!r}")

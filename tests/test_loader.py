@@ -110,10 +110,10 @@ def test_gguf_weight_cache_round_trips_exactly(tmp_path, monkeypatch, loaded, ca
     import logging
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
     caplog.set_level(logging.INFO, logger="slipstream.loader")
-    first = load_model("builtin", torch.device("cpu"), torch.float32)  # parses, fills the cache
+    first = load_model("builtin", torch.device("cpu"), torch.float32, "none")  # parses, fills the cache
     assert any((tmp_path / "weights").glob("*/model.safetensors"))
     caplog.clear()
-    second = load_model("builtin", torch.device("cpu"), torch.float32)
+    second = load_model("builtin", torch.device("cpu"), torch.float32, "none")
     assert "cached dequantized" in caplog.text
     a, b = first.model.state_dict(), second.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -130,10 +130,10 @@ def test_a_changed_gguf_replaces_its_cached_weights_and_tokenizer(tmp_path, monk
     gguf = tmp_path / "model.gguf"
     shutil.copyfile(builtin_model_path(), gguf)
     os.utime(gguf, (1_000_000_000, 1_000_000_000))
-    load_model(str(gguf), torch.device("cpu"), torch.float32)
+    load_model(str(gguf), torch.device("cpu"), torch.float32, "none")
     first = {kind: sorted(p.name for p in (tmp_path / "cache" / kind).iterdir()) for kind in ("weights", "tokenizers")}
     os.utime(gguf, (2_000_000_000, 2_000_000_000))  # the file changed: new entries, old ones removed
-    load_model(str(gguf), torch.device("cpu"), torch.float32)
+    load_model(str(gguf), torch.device("cpu"), torch.float32, "none")
     for kind, before in first.items():
         after = sorted(p.name for p in (tmp_path / "cache" / kind).iterdir())
         assert len(before) == len(after) == 1 and after != before, kind

@@ -1,5 +1,9 @@
 """Greedy output equals Hugging Face transformers' token for token on the same GGUF weights —
-alone, batched, preempted, chunked and after a prefix-cache hit."""
+alone, batched, preempted, chunked and after a prefix-cache hit.
+
+The shared ``loaded`` model serves the file's Q4_1/Q8_0 blocks as stored (the CPU default);
+transformers dequantizes the same file to fp32. The dequantized path (``quantization="none"``)
+is checked on the batch too."""
 from __future__ import annotations
 
 import os
@@ -79,6 +83,17 @@ def test_one_batch_matches_transformers(make_llm, prompts, expected):
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     first = llm.engine.trace[0]
     assert len(first.scheduled) == len(prompts), "all prompts should share the first step"
+
+
+def test_dequantized_fp32_weights_match_transformers_too(prompts, expected, no_leaks):
+    from slipstream.server.engine import LLM
+    from slipstream.server.models.loader import load_model
+
+    dense = load_model("builtin", torch.device("cpu"), torch.float32, "none")
+    assert type(dense.model.lm_head).__name__ == "Linear"
+    llm = LLM(loaded=dense, max_num_batched_tokens=2048)
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    no_leaks(llm.engine)
 
 
 @pytest.mark.slow

@@ -28,6 +28,9 @@ class EngineConfig:
     enable_prefix_caching: share full blocks of equal prefixes between requests.
     device: ``"cpu"`` or ``"cuda"``; None picks CUDA when present.
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; None picks fp32 on CPU, bf16 on GPU.
+    quantization: ``"auto"`` (default) serves a GGUF's Q4_0/Q4_1/Q8_0 weights as stored on the
+        CPU in fp32 (other types, and every GPU, get them dequantized to ``dtype``); ``"none"``
+        dequantizes every weight. See :mod:`~slipstream.server.models.quant`.
     trace: record a :class:`~slipstream.server.engine.trace.StepRecord` per step.
     num_threads: torch intra-op threads for the forward pass; None keeps torch's default, capped at
         the CPUs the cgroup quota (a pod's CPU limit) and affinity mask allow. On a shared CPU
@@ -43,6 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str | None = None
     dtype: str | None = None
+    quantization: str = "auto"
     trace: bool = False
     seed: int = 0
     num_threads: int | None = None
@@ -60,5 +64,7 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

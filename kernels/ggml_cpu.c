@@ -1,0 +1,214 @@
+/* Matrix products over GGML-quantized weights on the CPU, reading the blocks as stored.
+ *
+ * Block layouts are llama.cpp's (ggml-common.h), 32 weights per block:
+ *   Q4_0: fp16 d, 16 bytes of nibbles        w = d * (q - 8)
+ *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+ *   Q8_0: fp16 d, 32 int8                    w = d * q
+ * Byte i of the nibbles holds weight i in its low half and weight 16 + i in its high half.
+ *
+ * Built with -ffp-contract=off, so a dequantized weight is computed exactly as the gguf package
+ * (and transformers' GGUF loader, the oracle) computes it: one fp32 multiply, then one add. The
+ * products then differ from a dense fp32 GEMM on those weights only in summation order.
+ * GCC vector extensions keep this portable; -march=native picks the widest registers. */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML type ids, as gguf.GGMLQuantizationType */
+#define PREFETCH_BLOCKS 16             /* blocks ahead of the one being read: ~320 bytes */
+#define MAX_ROWS 8                     /* activation rows per pass over a weight row */
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+int ggml_block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* 16 bytes → 16 floats; GCC scalarizes __builtin_convertvector from bytes, so AVX-512 spells it out. */
+static inline f32x16 u8_to_f32(u8x16 q) {
+#ifdef __AVX512F__
+    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q));
+#else
+    return __builtin_convertvector(q, f32x16);
+#endif
+}
+
+static inline f32x16 i8_to_f32(i8x16 q) {
+#ifdef __AVX512F__
+    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q));
+#else
+    return __builtin_convertvector(q, f32x16);
+#endif
+}
+
+static inline float fp16(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* An fp16 scale in all 16 lanes. On AVX-512 a vector conversion: the scalar vcvtsh2ss merges into
+ * its destination, which chains every block's conversion to the previous one. */
+static inline f32x16 fp16x16(const uint8_t *p) {
+#ifdef __AVX512F__
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return (f32x16)_mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+#else
+    return (f32x16){0} + fp16(p);
+#endif
+}
+
+/* Weights 0-15 of the block into *lo, 16-31 into *hi. `type` is a constant at every call site. */
+static inline __attribute__((always_inline)) void dequant_block(int type, const uint8_t *b, f32x16 *lo, f32x16 *hi) {
+    const f32x16 d = fp16x16(b);
+    if (type == Q8_0) {
+        i8x16 q0, q1;
+        memcpy(&q0, b + 2, 16);
+        memcpy(&q1, b + 18, 16);
+        *lo = i8_to_f32(q0) * d;
+        *hi = i8_to_f32(q1) * d;
+        return;
+    }
+    u8x16 q;
+    memcpy(&q, b + (type == Q4_1 ? 4 : 2), 16);
+#ifdef __AVX512F__
+    /* A 4-bit weight takes one of 16 values: compute those (same multiply and add, so the same
+     * roundings) and gather the block's weights from them, fewer operations than per weight. */
+    const f32x16 nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const f32x16 table = type == Q4_1 ? nibbles * d + fp16x16(b + 2) : (nibbles - 8) * d;
+    *lo = (f32x16)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32((__m128i)(q & 15)), (__m512)table);
+    *hi = (f32x16)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32((__m128i)(q >> 4)), (__m512)table);
+    return;
+#endif
+    if (type == Q4_1) {
+        const f32x16 m = fp16x16(b + 2);
+        *lo = u8_to_f32(q & 15) * d + m;
+        *hi = u8_to_f32(q >> 4) * d + m;
+    } else {
+        *lo = i8_to_f32((i8x16)(q & 15) - 8) * d;
+        *hi = i8_to_f32((i8x16)(q >> 4) - 8) * d;
+    }
+}
+
+/* a * b + c, fused where the CPU has it (the dot product's rounding, never a dequantization's). */
+static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
+#ifdef __AVX512F__
+    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline float hsum(f32x16 v) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+#endif
+}
+
+/* y[r, j] for `nr` weight rows (w, w + row_bytes, ...) against `rows` rows of x, every weight
+ * dequantized once for all of them. `type`, `nr` and `rows` are constants at each call, so the
+ * accumulators (nr * rows) and x's blocks (2 * rows) stay in registers. */
+static inline __attribute__((always_inline)) void dot_tile(int type, int nr, int rows, const uint8_t *w,
+                                                           int64_t row_bytes, int64_t nb, int bytes,
+                                                           const float *x, int64_t K, float *y, int64_t N) {
+    f32x16 acc[4][MAX_ROWS];
+    for (int j = 0; j < nr; j++)
+        for (int r = 0; r < rows; r++) acc[j][r] = (f32x16){0};
+    for (int64_t b = 0; b < nb; b++) {
+        f32x16 xl[MAX_ROWS], xh[MAX_ROWS];
+        for (int r = 0; r < rows; r++) {
+            memcpy(&xl[r], x + r * K + b * 32, 64);
+            memcpy(&xh[r], x + r * K + b * 32 + 16, 64);
+        }
+        for (int j = 0; j < nr; j++) {
+            f32x16 lo, hi;
+            __builtin_prefetch(w + j * row_bytes + (b + PREFETCH_BLOCKS) * bytes);
+            dequant_block(type, w + j * row_bytes + b * bytes, &lo, &hi);
+            for (int r = 0; r < rows; r++) acc[j][r] = fma16(hi, xh[r], fma16(lo, xl[r], acc[j][r]));
+        }
+    }
+    for (int j = 0; j < nr; j++)
+        for (int r = 0; r < rows; r++) y[r * N + j] = hsum(acc[j][r]);
+}
+
+/* Weight rows per tile for a given number of x rows: as many as the registers hold. */
+static inline int tile_rows(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+
+#define TILE(T, NR, R) dot_tile(T, NR, R, wn, row_bytes, nb, bytes, xm, K, ym, N)
+#define TILES(T)                                                                              \
+    if (nr == 1) {                                                                            \
+        switch (rows) {                                                                       \
+        case 1: TILE(T, 1, 1); break; case 2: TILE(T, 1, 2); break;                           \
+        case 3: TILE(T, 1, 3); break; case 4: TILE(T, 1, 4); break;                           \
+        case 5: TILE(T, 1, 5); break; case 6: TILE(T, 1, 6); break;                           \
+        case 7: TILE(T, 1, 7); break; default: TILE(T, 1, 8); break;                          \
+        }                                                                                     \
+    } else if (nr == 2) {                                                                     \
+        switch (rows) { case 3: TILE(T, 2, 3); break; default: TILE(T, 2, 4); break; }        \
+    } else {                                                                                  \
+        switch (rows) { case 1: TILE(T, 4, 1); break; default: TILE(T, 4, 2); break; }        \
+    }
+
+/* y [M, N] = x [M, K] @ W^T, W being N rows of K / 32 blocks of `type`. x and y fp32, row-major.
+ * Returns 0, or -1 for an unknown type or a K that is not a multiple of 32. */
+int ggml_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int threads) {
+    const int bytes = ggml_block_bytes(type);
+    if (!bytes || K % 32) return -1;
+    const int64_t nb = K / 32, row_bytes = nb * bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+        const int step = tile_rows(rows);
+        const int64_t tiles = (N + step - 1) / step;
+        const float *xm = x + m0 * K;
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n = t * step;
+            const uint8_t *wn = w + n * row_bytes;
+            float *ym = y + m0 * N + n;
+            const int nr = N - n < step ? 1 : step;
+            if (nr < step) { /* the last, partial tile: one weight row at a time */
+                for (int64_t i = n; i < N; i++, wn += row_bytes, ym++) {
+                    const int nr = 1;
+                    if (type == Q4_1) { TILES(Q4_1) } else if (type == Q4_0) { TILES(Q4_0) } else { TILES(Q8_0) }
+                }
+                continue;
+            }
+            if (type == Q4_1) { TILES(Q4_1) } else if (type == Q4_0) { TILES(Q4_0) } else { TILES(Q8_0) }
+        }
+    }
+    return 0;
+}
+
+/* out [R, K] fp32 = rows `ids` (or 0..R-1 when ids is NULL) of W dequantized. Same return codes. */
+int ggml_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t R, float *out, int threads) {
+    const int bytes = ggml_block_bytes(type);
+    if (!bytes || K % 32) return -1;
+    const int64_t nb = K / 32;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *wr = w + (ids ? ids[r] : r) * nb * bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            f32x16 lo, hi;
+            if (type == Q4_1) dequant_block(Q4_1, wr + b * bytes, &lo, &hi);
+            else if (type == Q4_0) dequant_block(Q4_0, wr + b * bytes, &lo, &hi);
+            else dequant_block(Q8_0, wr + b * bytes, &lo, &hi);
+            memcpy(out + r * K + b * 32, &lo, 64);
+            memcpy(out + r * K + b * 32 + 16, &hi, 64);
+        }
+    }
+    return 0;
+}
