@@ -153,7 +153,7 @@ def run_slipstream(workload, loaded, args) -> Result:
 
     res = measured("slipstream", workload, run)
     res.extra = {"trace": list(engine.trace), "timers": timers.per_step, "kv": kv.samples,
-                 "max_model_len": engine.max_model_len}
+                 "max_model_len": engine.max_model_len, "weight_bytes": weight_bytes(loaded.model)}
     return res
 
 
@@ -301,6 +301,28 @@ def print_table(results: list[Result]) -> None:
                   f"{'met' if ratio >= target else 'NOT met'}); {cpu_ratio:.2f}× per CPU second")
 
 
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and quantized block, tied ones once."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.dim() >= 1 and t.numel() > 1 and t is not getattr(model, "inv_freq", None):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """GB/s copied by ``Tensor.copy_`` (bytes copied per second, each read once and written once)
+    at the current torch thread count: the machine's streaming limit for a weight read."""
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
 def report_slipstream(res: Result, max_num_seqs: int) -> None:
     trace, timers, kv = res.extra["trace"], res.extra["timers"], res.extra["kv"]
     print(f"\nslipstream: {len(trace)} steps, {sum(r.num_preemptions for r in trace)} preemptions, "
@@ -350,8 +372,12 @@ def report_slipstream(res: Result, max_num_seqs: int) -> None:
     overhead([(i, r) for i, r in steps if r.num_prefill_tokens == 0], "all decode-only steps")
     overhead(steps, "all steps")
     print()
-    print("| decode steps with this many running | steps | ms/step | ms per token | mean context tokens |")
-    print("|---|---:|---:|---:|---:|")
+    wbytes, copy_gbs = res.extra["weight_bytes"], copy_bandwidth()
+    print(f"roofline: a decode step reads {wbytes / 1e6:.0f} MB of weights; this machine copies "
+          f"{copy_gbs:.1f} GB/s ({torch.get_num_threads()} thread(s), Tensor.copy_ of 512 MiB)")
+    print("| decode steps with this many running | steps | ms/step | ms per token | mean context tokens "
+          "| weight GB/s (÷ copy) |")
+    print("|---|---:|---:|---:|---:|---:|")
     lo = 1
     while lo <= max_num_seqs:
         hi = min(lo * 2 - 1, max_num_seqs)
@@ -359,8 +385,9 @@ def report_slipstream(res: Result, max_num_seqs: int) -> None:
         if sel:
             ms = sum(r.step_time for _, r in sel) / len(sel) * 1e3
             ctx = [timers[i]["ctx"] for i, _ in sel]
+            gbs = wbytes / (ms / 1e3) / 1e9
             print(f"| {lo if lo == hi else f'{lo}–{hi}'} | {len(sel)} | {ms:.1f} | {ms * len(sel) / sum(r.num_running for _, r in sel):.1f} "
-                  f"| {sum(ctx) / len(ctx):.0f} |")
+                  f"| {sum(ctx) / len(ctx):.0f} | {gbs:.1f} ({gbs / copy_gbs:.2f}) |")
         lo *= 2
     if full:
         ratio = sum(r.step_time - r.forward_time for _, r in full) / sum(r.step_time for _, r in full)
@@ -417,6 +444,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for every system (default 1: on a shared, oversubscribed CPU "
                         "OpenMP's barriers make 2 threads several times slower; use the core count on an idle machine)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                   help="slipstream's weights: 'auto' serves the GGUF's Q4_1/Q8_0 blocks as stored, 'none' "
+                        "dequantizes to fp32 (transformers always dequantizes)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after the run, profile this many slipstream decode steps with the batch full")
     args = p.parse_args(argv)
@@ -428,9 +458,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from slipstream.server.models.loader import load_model
     print(machine())
-    loaded = load_model("builtin", torch.device("cpu"), torch.float32)
+    loaded = load_model("builtin", torch.device("cpu"), torch.float32, args.quantization)
     workload = make_workload(args.num_requests, args.seed, loaded.config.vocab_size, args.max_output)
-    print(f"model: {loaded.name} (GGUF Q4_1 dequantized to fp32), greedy, EOS ignored")
+    served = "Q4_1/Q8_0 as stored" if args.quantization == "auto" else "dequantized to fp32"
+    print(f"model: {loaded.name} (GGUF; slipstream: {served}; transformers: dequantized to fp32), greedy, EOS ignored")
     print(f"workload (seed {args.seed}): {describe(workload)}")
     print(f"slipstream/hf-cb: max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens} tokens per step; "
           f"hf-static: batches of {args.static_batch_size}, left-padded", flush=True)

@@ -5,7 +5,9 @@ and its layers call the backend's ``write_kv`` and ``paged_attention``. The modu
 :func:`write_kv` and :func:`paged_attention` choose per call instead (tests, one-off use). Either
 way the choice comes from the device and ``SLIPSTREAM_ATTENTION``:
 
-- ``auto`` (default): Triton on CUDA tensors, the torch reference on anything else;
+- ``auto`` (default): Triton on CUDA tensors; on CPU tensors :mod:`.cpu_attention` (decode rows
+  in the compiled C kernel, the rest in the reference) where the CPU kernels build, else the
+  torch reference;
 - ``torch``: always the reference;
 - ``triton``: always Triton. On CPU tensors that needs Triton's interpreter, i.e.
   ``TRITON_INTERPRET=1`` set before the Triton kernels are first imported.
@@ -56,8 +58,11 @@ def select_backend(tensor: torch.Tensor) -> ModuleType:
     mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV_VAR} must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "torch" or (mode == "auto" and not tensor.is_cuda):
+    if mode == "torch":
         return reference
+    if mode == "auto" and not tensor.is_cuda:
+        from . import cpu_attention, cpu_native
+        return cpu_attention if tensor.device.type == "cpu" and cpu_native.available() else reference
     backend = _triton_backend(forced=mode == "triton")
     if backend is None:
         return reference
@@ -71,7 +76,7 @@ class AttentionBackend:
     """The attention implementation one model runner uses, resolved once.
 
     Attributes:
-        name: ``"torch"`` (the reference) or ``"triton"``.
+        name: ``"torch"`` (the reference), ``"cpu"`` (:mod:`.cpu_attention`) or ``"triton"``.
         write_kv: as :func:`write_kv`.
         paged_attention: as :func:`paged_attention`.
         graph_safe: whether a decode step through it can be captured in a CUDA graph: no host
@@ -94,6 +99,8 @@ def resolve_backend(device: torch.device | str) -> AttentionBackend:
     module = select_backend(torch.empty(0, device=device))
     if module is reference:
         return AttentionBackend("torch", reference.write_kv, reference.paged_attention, graph_safe=False)
+    if module.__name__.endswith(".cpu_attention"):
+        return AttentionBackend("cpu", module.write_kv, module.paged_attention, graph_safe=False)
     return AttentionBackend("triton", module.write_kv, module.paged_attention, graph_safe=True)
 
 

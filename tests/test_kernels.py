@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from slipstream import kernels  # noqa: E402
-from slipstream.kernels import reference  # noqa: E402
+from slipstream.kernels import cpu_native, reference  # noqa: E402
 from slipstream.kernels.metadata import AttentionMetadata  # noqa: E402
 
 TRITON_MODULES = ("triton_common", "triton_kv_write", "triton_decode", "triton_prefill", "triton_attention")
@@ -302,7 +302,10 @@ def test_entry_point_runs_a_mixed_batch_with_padding_through_triton(tk, device, 
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # padding rows
 
 
-@pytest.mark.parametrize("mode, expected", [("auto", "reference"), ("torch", "reference"),
+CPU_DEFAULT = "cpu_attention" if cpu_native.available() else "reference"
+
+
+@pytest.mark.parametrize("mode, expected", [("auto", CPU_DEFAULT), ("torch", "reference"),
                                             ("triton", "triton_attention"), (" Triton ", "triton_attention")])
 def test_slipstream_attention_selects_the_backend_for_cpu_tensors(tk, monkeypatch, mode, expected):
     if expected == "triton_attention" and DEVICE.type == "cuda":
@@ -311,9 +314,31 @@ def test_slipstream_attention_selects_the_backend_for_cpu_tensors(tk, monkeypatc
     assert kernels.select_backend(torch.zeros(1)).__name__ == f"slipstream.kernels.{expected}"
 
 
-def test_default_backend_on_cpu_is_the_reference(monkeypatch):
+def test_default_backend_on_cpu_is_the_c_decode_kernel_where_it_builds(monkeypatch):
     monkeypatch.delenv("SLIPSTREAM_ATTENTION", raising=False)
-    assert kernels.select_backend(torch.zeros(1)) is reference
+    assert kernels.select_backend(torch.zeros(1)).__name__ == f"slipstream.kernels.{CPU_DEFAULT}"
+    assert kernels.select_backend(torch.zeros(1, dtype=torch.bfloat16)).__name__ == f"slipstream.kernels.{CPU_DEFAULT}"
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_cpu_decode_kernel_matches_the_reference(group):
+    from slipstream.kernels import cpu_attention
+    if not cpu_native.available():
+        pytest.skip("no C compiler: the CPU kernels cannot be built")
+    # Decode rows with 1-token, one-block and multi-block contexts beside a prefill chunk and a
+    # chunk after a cached prefix (those go to the reference), then padding tokens.
+    q_lens, seq_lens = [1, 1, 6, 1, 19, 1], [1, 50, 38, 16, 19, 33]
+    query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, group=group, dtype=torch.float32, pad_tokens=2,
+                                               device=torch.device("cpu"))
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, reference.paged_attention(query, k_cache, v_cache, meta, 0.125),
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))  # padding rows
+    assert meta.backend_cache, "the plan is kept for the next layer"
+    again = cpu_attention.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(again, out)
+    bf16 = cpu_attention.paged_attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
+    assert bf16.dtype == torch.bfloat16  # other dtypes take the reference
 
 
 def test_unknown_slipstream_attention_value_is_rejected(monkeypatch):

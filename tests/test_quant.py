@@ -125,7 +125,7 @@ def test_none_and_unavailable_kernels_serve_dequantized_fp32(tmp_path, monkeypat
     monkeypatch.setenv("SLIPSTREAM_WEIGHT_CACHE", "0")
     dense = load_model("builtin", torch.device("cpu"), torch.float32, "none").model
     assert type(dense.layers[0].mlp.gate_up_proj).__name__ == "Linear"
-    monkeypatch.setenv("SLIPSTREAM_GGML_KERNELS", "0")
+    monkeypatch.setenv("SLIPSTREAM_CPU_KERNELS", "0")
     ggml_cpu.library.cache_clear()
     try:
         caplog.set_level(logging.INFO, logger="slipstream.loader")
