@@ -43,7 +43,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         ValueError: a rope scaling type this engine does not implement.
     """
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # device="cpu": computed for real even under the meta device (whose reference ops import torch._dynamo)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -156,7 +157,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight skips reset_parameters, whose init under the meta device imports torch._dynamo (~1.6 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
