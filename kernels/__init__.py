@@ -78,7 +78,7 @@ class AttentionBackend:
     Attributes:
         name: ``"torch"`` (the reference), ``"cpu"`` (:mod:`.cpu_attention`) or ``"triton"``.
         write_kv: as :func:`write_kv`.
-        paged_attention: as :func:`paged_attention`.
+        paged_attention: as :func:`paged_attention` (``window`` and ``softcap`` included).
         graph_safe: whether a decode step through it can be captured in a CUDA graph: no host
             sync, launch shapes from host-side metadata only (the Triton kernels; the reference
             reads lengths back with ``tolist``).
@@ -117,7 +117,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the batch's new tokens over their paged context.
 
     Decode rows, prefill chunks and prefix-cache hits may be mixed in one batch; see
@@ -129,8 +130,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             the new tokens' K/V.
         meta: the batch layout.
         scale: softmax scale.
+        window: sliding window in tokens (a query at position ``p`` sees keys ``p - window < j <= p``);
+            None: the whole context. Per call, so interleaved local/global layers pass their own.
+        softcap: attention logit soft-cap, ``softcap * tanh(scores / softcap)``; None: none.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+
+    Raises:
+        ValueError: ``window`` below 1 or ``softcap`` not positive.
     """
-    return select_backend(query).paged_attention(query, k_cache, v_cache, meta, scale)
+    return select_backend(query).paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)

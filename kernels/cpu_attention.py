@@ -26,8 +26,8 @@ class _Plan:
     chunks: reference._Group | None  # the multi-token requests, padded, for the reference
 
 
-def _plan(meta: AttentionMetadata, block_size: int, num_tokens: int) -> _Plan:
-    key = ("cpu", block_size, num_tokens)
+def _plan(meta: AttentionMetadata, block_size: int, num_tokens: int, window: int | None) -> _Plan:
+    key = ("cpu", block_size, num_tokens, window)
     if key in meta.backend_cache:
         return meta.backend_cache[key]
     bounds, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -39,7 +39,7 @@ def _plan(meta: AttentionMetadata, block_size: int, num_tokens: int) -> _Plan:
                  meta.block_tables.index_select(0, idx).to(torch.int32).contiguous(),
                  meta.seq_lens.index_select(0, idx).to(torch.int32).contiguous(),
                  reference._group(chunks, max(q_lens[b] for b in chunks), bounds, q_lens, lens, meta.block_tables,
-                                  block_size, num_tokens) if chunks else None)
+                                  block_size, num_tokens, window) if chunks else None)
     meta.backend_cache[key] = plan
     return plan
 
@@ -51,21 +51,24 @@ def usable(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     Args/returns as :func:`reference.paged_attention`: ``query`` ``[num_tokens, num_heads,
     head_dim]``, caches ``[num_blocks, block_size, num_kv_heads, head_dim]``; output like
-    ``query``.
+    ``query``; ``window`` (tokens) and ``softcap`` as there.
 
     Raises:
+        ValueError: as :func:`reference.paged_attention`.
         RuntimeError: the kernel refused the shapes (heads not a multiple of KV heads) or ran
             out of memory.
     """
     if not (usable(query, k_cache) and v_cache.is_contiguous()):
-        return reference.paged_attention(query, k_cache, v_cache, meta, scale)
+        return reference.paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)
+    reference.check_options(window, softcap)
     num_tokens, num_heads, head_dim = query.shape
-    plan = _plan(meta, k_cache.shape[1], num_tokens)
+    plan = _plan(meta, k_cache.shape[1], num_tokens, window)
     query = query.contiguous()
     out = torch.zeros_like(query)
     n = plan.q_rows.numel()
@@ -73,9 +76,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         status = library().paged_decode_attention(
             query.data_ptr(), plan.q_rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.tables.data_ptr(),
             plan.tables.shape[1], plan.seq_lens.data_ptr(), n, num_heads, k_cache.shape[2], head_dim,
-            k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads())
+            k_cache.shape[1], scale, window or 0, softcap or 0.0, out.data_ptr(), torch.get_num_threads())
         if status:
             raise RuntimeError(f"paged_decode_attention failed ({'out of memory' if status == -2 else 'bad shapes'})")
     if plan.chunks is not None:
-        reference._attend_group(query, k_cache, v_cache, plan.chunks, scale, out)
+        reference._attend_group(query, k_cache, v_cache, plan.chunks, scale, out, softcap)
     return out

@@ -85,7 +85,8 @@ def library() -> ctypes.CDLL | None:
     lib.ggml_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.ggml_dequantize.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, ctypes.c_int]
     i32, f32 = ctypes.c_int, ctypes.c_float
-    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, f32, ptr, i32]
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, f32, i64, f32,
+                                          ptr, i32]
     lib.ggml_matmul.restype = lib.ggml_dequantize.restype = lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 

@@ -5,6 +5,13 @@ Layouts: queries/keys/values ``[num_tokens, num_heads, head_dim]`` (keys/values 
 Algorithm: PagedAttention (Kwon et al., SOSP '23, §4.1) — each request reads its context
 through its block table; grouped-query attention (Ainslie et al., 2023) shares a KV head
 between ``num_heads // num_kv_heads`` query heads.
+
+Two per-call options, both None by default:
+- ``window`` (tokens): sliding-window attention (Longformer, Beltagy et al. 2020, §3.1; Mistral 7B,
+  Jiang et al. 2023, §2): a query at position ``p`` sees keys at positions ``p - window < j <= p``
+  (transformers' ``sliding_window_overlay``), so ``window`` keys including its own.
+- ``softcap``: attention logit soft-capping, ``softcap * tanh(scores / softcap)`` on the scaled
+  scores before the mask and softmax (Gemma 2, Gemma Team 2024, §2).
 """
 from __future__ import annotations
 
@@ -48,13 +55,13 @@ class _Group:
     block_ids: torch.Tensor  # [B * ctx_blocks] int64, each member's first ctx_blocks blocks
     ctx_blocks: int
     q_rows: torch.Tensor  # [B * max_q] int64, query row of each padded slot (clamped)
-    mask: torch.Tensor  # [B, 1, max_q, ctx_blocks * block_size] bool, causal over the context
+    mask: torch.Tensor  # [B, 1, max_q, ctx_blocks * block_size] bool, causal (and windowed) over the context
     dest: torch.Tensor  # rows of ``out`` the valid slots fill: [B] for decode, [valid] for chunks
     valid: torch.Tensor | None  # [B, max_q] bool for chunks; None for decode (every slot valid)
 
 
 def _group(members: list[int], max_q: int, bounds: list[int], q_lens: list[int], lens: list[int],
-           block_tables: torch.Tensor, block_size: int, num_tokens: int) -> _Group:
+           block_tables: torch.Tensor, block_size: int, num_tokens: int, window: int | None = None) -> _Group:
     device = block_tables.device
     starts = torch.tensor([bounds[b] for b in members], device=device)
     q_len = torch.tensor([q_lens[b] for b in members], device=device)
@@ -62,21 +69,25 @@ def _group(members: list[int], max_q: int, bounds: list[int], q_lens: list[int],
     ctx_blocks = (max(lens[b] for b in members) + block_size - 1) // block_size
     tables = block_tables.index_select(0, torch.tensor(members, device=device))
     # Padded queries [B, max_q]; slot i of request b is token starts[b] + i, at position
-    # seq_len - q_len + i, and sees keys 0..that position.
+    # seq_len - q_len + i, and sees keys 0..that position (the last ``window`` of them).
     q_idx = torch.arange(max_q, device=device)
     rows = starts[:, None] + q_idx[None, :]
     q_pos = (seq_len - q_len)[:, None] + q_idx[None, :]
     k_pos = torch.arange(ctx_blocks * block_size, device=device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+    mask = mask[:, None]
     valid = None if max_q == 1 else q_idx[None, :] < q_len[:, None]
     return _Group(max_q, tables[:, :ctx_blocks].reshape(-1).long(), ctx_blocks,
                   rows.clamp(max=num_tokens - 1).reshape(-1), mask, starts if valid is None else rows[valid], valid)
 
 
-def _plan(meta: AttentionMetadata, block_size: int, num_tokens: int) -> list[_Group]:
+def _plan(meta: AttentionMetadata, block_size: int, num_tokens: int, window: int | None = None) -> list[_Group]:
     """The step's groups (:func:`context_groups` for decode rows, one more for multi-token
-    chunks), built by the first layer and kept in ``meta.backend_cache`` for the others."""
-    key = ("reference", block_size, num_tokens)
+    chunks), built by the first layer with this ``window`` and kept in ``meta.backend_cache``
+    for the others."""
+    key = ("reference", block_size, num_tokens, window)
     if key in meta.backend_cache:
         return meta.backend_cache[key]
     bounds, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -86,13 +97,14 @@ def _plan(meta: AttentionMetadata, block_size: int, num_tokens: int) -> list[_Gr
     members = [(g, 1) for g in context_groups(decode, lens)]
     if chunks:
         members.append((chunks, max(q_lens[b] for b in chunks)))
-    plan = [_group(m, max_q, bounds, q_lens, lens, meta.block_tables, block_size, num_tokens) for m, max_q in members]
+    plan = [_group(m, max_q, bounds, q_lens, lens, meta.block_tables, block_size, num_tokens, window)
+            for m, max_q in members]
     meta.backend_cache[key] = plan
     return plan
 
 
 def _attend_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group, scale: float,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, softcap: float | None = None) -> None:
     """Attention for one padded group of requests (see :class:`_Group`)."""
     num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
     batch = g.mask.shape[0]
@@ -102,10 +114,18 @@ def _attend_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     keys = k_cache.index_select(0, g.block_ids).view(batch, ctx, num_kv_heads, head_dim)
     values = v_cache.index_select(0, g.block_ids).view(batch, ctx, num_kv_heads, head_dim)
     q = query.index_select(0, g.q_rows).view(batch, g.max_q, num_heads, head_dim)
-    # torch's fused SDPA (flash-style on CPU); GQA by broadcasting KV heads to their query group.
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2).float(), keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
-        attn_mask=g.mask, scale=scale, enable_gqa=num_heads > num_kv_heads)
+    q, keys, values = q.transpose(1, 2).float(), keys.transpose(1, 2).float(), values.transpose(1, 2).float()
+    if softcap is None:
+        # torch's fused SDPA (flash-style on CPU); GQA by broadcasting KV heads to their query group.
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=num_heads > num_kv_heads)
+    else:  # SDPA has no hook between the scores and the softmax: spell it out
+        group = num_heads // num_kv_heads
+        q = q.reshape(batch, num_kv_heads, group * g.max_q, head_dim)  # head kv_head * group + i
+        scores = (q @ keys.transpose(2, 3) * scale).view(batch, num_heads, g.max_q, ctx)
+        scores = softcap * torch.tanh(scores / softcap)
+        probs = scores.masked_fill(~g.mask, float("-inf")).softmax(-1).nan_to_num_(0.0)  # padding rows: all masked
+        o = (probs.view(batch, num_kv_heads, group * g.max_q, ctx) @ values).view(batch, num_heads, g.max_q, head_dim)
     o = o.transpose(1, 2).to(out.dtype)  # [B, max_q, h, d]; fully masked (padding) rows are never read
     if g.valid is None:
         out.index_copy_(0, g.dest, o[:, 0])
@@ -137,7 +157,8 @@ def context_groups(requests: list[int], seq_lens: list[int], ratio: float = 2.0)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     One op for prefill, chunked prefill, prefix-cache hits and decode: a request is just
@@ -152,11 +173,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             the new tokens' K/V (see :func:`write_kv`).
         meta: the batch layout; ``num_heads`` must be a multiple of ``num_kv_heads``.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        window: sliding window in tokens (see the module docstring); None attends the whole context.
+        softcap: attention logit soft-cap (see the module docstring); None leaves scores as they are.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+
+    Raises:
+        ValueError: ``window`` below 1 or ``softcap`` not positive.
     """
+    check_options(window, softcap)
     out = torch.zeros_like(query)
-    for group in _plan(meta, k_cache.shape[1], query.shape[0]):
-        _attend_group(query, k_cache, v_cache, group, scale, out)
+    for group in _plan(meta, k_cache.shape[1], query.shape[0], window):
+        _attend_group(query, k_cache, v_cache, group, scale, out, softcap)
     return out
+
+
+def check_options(window: int | None, softcap: float | None) -> None:
+    """Raise ``ValueError`` for a window below 1 token or a soft-cap that is not positive."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be at least 1 token, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"attention soft-cap must be positive, got {softcap}")

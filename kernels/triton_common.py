@@ -5,7 +5,10 @@ The inner loop is FlashAttention's (Dao et al., NeurIPS '22, §3.1; FlashAttenti
 exponentials ``l`` and an unnormalized output ``acc``, all in fp32, so the score matrix never
 leaves registers. Keys are gathered through the request's block table as in PagedAttention
 (Kwon et al., SOSP '23, §4.1): context token ``j`` sits in block ``table[j // block_size]`` at
-offset ``j % block_size``.
+offset ``j % block_size``. Two options shape the scores: a sliding window (Longformer, Beltagy et
+al. 2020, §3.1; Mistral 7B, Jiang et al. 2023, §2) hides keys at or before ``q_pos - window``, and
+attention logit soft-capping (Gemma 2, Gemma Team 2024, §2) maps each scaled score ``s`` to
+``softcap * tanh(s / softcap)``.
 """
 from __future__ import annotations
 
@@ -26,6 +29,24 @@ INTERPRETED = _interpreted()
 # A finite floor for the running maximum: a row that sees no key in a tile keeps alpha = 1, not NaN.
 NEG_BIG = -1.0e30
 LOG2E = 1.4426950408889634
+# The window of a full-attention call: larger than any context, small enough that q_pos - it fits int32.
+NO_WINDOW = 1 << 30
+
+
+def score_args(scale: float, window: int | None, softcap: float | None) -> tuple[float, int, float]:
+    """``(qk_scale, window, cap)`` for :func:`attend_key_range`: with a soft-cap the dot product is
+    scaled to ``s / softcap`` and the tanh multiplied by ``softcap * log2(e)``, else by
+    ``scale * log2(e)`` at once; no window becomes ``NO_WINDOW``.
+
+    Raises:
+        ValueError: ``window`` below 1 or ``softcap`` not positive.
+    """
+    from .reference import check_options
+
+    check_options(window, softcap)
+    if softcap is None:
+        return scale * LOG2E, window or NO_WINDOW, 0.0
+    return scale / softcap, window or NO_WINDOW, softcap * LOG2E
 
 
 def check_runnable(tensor: torch.Tensor) -> None:
@@ -79,16 +100,26 @@ def check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
+def _tanh(x):
+    # tl has no tanh; exp2 of -2|x| keeps it finite for large |x| (2.885... = 2 * log2(e)).
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def attend_key_range(acc, m_i, l_i, q, q_pos, key_start, key_end,
                      k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-                     stride_cb, stride_cs, stride_ch, qk_scale,
+                     stride_cb, stride_cs, stride_ch, qk_scale, window, cap,
                      BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                      HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     SOFTCAP: tl.constexpr, COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold keys ``[key_start, key_end)`` into the running softmax state of rows ``q``.
 
-    ``q`` is ``[rows, HEAD_DIM_PAD]``; row ``r`` sees key ``j`` iff ``j <= q_pos[r]`` (causal).
-    ``qk_scale`` is the softmax scale times log2(e), so exponentials are ``exp2``.
+    ``q`` is ``[rows, HEAD_DIM_PAD]``; row ``r`` sees key ``j`` iff
+    ``q_pos[r] - window < j <= q_pos[r]`` (causal, sliding window). ``qk_scale``, ``window`` and
+    ``cap`` come from :func:`score_args`: the scores end up in log2 units, so exponentials are
+    ``exp2``; ``SOFTCAP`` applies ``cap * tanh``. An empty range leaves the state as it is.
     Returns the updated ``(acc [rows, HEAD_DIM_PAD], m_i [rows], l_i [rows])``, fp32.
     """
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -107,7 +138,9 @@ def attend_key_range(acc, m_i, l_i, q, q_pos, key_start, key_end,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SOFTCAP:
+            s = _tanh(s) * cap
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

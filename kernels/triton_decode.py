@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .metadata import AttentionMetadata
-from .triton_common import LOG2E, NEG_BIG, attend_key_range, compute_in_fp32
+from .triton_common import NEG_BIG, attend_key_range, compute_in_fp32, score_args
 
 TILE_N = 64          # keys per inner-loop step
 MIN_ROWS = 16        # tl.dot needs at least 16 rows; query heads of a group are padded to it
@@ -28,12 +28,13 @@ PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
 @triton.jit
 def _decode_kernel(query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-                   qk_scale, partition_size, num_heads, num_splits,
+                   qk_scale, window, cap, partition_size, num_heads, num_splits,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_cs, stride_ch, stride_bt,
                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                   SPLIT: tl.constexpr, COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, COMPUTE_F32: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,10 +61,11 @@ def _decode_kernel(query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, p
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
     m_i = tl.full([ROWS], NEG_BIG, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
+    # Keys before the window: a partition wholly before it folds nothing (lse -1e30, weight 0).
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, q_pos, key_start, key_end, k_cache_ptr, v_cache_ptr,
+        acc, m_i, l_i, q, q_pos, tl.maximum(key_start, seq_len - window), key_end, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, stride_cb, stride_cs, stride_ch,
-        qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, COMPUTE_F32, DOT_PRECISION)
+        qk_scale, window, cap, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, SOFTCAP, COMPUTE_F32, DOT_PRECISION)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_i[:, None]
     if SPLIT:
@@ -129,7 +131,8 @@ def choose_partition(batch: int, num_kv_heads: int, max_seq_len: int, device: to
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                     num_splits: int | None = None, tile_n: int = TILE_N) -> None:
+                     num_splits: int | None = None, tile_n: int = TILE_N, window: int | None = None,
+                     softcap: float | None = None) -> None:
     """Write ``out`` rows of the requests with exactly one new token; other rows are untouched.
 
     Args:
@@ -140,7 +143,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out: ``[num_tokens, num_heads, head_dim]``, query's dtype, head_dim contiguous.
         num_splits: force the number of context partitions (split-K); ``None`` picks one.
         tile_n: keys per inner step (power of two, ≥ 16).
+        window: sliding window (tokens), keys ``seq_len - window ..`` only; None: the whole context.
+        softcap: attention logit soft-cap; None: none.
+
+    Raises:
+        ValueError: ``window`` below 1 or ``softcap`` not positive.
     """
+    qk_scale, window, cap = score_args(scale, window, softcap)
     batch = meta.num_seqs
     if batch == 0 or query.shape[0] == 0:
         return
@@ -160,12 +169,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _decode_kernel[(batch, num_kv_heads, splits)](
         query, k_cache, v_cache, out, part_out, part_lse,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * LOG2E, partition, num_heads, splits,
+        qk_scale, window, cap, partition, num_heads, splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, ROWS=max(MIN_ROWS, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         TILE_N=tile_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLIT=splits > 1,
-        COMPUTE_F32=fp32, DOT_PRECISION="ieee" if fp32 else "tf32")
+        SOFTCAP=softcap is not None, COMPUTE_F32=fp32, DOT_PRECISION="ieee" if fp32 else "tf32")
     if splits > 1:
         _reduce_kernel[(batch, num_heads)](
             out, part_out, part_lse, meta.query_start_loc, meta.seq_lens,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .metadata import AttentionMetadata
-from .triton_common import LOG2E, NEG_BIG, attend_key_range, compute_in_fp32
+from .triton_common import NEG_BIG, attend_key_range, compute_in_fp32, score_args
 
 TILE_N = 64   # keys per inner-loop step
 BLOCK_M = 64  # query rows (tokens x heads of one group) per program
@@ -25,12 +25,12 @@ BLOCK_M = 64  # query rows (tokens x heads of one group) per program
 @triton.jit
 def _prefill_kernel(query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-                    qk_scale, min_q_len,
+                    qk_scale, window, cap, min_q_len,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SOFTCAP: tl.constexpr,
                     COMPUTE_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -60,12 +60,14 @@ def _prefill_kernel(query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    # Keys past the tile's last token are masked for every row: stop the loop there.
+    # Keys past the tile's last token, or before its first token's window, are masked for every
+    # row: the loop covers only the keys between.
+    key_start = tl.maximum(prefix + first_tok - window + 1, 0)
     key_end = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)
     acc, m_i, l_i = attend_key_range(
-        acc, m_i, l_i, q, prefix + toks, 0, key_end, k_cache_ptr, v_cache_ptr,
+        acc, m_i, l_i, q, prefix + toks, key_start, key_end, k_cache_ptr, v_cache_ptr,
         block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, stride_cb, stride_cs, stride_ch,
-        qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, COMPUTE_F32, DOT_PRECISION)
+        qk_scale, window, cap, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, SOFTCAP, COMPUTE_F32, DOT_PRECISION)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -74,7 +76,8 @@ def _prefill_kernel(query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                      min_q_len: int = 2, block_m: int = BLOCK_M, tile_n: int = TILE_N) -> None:
+                      min_q_len: int = 2, block_m: int = BLOCK_M, tile_n: int = TILE_N,
+                      window: int | None = None, softcap: float | None = None) -> None:
     """Write ``out`` rows of the requests with at least ``min_q_len`` new tokens.
 
     Args:
@@ -87,7 +90,13 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         min_q_len: shorter requests are skipped (the dispatcher leaves ``q_len == 1`` to the
             decode kernel; ``1`` makes this kernel take every request).
         block_m: query rows per program (power of two); tile_n: keys per inner step.
+        window: sliding window (tokens); None: the whole context. softcap: attention logit
+            soft-cap; None: none.
+
+    Raises:
+        ValueError: ``window`` below 1 or ``softcap`` not positive.
     """
+    qk_scale, window, cap = score_args(scale, window, softcap)
     batch = meta.num_seqs
     if batch == 0 or query.shape[0] == 0 or meta.max_query_len < min_q_len:
         return
@@ -100,9 +109,9 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     grid = (batch, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * LOG2E, min_q_len,
+        qk_scale, window, cap, min_q_len,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), SOFTCAP=softcap is not None,
         COMPUTE_F32=fp32, DOT_PRECISION="ieee" if fp32 else "tf32")

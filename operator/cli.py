@@ -3,7 +3,7 @@
     slipstream operator [run] [--namespace NS ... | --all-namespaces] [--liveness URL]
                               [--peering NAME | --standalone] [--priority N]
                               [--resync-seconds S] [--cluster-domain D] [--verbose]
-    slipstream operator render -f FILE [-n NAMESPACE]
+    slipstream operator render -f FILE [-n NAMESPACE] [--kube-version MAJOR.MINOR]
 
 ``main(argv)`` returns the exit status; ``slipstream`` (server/cli.py) dispatches to it.
 """
@@ -43,7 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="YAML file with one or more InferenceService documents ('-': stdin)")
     render.add_argument("-n", "--namespace", default=None,
                         help="namespace for objects that name none (default: 'default')")
+    render.add_argument("--kube-version", type=_kube_version, default=None, metavar="MAJOR.MINOR",
+                        help="the cluster's Kubernetes version, which decides how an oci:// model "
+                             "image is mounted (default: a current one, with image volumes)")
     return parser
+
+
+def _kube_version(text: str) -> tuple[int, int]:
+    try:
+        major, minor = text.removeprefix("v").split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR such as 1.34, got {text!r}") from None
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +81,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
-def render_documents(documents: list[Any], namespace: str | None = None) -> list[dict[str, Any]]:
+def render_documents(documents: list[Any], namespace: str | None = None,
+                     kube_version: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """The children of every InferenceService in ``documents`` (others are skipped).
     Raises SpecError naming the object that cannot be served."""
     out: list[dict[str, Any]] = []
@@ -84,18 +96,19 @@ def render_documents(documents: list[Any], namespace: str | None = None) -> list
         if namespace or not meta.get("namespace"):
             meta["namespace"] = namespace or "default"
         try:
-            out.extend(render_children(doc))
+            out.extend(render_children(doc, kube_version))
         except SpecError as exc:
             raise SpecError(exc.reason, f"{KIND} {meta.get('name')}: {exc.message}") from None
     return out
 
 
-def render(path: str, namespace: str | None, out: TextIO) -> int:
+def render(path: str, namespace: str | None, out: TextIO,
+           kube_version: tuple[int, int] | None = None) -> int:
     try:
         stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
         with stream:
             documents = list(yaml.safe_load_all(stream))
-        children = render_documents(documents, namespace)
+        children = render_documents(documents, namespace, kube_version)
     except (OSError, yaml.YAMLError) as exc:
         print(f"slipstream operator render: cannot read {path}: {exc}", file=sys.stderr)
         return 1
@@ -143,5 +156,5 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``slipstream operator``; returns the process exit status."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "render":
-        return render(args.filename, args.namespace, sys.stdout)
+        return render(args.filename, args.namespace, sys.stdout, args.kube_version)
     return run(args)

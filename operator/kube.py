@@ -89,6 +89,7 @@ class Kube:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._relogin = relogin
+        self._version: tuple[int, int] | None = None
 
     @classmethod
     def from_environment(cls) -> "Kube":
@@ -147,6 +148,18 @@ class Kube:
                 return data or {}
         except aiohttp.ClientError as exc:
             raise ApiError(503, "Unavailable", f"{method} {path}: {exc}") from exc
+
+    async def server_version(self) -> tuple[int, int] | None:
+        """(major, minor) of the API server from ``/version``, read once; None when it does not
+        say (an emulator) or the call fails (asked again next time)."""
+        if self._version is None:
+            try:
+                info = await self.request("GET", "/version")
+                minor = str(info.get("minor", "")).rstrip("+")
+                self._version = (int(info["major"]), int(minor))
+            except (ApiError, KeyError, ValueError):
+                return None
+        return self._version
 
     async def get(self, resource: Resource, namespace: str | None, name: str,
                   ) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCES
     ROLE_BINDINGS, ROLES, SERVICE_ACCOUNTS, SERVICES, ApiError, Kube, Resource
 from slipstream.operator.resources import gateway_selector_labels, pod_selector, \
     render_deployment, render_disruption_budget, render_service, selector_labels, service_url
+from slipstream.operator.model_spec import model_location
 from slipstream.operator.spec import SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -131,13 +132,14 @@ async def _apply(kube: Kube, resource: Resource, body: Mapping[str, Any],
     return await kube.replace(resource, new), f"updated {kind} {meta['name']}: {why}"
 
 
-async def _unready_pods(kube: Kube, namespace: str, name: str,
-                        deployment: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-    """The service's pods when fewer are ready than wanted (to say why), else []."""
+async def _model_pods(kube: Kube, namespace: str, name: str,
+                      deployment: Mapping[str, Any] | None, unreported: bool) -> list[dict[str, Any]]:
+    """The service's pods when fewer are ready than wanted (to say why) or ``unreported`` (the
+    status has no download report for the current model yet), else []."""
     if deployment is None:
         return []
     want = deployment.get("spec", {}).get("replicas", 1)
-    if (deployment.get("status", {}).get("readyReplicas") or 0) >= want:
+    if (deployment.get("status", {}).get("readyReplicas") or 0) >= want and not unreported:
         return []
     wanted = selector_labels(name)
     return [p for p in await kube.list(PODS, namespace, pod_selector(name))
@@ -217,7 +219,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
             return None
         try:
             spec = parse_spec(body.get("spec"), name=name)
-            deployment = render_deployment(body, spec)
+            deployment = render_deployment(body, spec, await kube.server_version())
             service = render_service(body, spec)
             pods_service = render_pods_service(body, spec)
             budget = render_disruption_budget(body, spec)
@@ -251,12 +253,16 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
                              action[0].upper() + action[1:])
         before = st.find_condition((body.get("status") or {}).get("conditions"), st.READY)
         url = service_url(name, namespace, cluster_domain)
-        pods = await _unready_pods(kube, namespace, name, live_dep)
+        location = model_location(spec.model)
+        unreported = location.downloaded and (
+            (body.get("status") or {}).get("model") or {}).get("uri") != location.uri
+        pods = await _model_pods(kube, namespace, name, live_dep, unreported)
         gateway_pods = await _gateway_pods(kube, namespace, name, live_gateway)
         await update_status(kube, body, lambda b: st.compute_status(
             b, spec, live_dep, now=_now(), url=url, pods=pods, gateway=live_gateway,
             gateway_pods=gateway_pods))
-        ready, _, message = st.service_ready(spec, live_dep, pods, live_gateway, gateway_pods)
+        ready, _, message = st.service_ready(spec, live_dep, pods, live_gateway, gateway_pods,
+                                             _now())
         if before and before.get("status") != ready:
             await post_event(kube, body, "Normal" if ready == "True" else "Warning",
                              "Ready" if ready == "True" else "NotReady", message)

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 import kopf
 from kubernetes.utils.quantity import parse_quantity
 
+from slipstream.operator.model_spec import (MODEL_IMAGE_DIR, ModelCacheSpec, ModelLocation, model_location,
+                                            use_image_volume)
 from slipstream.operator.spec import InferenceServiceSpec, parse_spec
 
 GROUP = "slipstream.dev"
@@ -32,6 +34,19 @@ CONTAINER_NAME = "server"
 PORT_NAME = "http"
 SERVICE_PORT = 80
 MODEL_MOUNT = "/mnt/models"
+# hf:// and s3:// weights: the init container downloads into this volume, the server reads them
+# from it with the Hub client offline (it never downloads).
+DOWNLOAD_CONTAINER = "model-download"
+MODEL_CACHE_VOLUME = "model-cache"
+MODEL_CACHE_MOUNT = "/var/cache/slipstream/models"
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+# oci:// weights: an image volume's mount point, or the emptyDir where the modelcar sidecar
+# links its image's model directory (through /proc/PID/root; the pod shares one PID namespace).
+MODEL_IMAGE_MOUNT = "/mnt/model-image"
+MODELCAR_CONTAINER = "modelcar"
+MODELCAR_LINK_MOUNT = "/mnt/modelcar"
+# The rollout's deadline allows this long for a download on top of the startup budget.
+DOWNLOAD_BUDGET_SECONDS = 3600
 # GPU pods' /dev/shm (PyTorch's and NCCL's shared buffers; the runtime's 64 MiB default is too
 # small for NCCL): memory-backed, so it counts against the memory limit; capped at a quarter of it.
 SHM_MOUNT = "/dev/shm"
@@ -87,24 +102,28 @@ def service_url(name: str, namespace: str, cluster_domain: str = "cluster.local"
     return f"http://{name}.{namespace}.svc.{cluster_domain}"
 
 
-def model_argument(spec: InferenceServiceSpec) -> str:
-    """What ``slipstream serve --model`` gets: ``builtin``, ``sim:PROFILE`` or a path inside the
-    container."""
-    if spec.model.source == "builtin":
-        return "builtin"
-    if spec.model.source == "sim":
-        return f"sim:{spec.model.profile}"
-    if spec.model.source == "pvc":
-        return f"{MODEL_MOUNT}/{spec.model.path.strip('/')}"
-    return spec.model.path
+def model_argument(spec: InferenceServiceSpec, kube_version: tuple[int, int] | None = None) -> str:
+    """What ``slipstream serve --model`` gets: ``builtin``, ``sim:PROFILE``, the ``hf://`` or
+    ``s3://`` uri (read from the model cache) or a path inside the container."""
+    location = model_location(spec.model)
+    if location.kind == "pvc":
+        return f"{MODEL_MOUNT}/{location.path}".rstrip("/")
+    if location.kind == "image":
+        return location.path
+    if location.kind == "oci":
+        if use_image_volume(spec.model, kube_version):
+            return MODEL_IMAGE_MOUNT + MODEL_IMAGE_DIR
+        return MODELCAR_LINK_MOUNT + MODEL_IMAGE_DIR
+    return location.uri
 
 
-def server_args(spec: InferenceServiceSpec, name: str) -> list[str]:
+def server_args(spec: InferenceServiceSpec, name: str,
+                kube_version: tuple[int, int] | None = None) -> list[str]:
     """The ``slipstream serve`` argument list (after the ``slipstream`` command)."""
     engine = spec.engine
     args = [
         "serve",
-        "--model", model_argument(spec),
+        "--model", model_argument(spec, kube_version),
         "--host", "0.0.0.0",
         "--port", str(spec.port),
         "--served-model-name", spec.model.served_model_name or name,
@@ -113,6 +132,8 @@ def server_args(spec: InferenceServiceSpec, name: str) -> list[str]:
         "--block-size", str(engine.block_size),
         "--shutdown-timeout", str(spec.shutdown_timeout_seconds),
     ]
+    if model_location(spec.model).downloaded:
+        args += ["--model-cache-dir", MODEL_CACHE_MOUNT]
     # Unset, the engine sizes the KV pool itself: from free GPU memory after profiling on CUDA.
     if engine.kv_cache_memory is not None:
         args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
@@ -145,7 +166,8 @@ def initial_replicas(spec: InferenceServiceSpec) -> int:
     return spec.autoscaling.min_replicas if spec.autoscaling.enabled else spec.replicas
 
 
-def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
+def _container(spec: InferenceServiceSpec, name: str,
+               kube_version: tuple[int, int] | None) -> dict[str, Any]:
     res = spec.resources
     requests: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
     limits: dict[str, Any] = {"memory": res.memory}
@@ -156,7 +178,7 @@ def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         "name": CONTAINER_NAME,
         "image": spec.image,
         "command": ["slipstream"],
-        "args": server_args(spec, name),
+        "args": server_args(spec, name, kube_version),
         "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": {
@@ -185,11 +207,21 @@ def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
         },
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    if spec.env:
-        container["env"] = [dict(var) for var in spec.env]
+    location = model_location(spec.model)
+    # The server reads downloaded weights from the cache only; the user's env may override.
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}] if location.downloaded else []
+    env += [dict(var) for var in spec.env]
+    if env:
+        container["env"] = env
     mounts = []
-    if spec.model.source == "pvc":
+    if location.kind == "pvc":
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if location.downloaded:
+        mounts.append({"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True})
+    if location.kind == "oci":
+        mounts.append({"name": "model", "mountPath": MODEL_IMAGE_MOUNT, "readOnly": True}
+                      if use_image_volume(spec.model, kube_version) else
+                      {"name": "model", "mountPath": MODELCAR_LINK_MOUNT, "readOnly": True})
     if res.gpus:
         mounts.append({"name": "shm", "mountPath": SHM_MOUNT})
     if mounts:
@@ -197,9 +229,95 @@ def _container(spec: InferenceServiceSpec, name: str) -> dict[str, Any]:
     return container
 
 
+def download_args(spec: InferenceServiceSpec) -> list[str]:
+    """The ``slipstream download`` argument list of the init container (hf:// and s3://)."""
+    model = spec.model
+    args = ["download", model_location(model).uri, "--cache-dir", MODEL_CACHE_MOUNT,
+            "--termination-message-path", TERMINATION_MESSAGE_PATH]
+    if model.s3 is not None and model.s3.endpoint:
+        args += ["--s3-endpoint", model.s3.endpoint]
+    if model.cache is not None and model.cache.max_size is not None:
+        args += ["--max-cache-bytes", str(model.cache.max_size_bytes)]
+    return args
+
+
+def download_container(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The init container that fetches hf:// and s3:// weights into the model cache once per
+    revision (a shared cache: under a lock, the other pods wait and reuse), then exits; it
+    writes the resolved revision, bytes and seconds, or the error, as its termination message
+    (JSON), which the status reads. The server's image, the user's env (proxies, HF_ENDPOINT),
+    the credentials Secret; the Hub client online here only."""
+    res, model = spec.resources, spec.model
+    env = [{"name": "HF_HUB_OFFLINE", "value": "0"}]
+    if model.s3 is not None and model.s3.region:
+        env.append({"name": "AWS_REGION", "value": model.s3.region})
+    env += [dict(var) for var in spec.env if var.get("name") != "HF_HUB_OFFLINE"]
+    container: dict[str, Any] = {
+        "name": DOWNLOAD_CONTAINER,
+        "image": spec.image,
+        "command": ["slipstream"],
+        "args": download_args(spec),
+        "env": env,
+        # Downloads are network-bound: a fraction of the server's CPU, its memory limit.
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                      "limits": {"memory": res.memory}},
+        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT}],
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    }
+    if model.secret_ref is not None:
+        container["envFrom"] = [{"secretRef": {"name": model.secret_ref.name}}]
+    return container
+
+
+def modelcar_container(location: ModelLocation) -> dict[str, Any]:
+    """The modelcar (KServe's pattern, for clusters without image volumes): the model image
+    runs as a native sidecar that links its ``/models`` into the shared emptyDir, through
+    ``/proc/PID/root`` (the pod shares one PID namespace and one user), and sleeps; it starts,
+    pulling the image, before the server, which reads through the link."""
+    link = MODELCAR_LINK_MOUNT + MODEL_IMAGE_DIR
+    return {
+        "name": MODELCAR_CONTAINER,
+        "image": location.reference,
+        "restartPolicy": "Always",
+        "command": ["sh", "-c", f"ln -sfn /proc/$$/root{MODEL_IMAGE_DIR} {link} && exec sleep 2147483647"],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "startupProbe": {"exec": {"command": ["test", "-e", f"{link}/"]},
+                         "periodSeconds": 1, "failureThreshold": 600},
+        "volumeMounts": [{"name": "model", "mountPath": MODELCAR_LINK_MOUNT}],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
+def model_volumes(location: ModelLocation, spec: InferenceServiceSpec,
+                  kube_version: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """The pod's volumes for its weights: the claim (pvc), the model cache (hf, s3), the
+    model image or the modelcar's link directory (oci)."""
+    if location.kind == "pvc":
+        return [{"name": "model", "persistentVolumeClaim": {
+            "claimName": location.claim_name, "readOnly": True}}]
+    if location.kind == "oci":
+        if use_image_volume(spec.model, kube_version):
+            return [{"name": "model", "image": {"reference": location.reference,
+                                                "pullPolicy": "IfNotPresent"}}]
+        return [{"name": "model", "emptyDir": {"sizeLimit": "1Mi"}}]
+    if not location.downloaded:
+        return []
+    cache = spec.model.cache or ModelCacheSpec()
+    if cache.claim_name is not None:
+        return [{"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.claim_name}}]
+    if cache.host_path is not None:
+        return [{"name": MODEL_CACHE_VOLUME, "hostPath": {"path": cache.host_path,
+                                                          "type": "DirectoryOrCreate"}}]
+    return [{"name": MODEL_CACHE_VOLUME, "emptyDir": {}}]
+
+
 def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None = None,
-                      ) -> dict[str, Any]:
+                      kube_version: tuple[int, int] | None = None) -> dict[str, Any]:
     """The Deployment for InferenceService ``body`` (a dict with metadata.name/namespace).
+    ``kube_version`` (major, minor) of the cluster decides how a model image is mounted
+    (:func:`~.model_spec.use_image_volume`; None: a current cluster).
 
     ``spec.replicas`` of the result is the initial count (see :func:`initial_replicas`); the
     reconcile loop leaves it alone on an existing Deployment while autoscaling is on.
@@ -209,7 +327,7 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
     name, namespace = meta["name"], meta.get("namespace") or "default"
     spec = spec if spec is not None else parse_spec(body.get("spec"), name=name)
     pod_spec: dict[str, Any] = {
-        "containers": [_container(spec, name)],
+        "containers": [_container(spec, name, kube_version)],
         "terminationGracePeriodSeconds": termination_grace_period(spec),
         # A Service named like an env prefix (SLIPSTREAM_…) must not leak variables into pods.
         "enableServiceLinks": False,
@@ -219,10 +337,13 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
-    volumes = []
-    if spec.model.source == "pvc":
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": spec.model.claim_name, "readOnly": True}})
+    location = model_location(spec.model)
+    if location.downloaded:
+        pod_spec["initContainers"] = [download_container(spec)]
+    if location.kind == "oci" and not use_image_volume(spec.model, kube_version):
+        pod_spec["initContainers"] = [modelcar_container(location)]
+        pod_spec["shareProcessNamespace"] = True
+    volumes = model_volumes(location, spec, kube_version)
     if spec.resources.gpus:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
                                                     "sizeLimit": shm_size_limit(spec)}})
@@ -239,7 +360,8 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             # A rollout waits for model loads: give it the startup budget and then some.
-            "progressDeadlineSeconds": max(600, spec.startup_timeout_seconds + 120),
+            "progressDeadlineSeconds": max(600, spec.startup_timeout_seconds + 120 + (
+                DOWNLOAD_BUDGET_SECONDS if location.downloaded else 0)),
             "template": {
                 "metadata": {
                     "labels": labels(name),
@@ -307,19 +429,21 @@ def render_disruption_budget(body: Mapping[str, Any], spec: InferenceServiceSpec
     }
 
 
-def render_children(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def render_children(body: Mapping[str, Any],
+                    kube_version: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """[Deployment, Service, headless Service ``NAME-pods``], the PodDisruptionBudget when the
     service can run more than one pod, and while routing is enabled the gateway's
     ServiceAccount, Role, RoleBinding and Deployment. When ``body`` has a uid (it came from a
     cluster), all carry its owner reference and labels (``kopf.adopt``), so deleting it deletes
-    them. Raises SpecError when the spec cannot be served."""
+    them. ``kube_version``: see :func:`render_deployment`. Raises SpecError when the spec
+    cannot be served."""
     # gateway_resources builds on this module's labels and security settings.
     from slipstream.operator.gateway_resources import render_gateway, render_pods_service
 
     name = body.get("metadata", {}).get("name")
     spec = parse_spec(body.get("spec"), name=name)
     budget = render_disruption_budget(body, spec)
-    children = [render_deployment(body, spec), render_service(body, spec),
+    children = [render_deployment(body, spec, kube_version), render_service(body, spec),
                 render_pods_service(body, spec)] + ([budget] if budget else [])
     children += render_gateway(body, spec)
     if body.get("metadata", {}).get("uid"):

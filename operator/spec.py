@@ -17,12 +17,11 @@ from typing import Any, Mapping
 from kubernetes.utils.quantity import parse_quantity
 
 from .autoscaler import AutoscalingSpec
+from .model_spec import (MODEL_SOURCES, SIM_PROFILE, ModelCacheSpec, ModelSpec, OCISpec,  # noqa: F401
+                         S3Spec, SecretRef, model_location, validate_model)
+from .spec_error import SpecError
 
 DEFAULT_IMAGE = "ghcr.io/slipstream-dev/slipstream:0.1.0"
-MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
-# ``sim:PROFILE[,key=value...]`` as slipstream serve takes it (server/sim/backend.py); the server
-# checks the profile's name and the values, this only the shape (a test keeps the two in step).
-SIM_PROFILE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(,(time_scale|output_len|seed)=[-+.0-9eE]+)*$")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A Service name is an RFC 1035 label; the InferenceService's name becomes one.
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -30,32 +29,6 @@ ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 # The KV pool ``slipstream serve`` takes on CPU when no --kv-cache-memory-bytes is given
 # (server/engine/config.py CPU_KV_CACHE_BYTES; a test keeps the two equal).
 CPU_KV_CACHE_BYTES = 1 << 30
-
-
-class SpecError(ValueError):
-    """An InferenceService that cannot be served as written.
-
-    ``reason`` is a CamelCase word for the condition and the Event; the message says what was
-    wrong and what to do. Retrying does not help: the user has to change the object.
-    """
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """Which weights the pods load. ``source``: builtin | image (``path`` inside the image,
-    absolute) | pvc (``path`` relative to the root of PersistentVolumeClaim ``claim_name``) |
-    sim (no weights: ``profile``, e.g. ``tiny,time_scale=4``, becomes ``--model sim:PROFILE``)."""
-
-    source: str = "builtin"
-    path: str | None = None
-    claim_name: str | None = None
-    profile: str | None = None
-    served_model_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +185,12 @@ class InferenceServiceSpec:
 # with the simulator; RoutingSpec.from_dict).
 _FIELDS: dict[type, dict[str, str]] = {
     ModelSpec: {"source": "source", "path": "path", "claimName": "claim_name",
-                "profile": "profile", "servedModelName": "served_model_name"},
+                "profile": "profile", "servedModelName": "served_model_name", "uri": "uri",
+                "secretRef": "secret_ref", "s3": "s3", "cache": "cache", "oci": "oci"},
+    OCISpec: {"mount": "mount"},
+    SecretRef: {"name": "name"},
+    S3Spec: {"endpoint": "endpoint", "region": "region"},
+    ModelCacheSpec: {"claimName": "claim_name", "hostPath": "host_path", "maxSize": "max_size"},
     EngineSpec: {"maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
                  "kvCacheMemory": "kv_cache_memory", "maxModelLen": "max_model_len",
                  "blockSize": "block_size", "gpuMemoryUtilization": "gpu_memory_utilization",
@@ -229,6 +207,8 @@ _FIELDS: dict[type, dict[str, str]] = {
 }
 _NESTED = {"model": ModelSpec, "autoscaling": AutoscalingSpec, "routing": RoutingSpec,
            "engine": EngineSpec, "resources": ResourcesSpec}
+# Objects inside spec.model.
+_MODEL_NESTED = {"secretRef": SecretRef, "s3": S3Spec, "cache": ModelCacheSpec, "oci": OCISpec}
 
 
 def _build(cls: type, raw: Mapping[str, Any] | None, where: str) -> Any:
@@ -252,11 +232,13 @@ def _build(cls: type, raw: Mapping[str, Any] | None, where: str) -> Any:
             continue
         if cls is InferenceServiceSpec and crd_name in _NESTED:
             value = _build(_NESTED[crd_name], value, f"{where}.{crd_name}")
+        elif cls is ModelSpec and crd_name in _MODEL_NESTED:
+            value = _build(_MODEL_NESTED[crd_name], value, f"{where}.{crd_name}")
         elif crd_name in ("tolerations", "env"):
             value = tuple(dict(item) for item in value)
         elif crd_name == "nodeSelector":
             value = dict(value)
-        elif crd_name in ("kvCacheMemory", "cpu", "memory"):
+        elif crd_name in ("kvCacheMemory", "cpu", "memory", "maxSize"):
             value = str(value)
         kwargs[names[crd_name]] = value
     return cls(**kwargs)
@@ -307,33 +289,7 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
     spec: InferenceServiceSpec = _build(InferenceServiceSpec, raw or {}, "spec")
     model, engine, res = spec.model, spec.engine, spec.resources  # autoscaling: checked when built
 
-    if model.source not in MODEL_SOURCES:
-        raise SpecError("InvalidSpec", f"spec.model.source must be one of "
-                                       f"{', '.join(MODEL_SOURCES)}, got {model.source!r}")
-    if model.source in ("builtin", "sim") and (model.path or model.claim_name):
-        why = ("use source image or pvc to load other weights" if model.source == "builtin"
-               else "it loads no weights, its profile says what to simulate")
-        raise SpecError("InvalidSpec", f"spec.model.source {model.source} takes no path or "
-                                       f"claimName; {why}")
-    if model.source not in ("builtin", "sim") and not model.path:
-        raise SpecError("InvalidSpec", f"spec.model.path is required with source {model.source}")
-    if (model.source == "sim") != bool(model.profile):
-        raise SpecError("InvalidSpec", "spec.model.profile is required with source sim and only "
-                                       "allowed with it")
-    if model.source == "sim" and not SIM_PROFILE.match(model.profile):
-        raise SpecError("InvalidSpec", f"spec.model.profile must be a profile name such as tiny or "
-                                       f"llama3-8b-h100, optionally followed by ,time_scale=S "
-                                       f",output_len=N|A-B ,seed=N; got {model.profile!r}")
-    if model.source == "image" and not model.path.startswith("/"):
-        raise SpecError("InvalidSpec", f"spec.model.path must be absolute with source image, "
-                                       f"got {model.path!r}")
-    if (model.source == "pvc") != bool(model.claim_name):
-        raise SpecError("InvalidSpec", "spec.model.claimName is required with source pvc and "
-                                       "only allowed with it")
-    if model.source == "pvc" and (model.path.startswith("/") or ".." in model.path.split("/")):
-        raise SpecError("InvalidSpec", f"spec.model.path must be relative to the volume's root "
-                                       f"(no leading '/', no '..') with source pvc, "
-                                       f"got {model.path!r}")
+    validate_model(model)
 
     _check_int(spec.replicas, "spec.replicas", 0)
     _check_int(spec.port, "spec.port", 1, 65535)
@@ -379,7 +335,7 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
                                        f"use one GPU per replica (gpus: 1) and scale replicas")
     kv_bytes = (CPU_KV_CACHE_BYTES if engine.kv_cache_memory is None
                 else engine.kv_cache_memory_bytes)
-    if res.gpus == 0 and model.source != "sim" and kv_bytes >= memory:
+    if res.gpus == 0 and model_location(model).kind != "sim" and kv_bytes >= memory:
         # On CPU the KV cache lives in the pod's memory, beside the weights and the runtime
         # (on a GPU it lives in GPU memory; a simulated one is only counted, never allocated).
         given = engine.kv_cache_memory or f"unset, so the engine's {CPU_KV_CACHE_BYTES >> 30}Gi"

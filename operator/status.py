@@ -9,9 +9,11 @@ written by the autoscaler), ``GatewayReady`` (some gateway pod is ready).
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any, Mapping
 
-from slipstream.operator.resources import pod_selector
+from slipstream.operator.model_spec import model_location
+from slipstream.operator.resources import DOWNLOAD_CONTAINER, pod_selector
 from slipstream.operator.spec import InferenceServiceSpec
 
 READY, PROGRESSING, SCALING_ACTIVE = "Ready", "Progressing", "ScalingActive"
@@ -22,7 +24,7 @@ CONDITION_ORDER = (READY, PROGRESSING, SCALING_ACTIVE, GATEWAY_READY)
 # Status fields the reconcile loop owns; the autoscaler owns queueDepth, kvCacheUtilization,
 # kvCachePercent, lastScaleTime, and shares desiredReplicas and the ScalingActive condition.
 OWNED_FIELDS = ("conditions", "replicas", "readyReplicas", "desiredReplicas", "url",
-                "gateway", "observedGeneration", "selector")
+                "gateway", "model", "observedGeneration", "selector")
 
 
 def timestamp(now: datetime.datetime) -> str:
@@ -60,10 +62,81 @@ IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName",
 STARTING_REASONS = {"ContainerCreating", "PodInitializing"}
 
 
+def download_report(message: str | None) -> dict[str, Any] | None:
+    """The JSON object ``slipstream download`` wrote as its termination message, or None when
+    ``message`` is not one (e.g. the log tail the kubelet falls back to)."""
+    try:
+        report = json.loads(message or "")
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _download_failure(name: str, cs: Mapping[str, Any]) -> str | None:
+    """What the download step of pod ``name`` last failed with (its termination message, which
+    names the model and the status code), or None if it did not fail."""
+    state = cs.get("state") or {}
+    terminated = state.get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+    if not terminated or terminated.get("exitCode") == 0:
+        return None
+    report = download_report(terminated.get("message")) or {}
+    error = report.get("error") or (terminated.get("message") or "").strip().splitlines()[-1:] or [
+        f"exit {terminated.get('exitCode')}"]
+    text = error if isinstance(error, str) else error[0]
+    retry = " (the kubelet retries with a growing back-off)" if (state.get("waiting") or {}).get(
+        "reason") == "CrashLoopBackOff" else ""
+    return f"pod {name}: the model download failed: {text}{retry}"
+
+
+def downloading(pods: list[Mapping[str, Any]], now: datetime.datetime | None = None) -> str | None:
+    """A line naming a pod whose download step is running (and for how long), or None."""
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        for cs in status.get("initContainerStatuses") or []:
+            running = (cs.get("state") or {}).get("running")
+            if cs.get("name") == DOWNLOAD_CONTAINER and running is not None:
+                since = running.get("startedAt")
+                took = ""
+                if since and now is not None:
+                    started = datetime.datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(
+                        tzinfo=datetime.timezone.utc)
+                    took = f" for {max(0, int((now - started).total_seconds()))} s"
+                return f"pod {meta.get('name', '?')} is downloading the model{took}"
+    return None
+
+
+def model_report(spec: InferenceServiceSpec, pods: list[Mapping[str, Any]],
+                 previous: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``status.model`` for hf:// and s3:// models: ``{uri, revision, bytes, downloadSeconds}``
+    from the newest pod whose download step finished for the current uri (``previous`` when no
+    pod says, so long as it is for this uri); None (no such field) for other sources."""
+    location = model_location(spec.model)
+    if not location.downloaded:
+        return None
+    best, best_at = None, ""
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            terminated = (cs.get("state") or {}).get("terminated") or {}
+            report = download_report(terminated.get("message"))
+            if cs.get("name") != DOWNLOAD_CONTAINER or terminated.get("exitCode") != 0 or not report \
+                    or report.get("model") != location.uri:
+                continue
+            at = terminated.get("finishedAt") or ""
+            if best is None or at > best_at:
+                best, best_at = report, at
+    if best is None:
+        return dict(previous) if previous and previous.get("uri") == location.uri else None
+    return {"uri": location.uri, "revision": best.get("revision"), "bytes": best.get("bytes"),
+            "downloadSeconds": best.get("seconds")}
+
+
 def pod_problem(pods: list[Mapping[str, Any]]) -> tuple[str, str] | None:
     """(reason, message) of the worst thing keeping model pods from running, in the words of
-    the kubelet or the scheduler, or None: ``ImagePullFailed`` (ErrImagePull, ImagePullBackOff
-    …), ``CrashLoopBackOff`` (the server keeps exiting; its last exit), ``ContainerFailed``
+    the kubelet or the scheduler, or None: ``DownloadFailed`` (the init container could not
+    fetch the model: its message names the model and the status code), ``ImagePullFailed``
+    (ErrImagePull, ImagePullBackOff …), ``CrashLoopBackOff`` (the server keeps exiting; its last exit), ``ContainerFailed``
     (another waiting reason, e.g. CreateContainerConfigError), ``PodsPending`` (unschedulable:
     e.g. ``0/1 nodes are available: 1 Insufficient nvidia.com/gpu``). Terminating pods are
     left out."""
@@ -73,8 +146,14 @@ def pod_problem(pods: list[Mapping[str, Any]]) -> tuple[str, str] | None:
         if meta.get("deletionTimestamp"):
             continue
         name = meta.get("name", "?")
+        for cs in status.get("initContainerStatuses") or []:
+            failure = _download_failure(name, cs) if cs.get("name") == DOWNLOAD_CONTAINER else None
+            if failure:
+                found.setdefault("DownloadFailed", failure)
         for cs in (status.get("initContainerStatuses") or []) + (
                 status.get("containerStatuses") or []):
+            if cs.get("name") == DOWNLOAD_CONTAINER and "DownloadFailed" in found:
+                continue
             waiting = (cs.get("state") or {}).get("waiting") or {}
             why = waiting.get("reason")
             if not why or why in STARTING_REASONS:
@@ -95,16 +174,19 @@ def pod_problem(pods: list[Mapping[str, Any]]) -> tuple[str, str] | None:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
                 found.setdefault("PodsPending", f"pod {name} cannot be scheduled: "
                                                 f"{cond.get('message') or cond.get('reason')}")
-    for reason in ("ImagePullFailed", "CrashLoopBackOff", "ContainerFailed", "PodsPending"):
+    for reason in ("DownloadFailed", "ImagePullFailed", "CrashLoopBackOff", "ContainerFailed",
+                   "PodsPending"):
         if reason in found:
             return reason, found[reason]
     return None
 
 
 def ready_condition(deployment: Mapping[str, Any] | None,
-                    pods: list[Mapping[str, Any]] | None = None) -> tuple[str, str, str]:
+                    pods: list[Mapping[str, Any]] | None = None,
+                    now: datetime.datetime | None = None) -> tuple[str, str, str]:
     """(status, reason, message) of ``Ready`` from the Deployment (None: not there yet) and,
-    when some pods are not ready, what :func:`pod_problem` finds in ``pods``."""
+    when some pods are not ready, what :func:`pod_problem` finds in ``pods`` (or, with none
+    ready, ``Downloading`` while a pod's download step runs)."""
     if deployment is None:
         return "False", "DeploymentMissing", "the Deployment does not exist yet"
     want = deployment.get("spec", {}).get("replicas", 1)
@@ -117,6 +199,9 @@ def ready_condition(deployment: Mapping[str, Any] | None,
             f"; {problem[1]}" if problem else "")
     if problem:
         return "False", problem[0], f"0/{want} replicas ready; {problem[1]}"
+    fetching = downloading(pods or [], now)
+    if fetching:
+        return "False", "Downloading", f"0/{want} replicas ready; {fetching}"
     return ("False", "NoReplicasReady",
             f"0/{want} replicas ready; a pod turns ready once its model is loaded and warmed")
 
@@ -144,12 +229,13 @@ def gateway_condition(spec: InferenceServiceSpec, gateway: Mapping[str, Any] | N
 def service_ready(spec: InferenceServiceSpec, deployment: Mapping[str, Any] | None,
                   pods: list[Mapping[str, Any]] | None = None,
                   gateway: Mapping[str, Any] | None = None,
-                  gateway_pods: list[Mapping[str, Any]] | None = None) -> tuple[str, str, str]:
+                  gateway_pods: list[Mapping[str, Any]] | None = None,
+                  now: datetime.datetime | None = None) -> tuple[str, str, str]:
     """(status, reason, message) of ``Ready``: :func:`ready_condition` of the model pods and,
     while routing is enabled, the gateway ready too (requests reach the pods through it). Scaled
     to zero by an autoscaler that may (``minReplicas: 0``), the service is Ready when its gateway
     is: the gateway holds a request and its waiting count starts a pod."""
-    model = ready_condition(deployment, pods)
+    model = ready_condition(deployment, pods, now)
     if model[1] == "ScaledToZero" and spec.routing.enabled and spec.autoscaling.enabled \
             and spec.autoscaling.min_replicas == 0:
         status, reason, message = gateway_condition(spec, gateway, gateway_pods)
@@ -224,7 +310,7 @@ def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,
     status = body.get("status") or {}
     conditions = status.get("conditions")
     for type_, (st, reason, message) in (
-            (READY, service_ready(spec, deployment, pods, gateway, gateway_pods)),
+            (READY, service_ready(spec, deployment, pods, gateway, gateway_pods, now)),
             (PROGRESSING, progressing_condition(deployment)),
             (SCALING_ACTIVE, scaling_condition(spec, conditions)),
             (GATEWAY_READY, gateway_condition(spec, gateway, gateway_pods))):
@@ -242,6 +328,7 @@ def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,
         "gateway": {"url": url, "replicas": gw_status.get("replicas") or 0,
                     "readyReplicas": gw_status.get("readyReplicas") or 0}
         if spec.routing.enabled else None,
+        "model": model_report(spec, pods or [], status.get("model")),
         "observedGeneration": meta.get("generation"),
         "selector": pod_selector(meta["name"]),
     }

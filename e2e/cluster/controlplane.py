@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "build" / "cluster"
 BIN = BUILD / "bin"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm",
+            "crane", "registry")
 
 SERVICE_CIDR = "10.0.0.0/24"
 # The ``kubernetes`` Service's ClusterIP (first address of SERVICE_CIDR) and the pod network's

@@ -94,8 +94,8 @@ class ModelRunner:
 
     The attention backend is resolved once here and handed to the model. Each step's inputs
     reach the device in one copy (:mod:`.step_inputs`); decode steps replay CUDA graphs
-    (:mod:`.cuda_graphs`) unless ``enforce_eager``, the device is not CUDA, or the backend is
-    not graph-safe.
+    (:mod:`.cuda_graphs`) unless ``enforce_eager``, the device is not CUDA, or the backend or
+    the model (mixture of experts: ``model.graph_safe``) is not graph-safe.
 
     Args:
         model: the loaded model (on ``device``).
@@ -121,7 +121,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.attention = kernels.resolve_backend(self.device)
         if graphs is None:
-            graphs = not enforce_eager and self.device.type == "cuda" and self.attention.graph_safe
+            graphs = (not enforce_eager and self.device.type == "cuda" and self.attention.graph_safe
+                      and getattr(model, "graph_safe", True))
             if not enforce_eager and self.device.type == "cuda" and not self.attention.graph_safe:
                 log.warning("attention backend %s is not graph-safe: decode steps run eagerly", self.attention.name)
         self.use_graphs = graphs

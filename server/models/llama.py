@@ -16,6 +16,7 @@ from slipstream import kernels
 from slipstream.kernels import AttentionBackend, AttentionMetadata
 
 from .config import ModelConfig
+from .moe import SparseMoE, hf_expert_name, stack_expert_weights
 from .quant import GGMLTensor, QuantEmbedding, QuantLinear
 
 
@@ -101,7 +102,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention over the paged KV cache, RoPE applied to q and k; Qwen3's per-head
+    q/k norms (``qk_norm``, of class ``norm``), the layer's sliding window and, for subclasses
+    (Gemma), a logit soft-cap and another scale."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, norm: type[nn.Module] = RMSNorm,
+                 qk_norm: bool | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -109,6 +115,12 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
+        self.softcap: float | None = None
+        self.window = cfg.layer_window(layer)  # sliding window (Mistral), None for full attention
+        self.qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
+        if self.qk_norm:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+            self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
@@ -116,11 +128,14 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attention.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        o = attention.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window,
+                                      softcap=self.softcap)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -138,10 +153,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = SparseMoE(cfg) if layer in cfg.moe_layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -152,17 +167,20 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """The decoder stack and LM head. Parameter names follow Hugging Face's, with q/k/v and
-    gate/up fused (one matmul each) by :meth:`load_weights`."""
+    gate/up fused (one matmul each) by :meth:`load_weights`. Qwen3's q/k norms and the sparse
+    expert layers of Mixtral and Qwen3-MoE (:mod:`.moe`) come from the config's fields."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         # _weight skips reset_parameters, whose init under the meta device imports torch._dynamo (~1.6 s)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # CUDA graphs need fixed shapes; MoE layers size each expert's matmul from the routing.
+        self.graph_safe = not cfg.moe_layers
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -197,14 +215,16 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor | GGMLTensor]) -> None:
         """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …),
-        or one already in this module's fused layout. A :class:`~.quant.GGMLTensor` weight
+        or one already in this module's fused layout. Per-expert tensors (Qwen3-MoE's names or
+        Mixtral's ``block_sparse_moe.experts.N.w1``) are stacked by :func:`.moe.stack_expert_weights`.
+        A :class:`~.quant.GGMLTensor` weight
         replaces its ``Linear`` / ``Embedding`` by the quantized module (CPU only).
 
         Raises:
             ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
         """
         cfg = self.cfg
-        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        w = {hf_expert_name(k.removeprefix("model.")): v for k, v in weights.items()}
         if "lm_head.weight" not in w:
             if not cfg.tie_word_embeddings:
                 raise ValueError("checkpoint has no lm_head.weight and does not tie word embeddings")
@@ -217,8 +237,11 @@ class LlamaModel(nn.Module):
                 for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
                     fused[p + f"self_attn.qkv_proj.{kind}"] = _cat(
                         [w.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
-                fused[p + "mlp.gate_up_proj.weight"] = _cat(
-                    [w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+                if i in cfg.moe_layers:
+                    stack_expert_weights(w, p + "mlp.", cfg.num_experts)
+                else:
+                    fused[p + "mlp.gate_up_proj.weight"] = _cat(
+                        [w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
             except KeyError as e:
                 raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
         w.update(fused)

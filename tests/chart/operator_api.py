@@ -50,8 +50,10 @@ CLIENT_VERBS = {"list": "list", "read": "get", "create": "create", "replace": "u
 # kube.Kube's methods → the RBAC verb of the HTTP call each makes.
 METHOD_VERBS = {"get": "get", "list": "list", "create": "create", "replace": "update",
                 "merge_patch": "patch", "delete": "delete"}
-# Kube's methods that make no API call of their own (or are the transport under the others).
-NO_CALL_METHODS = {"close", "request", "from_environment"}
+# Kube's methods that make no API call of their own (or are the transport under the others),
+# or only one that needs no grant: server_version reads /version, which the default ClusterRole
+# system:public-info-viewer opens to everyone.
+NO_CALL_METHODS = {"close", "request", "from_environment", "server_version"}
 
 # Resources without a namespace: only a ClusterRole bound cluster-wide can grant them.
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"),

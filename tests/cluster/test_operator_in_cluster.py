@@ -9,7 +9,9 @@ The tests in this module run in order on one installation (each one's name says 
 from __future__ import annotations
 
 import json
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -104,7 +106,25 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
         "metadata": {"name": "model-weights", "namespace": claim_ns},
         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": "model-weights",
                  "resources": {"requests": {"storage": "1Gi"}}}}]))
-    installed.kubectl("apply", "-f", str(EXAMPLES))
+    # The Hub example's shared cache exists too; its Hub is a closed port on the pod's loopback
+    # (tests reach nothing off this machine), so it is a cluster where the Hub cannot be reached.
+    hub_doc = docs["hub"]
+    cache_dir = Path(tempfile.mkdtemp(prefix="slipstream-model-cache-examples-"))
+    cache_dir.chmod(0o777)  # a hostPath volume is not chowned to the pod's fsGroup
+    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([{
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "model-cache-examples"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                 "storageClassName": "", "hostPath": {"path": str(cache_dir)},
+                 "claimRef": {"namespace": ns_of(hub_doc), "name": "model-cache"}}}, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "model-cache", "namespace": ns_of(hub_doc)},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": "model-cache-examples",
+                 "resources": {"requests": {"storage": "1Gi"}}}}]))
+    hub_doc["spec"]["env"] = [{"name": "HF_ENDPOINT", "value": "http://127.0.0.1:9"}]
+    for key, doc in docs.items():
+        if key != "hub":
+            installed.kubectl("apply", "-f", str(EXAMPLES / f"inferenceservice-{key}.yaml"))
+    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump(hub_doc))
 
     # The built-in model runs: Ready, the EndpointSlice of its pods' headless Service lists the
     # ready pod, it answers.
@@ -155,9 +175,16 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
         get(installed, "infsvc", iname, "-n", ins), "Ready")), 60,
         "the image service's Ready condition naming the pull failure")
 
+    # The Hub model: its download step cannot reach the Hub, and the service says so, naming it.
+    failed = wait_for(lambda: (c := condition(get(installed, "infsvc", "smollm2-hub", "-n", ns_of(hub_doc)),
+                                              "Ready")) and c["reason"] == "DownloadFailed" and c, 180,
+                      "the Hub example's Ready condition naming the failed download")
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in failed["message"], failed
+    installed.kubectl("delete", "infsvc", "smollm2-hub", "-n", ns_of(hub_doc), "--wait=false")
+
     # Everything else that can run here turns Ready.
     for key, doc in docs.items():
-        if key in ("gpu-pvc", "image-path", "builtin"):
+        if key in ("gpu-pvc", "image-path", "builtin", "hub"):
             continue
         wait_for(lambda: infsvc_ready(installed, doc["metadata"]["name"], ns_of(doc)),
                  MODEL_READY_TIMEOUT, f"InferenceService {doc['metadata']['name']} Ready")
@@ -201,7 +228,7 @@ def test_model_pods_run_under_pod_security_restricted(installed):
 def test_kubectl_get_shows_the_printer_columns_and_describe_the_events(installed):
     out = installed.kubectl("get", "infsvc", "-A").stdout
     header = out.splitlines()[0].split()
-    assert header[:8] == ["NAMESPACE", "NAME", "READY", "REPLICAS", "DESIRED", "QUEUE", "KV%", "URL"]
+    assert header[:9] == ["NAMESPACE", "NAME", "READY", "REASON", "REPLICAS", "DESIRED", "QUEUE", "KV%", "URL"]
     builtin = examples()["builtin"]
     described = installed.kubectl("describe", "infsvc", builtin["metadata"]["name"],
                                   "-n", ns_of(builtin)).stdout

@@ -120,7 +120,7 @@ def test_kopf_peering_crds_are_valid():
 
 def test_printer_columns_cover_the_operators_view(crd):
     columns = [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Replicas", "Desired", "Queue", "KV%", "URL", "Age"]
+    assert columns == ["Ready", "Reason", "Replicas", "Desired", "Queue", "KV%", "URL", "Age"]
 
 
 def test_schema_is_structural(crd_schema):
@@ -239,6 +239,45 @@ def test_the_api_server_and_the_parser_accept_the_same_routing_values(key, value
     api, ours = api_accepts(crd_schema, obj), parser_accepts(obj)
     unknown = key == "extra" or (key == "weights" and isinstance(value, dict) and "bias" in value)
     assert ours is (False if unknown else api), f"{key}={value!r}: API server {api}, parser {ours}"
+
+
+MODEL_PROBES = [{"uri": u} for u in (
+    "hf://Qwen/Qwen3-8B", "Qwen/Qwen3-8B", "hf://Qwen/Qwen3-8B@main", "hf://org/name@3f2a9c1:*Q4_K_M.gguf",
+    "hf://org/name:model.gguf", "hf://org/name:a:b", "hf://org/name#x", "hf://org", "hf://org/", "hf:/org/name", "hf://org/na me", "hf://org/name@",
+    "hf://org/name@a@b", "hf://-org/name", "hf://org--x/name", "hf://org/name/extra",
+    "s3://models/llama/8b", "s3://models", "s3://Models/x", "s3://ab/x", "s3://m", "s3:/models/x",
+    "pvc://weights/llama", "pvc://weights", "pvc://Weights/x", "pvc://weights/../etc", "pvc:///x",
+    "oci://ghcr.io/org/model:1", "oci://127.0.0.1:5000/models/smollm2", "oci://ghcr.io/org/model@sha256:" + "a" * 64,
+    "oci://ghcr.io/Org/model:1", "oci://ghcr.io", "oci://ghcr.io/org/model:", "http://example/model", "builtin", "sim:tiny", "sim:tiny,seed=3",
+    "sim:Tiny", "sim:", "", "/models/x.gguf")] + [
+    {"uri": "hf://org/name", "source": "builtin"}, {"uri": "hf://org/name", "source": "image"},
+    {"uri": "hf://org/name", "path": "/x"}, {"uri": "pvc://c/x", "claimName": "c"},
+    {"uri": "sim:tiny", "profile": "tiny"},
+    {"uri": "hf://org/name", "secretRef": {"name": "hf-token"}}, {"uri": "hf://org/name", "secretRef": {}},
+    {"uri": "hf://org/name", "secretRef": {"name": "Bad_Name"}},
+    {"uri": "s3://models/x", "secretRef": {"name": "aws"}, "s3": {"endpoint": "http://127.0.0.1:9000", "region": "us-east-1"}},
+    {"uri": "s3://models/x", "s3": {"endpoint": "ftp://x"}}, {"uri": "hf://org/name", "s3": {"region": "eu"}},
+    {"uri": "hf://org/name", "cache": {"claimName": "model-cache", "maxSize": "100Gi"}},
+    {"uri": "hf://org/name", "cache": {"claimName": "model-cache", "hostPath": "/var/cache/m"}},
+    {"uri": "hf://org/name", "cache": {"hostPath": "var/cache"}}, {"uri": "hf://org/name", "cache": {"claimName": "Cache"}}, {"uri": "hf://org/name", "cache": {"maxSize": "lots"}},
+    {"uri": "hf://org/name", "cache": {"maxSize": 1000000}}, {"uri": "hf://org/name", "cache": {"maxSize": "0"}},
+    {"uri": "pvc://c/x", "cache": {"claimName": "model-cache"}}, {"uri": "pvc://c/x", "cache": {}},
+    {"uri": "hf://org/name", "s3": {}}, {"uri": "hf://org/name", "oci": {}},
+    {"uri": "oci://ghcr.io/org/model:1", "oci": {"mount": "modelcar"}},
+    {"uri": "oci://ghcr.io/org/model:1", "oci": {"mount": "image-volume"}},
+    {"uri": "oci://ghcr.io/org/model:1", "oci": {"mount": "sidecar"}}, {"uri": "builtin", "secretRef": {"name": "x"}},
+    {"source": "image", "path": "/m", "cache": {"claimName": "c"}}, {"source": "pvc", "path": "m", "claimName": "c"},
+    {"source": "builtin"}, {}, {"path": "/x"}, {"claimName": "c"}, {"profile": "tiny"}]
+
+
+@pytest.mark.parametrize("model", MODEL_PROBES, ids=str)
+def test_the_api_server_and_the_parser_accept_the_same_models(model, crd_schema):
+    """spec.model's uri forms and download fields: schema patterns and CEL rules (after
+    defaulting) against model_spec.validate_model, probe by probe."""
+    obj = {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": "probe"}, "spec": {"model": model}}
+    api, ours = api_accepts(crd_schema, obj), parser_accepts(obj)
+    assert ours is api, f"{model}: API server {api}, parser {ours}"
 
 
 @pytest.mark.parametrize("key", list(CRD_KEYS))

@@ -3,11 +3,14 @@
 emptyDir, configMap, secret, downwardAPI and projected volumes live under the pod's directory
 (``<pod dir>/.volumes/<name>``; a ``medium: Memory`` emptyDir is a tmpfs mounted there); a
 PersistentVolumeClaim is its PersistentVolume's hostPath/local path when it has one, else a
-directory per claim under ``<state dir>/pvc/``; hostPath is the host path itself.
+directory per claim under ``<state dir>/pvc/``; hostPath is the host path itself; an image volume
+is the image's files, flattened by go-containerregistry's ``crane export`` once per digest under
+``<state dir>/image-volumes/`` (registries on loopback speak plain HTTP).
 A volume that cannot be set up raises MountError (the kubelet's FailedMount event text).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -72,6 +75,8 @@ def _prepare_one(pod: dict, volume: dict, target: Path, state_dir: Path, objects
         return HostVolume(_claim_path(ns, src["claimName"], state_dir, objects), bool(src.get("readOnly")))
     if "hostPath" in volume:
         return HostVolume(_host_path(volume["hostPath"]))
+    if "image" in volume:
+        return HostVolume(_image_volume(volume["image"], state_dir), read_only=True)
     kind = next((k for k in volume if k != "name"), "?")
     raise MountError(f"volume type {kind} is not supported by the process kubelet")
 
@@ -168,6 +173,56 @@ def _claim_path(namespace: str, claim_name: str, state_dir: Path, objects: Objec
         path.mkdir(parents=True)
         path.chmod(0o777)
     return path
+
+
+CRANE = Path(__file__).resolve().parents[3] / "build" / "cluster" / "bin" / "crane"
+LOCAL_REGISTRIES = ("127.0.0.1", "localhost", "10.244.0.1")
+
+
+def _crane(command: str, ref: str, *args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    crane = shutil.which("crane") or str(CRANE)
+    try:
+        return subprocess.run([crane, command, ref, *args], stdout=stdout, stderr=subprocess.PIPE,
+                              check=True, timeout=600)
+    except FileNotFoundError:
+        raise MountError("image volumes need crane: run `make cluster`") from None
+    except subprocess.CalledProcessError as err:
+        raise MountError(f'failed to pull image "{ref}": {err.stderr.decode(errors="replace").strip()}') from None
+
+
+def _image_volume(src: dict, state_dir: Path) -> Path:
+    """The files of image ``src["reference"]`` as a read-only directory (pullPolicy Always,
+    IfNotPresent — the default — and Never as for container images)."""
+    ref, policy = src.get("reference") or "", src.get("pullPolicy") or "IfNotPresent"
+    if not ref:
+        raise MountError("image volume without a reference")
+    if ref.split("/", 1)[0].split(":", 1)[0] not in LOCAL_REGISTRIES:
+        # Tests reach nothing off this machine: only the tests' own registries are pulled from.
+        raise MountError(f'failed to pull image "{ref}": not found (the process kubelet pulls '
+                         f'image volumes from registries on {", ".join(LOCAL_REGISTRIES)} only)')
+    root = state_dir / "image-volumes"
+    pulled = root / "by-reference" / hashlib.sha256(ref.encode()).hexdigest()
+    if policy != "Always" and pulled.is_symlink() and pulled.exists():
+        return pulled.resolve()
+    if policy == "Never":
+        raise MountError(f'image "{ref}" is not present with pull policy of Never')
+    digest = _crane("digest", ref).stdout.decode().strip()
+    target = root / digest.replace(":", "-")
+    if not target.is_dir():
+        tmp = root / f".{target.name}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tar = tmp.with_suffix(".tar")
+        with open(tar, "wb") as out:
+            _crane("export", ref, "-", stdout=out)
+        subprocess.run(["tar", "-x", "-f", str(tar), "-C", str(tmp), "--no-same-owner"], check=True)
+        tar.unlink()
+        os.chmod(tmp, 0o755)
+        tmp.rename(target)
+    pulled.parent.mkdir(parents=True, exist_ok=True)
+    pulled.unlink(missing_ok=True)
+    pulled.symlink_to(target)
+    return target
 
 
 def _host_path(src: dict) -> Path:

@@ -1,0 +1,291 @@
+"""``spec.model``: which weights an InferenceService's pods load, and from where.
+
+Two ways to name them, exclusive (the CRD's CEL rules say the same):
+
+- ``uri``: ``hf://ORG/NAME[@REVISION][:FILE_GLOB]`` (a bare ``ORG/NAME`` means the same),
+  ``s3://BUCKET/PREFIX``, ``oci://REGISTRY/REPOSITORY[:TAG|@DIGEST]``, ``pvc://CLAIM/PATH``,
+  ``builtin`` or ``sim:PROFILE``. The Hub and S3 are downloaded by an init container
+  (``slipstream download``) into the model cache (``spec.model.cache``); a PVC is mounted
+  read-only; a model image (its files under ``/models``, KServe's modelcar layout) is mounted
+  as an image volume, or on clusters without those through a modelcar sidecar. ``slipstream serve --model`` takes the
+  same forms (server/models/sources.py; a test keeps the two grammars in step).
+- ``source`` (builtin | image | pvc | sim) with ``path``, ``claimName`` or ``profile``, as before
+  ``uri`` existed. ``source: builtin``, which the API server used to default, may stay beside
+  a ``uri``.
+
+:func:`model_location` turns either into one :class:`ModelLocation`, which resources.py
+renders; :func:`validate_model` checks what the CRD's schema checks, for servers and emulators
+that do not.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kubernetes.utils.quantity import parse_quantity
+
+from .spec_error import SpecError
+
+MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
+URI_SCHEMES = ("hf", "s3", "oci", "pvc", "builtin", "sim")
+# How a model image reaches the server: auto picks image-volume where the cluster has them
+# (Kubernetes ≥ 1.35: on by default; GA in 1.36), else modelcar.
+OCI_MOUNTS = ("auto", "image-volume", "modelcar")
+IMAGE_VOLUMES_SINCE = (1, 35)
+# Where a model image keeps its files (KServe's modelcar convention).
+MODEL_IMAGE_DIR = "/models"
+# Sources that an init container downloads into the model cache before the server starts.
+DOWNLOADED = ("hf", "s3")
+# ``sim:PROFILE[,key=value...]`` as slipstream serve takes it (server/sim/backend.py); the server
+# checks the profile's name and the values, this only the shape (a test keeps the two in step).
+SIM_PROFILE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(,(time_scale|output_len|seed)=[-+.0-9eE]+)*$")
+# A Hub repository id (letters, digits, '-', '_', '.'; huggingface_hub checks the finer rules),
+# an optional revision (branch, tag or commit) and an optional file glob (GGUF repositories
+# hold one file per quantization).
+HF_URI = re.compile(r"^(hf://)?(?P<repo>[A-Za-z0-9][-_.A-Za-z0-9]{0,95}/[A-Za-z0-9][-_.A-Za-z0-9]{0,95})"
+                    r"(@(?P<revision>[^@:\s]{1,255}))?(:(?P<file>[^@:\s]{1,255}))?$")
+# An S3 bucket name (3-63 lowercase letters, digits, '.', '-') and a key prefix.
+S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][-.a-z0-9]{1,61}[a-z0-9])(/(?P<prefix>\S*))?$")
+# A PersistentVolumeClaim name (DNS-1123 subdomain) and a path relative to its root.
+PVC_URI = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?)(/(?P<path>\S*))?$")
+# An image reference: a registry host (with a port, or a dot, or localhost), a repository, and a
+# tag or a digest.
+OCI_URI = re.compile(r"^oci://(?P<ref>[a-z0-9]([-.a-z0-9]*[a-z0-9])?(:[0-9]{1,5})?/[a-z0-9]+([._/-][a-z0-9]+)*"
+                     r"(:[A-Za-z0-9_][-.A-Za-z0-9_]{0,127}|@sha256:[0-9a-f]{64})?)$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
+URI_FORMS = ("hf://ORG/NAME[@REVISION][:FILE_GLOB] (or ORG/NAME), s3://BUCKET/PREFIX, "
+             "oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST], pvc://CLAIM/PATH, builtin, sim:PROFILE")
+
+
+@dataclass(frozen=True, slots=True)
+class S3Spec:
+    """``spec.model.s3``: an S3-compatible endpoint URL (None: AWS) and its region."""
+
+    endpoint: str | None = None
+    region: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCacheSpec:
+    """``spec.model.cache``: where downloaded weights are kept. ``claim_name``: a
+    ReadWriteMany PersistentVolumeClaim that every pod of the service (and others) shares; the
+    first pod downloads a revision, the others wait for it and reuse it. ``host_path``: a
+    directory on each node (one download per node; needs a namespace whose Pod Security level
+    admits hostPath volumes). Neither: an emptyDir per pod (one download per pod start).
+    ``max_size``: a quantity; older revisions are evicted above it (None: never)."""
+
+    claim_name: str | None = None
+    host_path: str | None = None
+    max_size: str | None = None
+
+    @property
+    def max_size_bytes(self) -> int | None:
+        return None if self.max_size is None else int(parse_quantity(self.max_size))
+
+
+@dataclass(frozen=True, slots=True)
+class OCISpec:
+    """``spec.model.oci``: how a model image is mounted (:data:`OCI_MOUNTS`)."""
+
+    mount: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class SecretRef:
+    """A Secret in the service's namespace whose keys become the download step's environment:
+    ``HF_TOKEN`` for the Hub, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (and
+    ``AWS_SESSION_TOKEN``) for S3."""
+
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Which weights the pods load (see the module docstring). ``source``: builtin | image
+    (``path`` inside the image, absolute) | pvc (``path`` relative to the root of
+    PersistentVolumeClaim ``claim_name``) | sim (no weights: ``profile``, e.g.
+    ``tiny,time_scale=4``, becomes ``--model sim:PROFILE``); ``uri`` instead of all of them."""
+
+    source: str = "builtin"
+    path: str | None = None
+    claim_name: str | None = None
+    profile: str | None = None
+    served_model_name: str | None = None
+    uri: str | None = None
+    secret_ref: SecretRef | None = None
+    s3: S3Spec | None = None
+    cache: ModelCacheSpec | None = None
+    oci: OCISpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLocation:
+    """Where the weights are, whichever field named them. ``kind``: builtin | sim | image |
+    pvc | hf | s3 | oci. ``path``: inside the image (image), relative to the claim's root (pvc,
+    "" for the root). ``uri``: what ``slipstream download`` and ``serve --model`` get (hf, s3:
+    normalized to the ``hf://`` form; builtin: ``builtin``; sim: ``sim:PROFILE``).
+    ``reference``: the model image (oci)."""
+
+    kind: str
+    uri: str | None = None
+    path: str | None = None
+    claim_name: str | None = None
+    profile: str | None = None
+    reference: str | None = None
+
+    @property
+    def downloaded(self) -> bool:
+        """Whether an init container fetches the weights into the model cache."""
+        return self.kind in DOWNLOADED
+
+
+def parse_uri(uri: str) -> ModelLocation:
+    """``spec.model.uri`` as a :class:`ModelLocation`.
+
+    Raises:
+        SpecError: InvalidSpec naming the accepted forms (:data:`URI_FORMS`).
+    """
+    if uri == "builtin":
+        return ModelLocation("builtin", uri="builtin")
+    if uri.startswith("sim:"):
+        profile = uri.removeprefix("sim:")
+        if not SIM_PROFILE.match(profile):
+            raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: the profile must be a name such "
+                                           f"as tiny or llama3-8b-h100, optionally followed by "
+                                           f",time_scale=S ,output_len=N|A-B ,seed=N")
+        return ModelLocation("sim", uri=uri, profile=profile)
+    if uri.startswith("s3://"):
+        m = S3_URI.match(uri)
+        if m:
+            return ModelLocation("s3", uri=uri)
+        raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: an S3 URI is s3://BUCKET/PREFIX "
+                                       f"with a bucket name of 3-63 lowercase letters, digits, "
+                                       f"'.' and '-'")
+    if uri.startswith("oci://"):
+        m = OCI_URI.match(uri)
+        if m:
+            return ModelLocation("oci", uri=uri, reference=m.group("ref"))
+        raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: an OCI URI is "
+                                       f"oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST], lowercase, "
+                                       f"with the registry's host (and port)")
+    if uri.startswith("pvc://"):
+        m = PVC_URI.match(uri)
+        path = (m.group("path") or "").strip("/") if m else ""
+        if m and ".." not in path.split("/"):
+            return ModelLocation("pvc", uri=uri, path=path, claim_name=m.group("claim"))
+        raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: a PVC URI is pvc://CLAIM/PATH, "
+                                       f"CLAIM a PersistentVolumeClaim in the service's namespace, "
+                                       f"PATH relative to its root without '..'")
+    m = HF_URI.match(uri)
+    if m:
+        return ModelLocation("hf", uri=uri if uri.startswith("hf://") else f"hf://{uri}")
+    scheme = uri.split("://", 1)[0] if "://" in uri else None
+    what = f"scheme {scheme}:// is not supported" if scheme and scheme != "hf" else "not a model URI"
+    raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: {what}; use one of {URI_FORMS}")
+
+
+def model_location(model: ModelSpec) -> ModelLocation:
+    """The weights' :class:`ModelLocation` from ``uri`` or, without one, ``source`` and its
+    fields. Call :func:`validate_model` first; this assumes a valid spec."""
+    if model.uri is not None:
+        return parse_uri(model.uri)
+    if model.source == "sim":
+        return ModelLocation("sim", uri=f"sim:{model.profile}", profile=model.profile)
+    if model.source == "pvc":
+        return ModelLocation("pvc", path=model.path.strip("/"), claim_name=model.claim_name)
+    if model.source == "image":
+        return ModelLocation("image", path=model.path)
+    return ModelLocation("builtin", uri="builtin")
+
+
+def validate_model(model: ModelSpec) -> None:
+    """Raise SpecError (InvalidSpec) on the first rule of ``spec.model`` broken, in the CRD's
+    words: ``uri`` exclusive with ``source`` (other than builtin), ``path``, ``claimName`` and
+    ``profile``; each source's required and forbidden fields; the download fields only with a
+    source that downloads."""
+    if model.uri is not None:
+        if model.source != "builtin" or model.path or model.claim_name or model.profile:
+            raise SpecError("InvalidSpec", "spec.model.uri names the model on its own: remove "
+                                           "source, path, claimName and profile (source: builtin, "
+                                           "which older servers defaulted, may stay)")
+        parse_uri(model.uri)
+    else:
+        _validate_source(model)
+    location = model_location(model)
+    needs = "spec.model.uri hf://… or s3://…"
+    if not location.downloaded:
+        for name, value in (("secretRef", model.secret_ref), ("cache", model.cache)):
+            if value is not None:
+                raise SpecError("InvalidSpec", f"spec.model.{name} configures the download step, "
+                                               f"which only {needs} has")
+    if location.kind != "s3" and model.s3 is not None:
+        raise SpecError("InvalidSpec", "spec.model.s3 is only allowed with an s3:// uri")
+    if location.kind != "oci" and model.oci is not None:
+        raise SpecError("InvalidSpec", "spec.model.oci is only allowed with an oci:// uri")
+    if model.oci is not None and model.oci.mount not in OCI_MOUNTS:
+        raise SpecError("InvalidSpec", f"spec.model.oci.mount must be one of "
+                                       f"{', '.join(OCI_MOUNTS)}, got {model.oci.mount!r}")
+    cache, s3 = model.cache or ModelCacheSpec(), model.s3 or S3Spec()
+    if cache.claim_name is not None and cache.host_path is not None:
+        raise SpecError("InvalidSpec", "spec.model.cache takes claimName or hostPath, not both")
+    if cache.claim_name is not None and not DNS1123_SUBDOMAIN.match(cache.claim_name):
+        raise SpecError("InvalidSpec", f"spec.model.cache.claimName must be a PersistentVolumeClaim "
+                                       f"name, got {cache.claim_name!r}")
+    if cache.host_path is not None and not cache.host_path.startswith("/"):
+        raise SpecError("InvalidSpec", f"spec.model.cache.hostPath must be absolute, "
+                                       f"got {cache.host_path!r}")
+    if cache.max_size is not None:
+        try:
+            size = parse_quantity(cache.max_size)
+        except ValueError:
+            size = None
+        if size is None or size < 0:
+            raise SpecError("InvalidSpec", f"spec.model.cache.maxSize must be a quantity ≥ 0 such "
+                                           f"as '100Gi' (0 keeps only the revision in use), "
+                                           f"got {cache.max_size!r}")
+    if model.secret_ref is not None and not DNS1123_SUBDOMAIN.match(model.secret_ref.name or ""):
+        raise SpecError("InvalidSpec", f"spec.model.secretRef.name must be a Secret name, "
+                                       f"got {model.secret_ref.name!r}")
+    if s3.endpoint is not None and not re.match(r"^https?://\S+$", s3.endpoint):
+        raise SpecError("InvalidSpec", f"spec.model.s3.endpoint must be an http(s) URL, "
+                                       f"got {s3.endpoint!r}")
+
+
+def _validate_source(model: ModelSpec) -> None:
+    if model.source not in MODEL_SOURCES:
+        raise SpecError("InvalidSpec", f"spec.model.source must be one of "
+                                       f"{', '.join(MODEL_SOURCES)}, got {model.source!r}")
+    if model.source in ("builtin", "sim") and (model.path or model.claim_name):
+        why = ("use spec.model.uri, or source image or pvc, to load other weights"
+               if model.source == "builtin" else "it loads no weights, its profile says what to simulate")
+        raise SpecError("InvalidSpec", f"spec.model.source {model.source} takes no path or "
+                                       f"claimName; {why}")
+    if model.source not in ("builtin", "sim") and not model.path:
+        raise SpecError("InvalidSpec", f"spec.model.path is required with source {model.source}")
+    if (model.source == "sim") != bool(model.profile):
+        raise SpecError("InvalidSpec", "spec.model.profile is required with source sim and only "
+                                       "allowed with it")
+    if model.source == "sim" and not SIM_PROFILE.match(model.profile):
+        raise SpecError("InvalidSpec", f"spec.model.profile must be a profile name such as tiny or "
+                                       f"llama3-8b-h100, optionally followed by ,time_scale=S "
+                                       f",output_len=N|A-B ,seed=N; got {model.profile!r}")
+    if model.source == "image" and not model.path.startswith("/"):
+        raise SpecError("InvalidSpec", f"spec.model.path must be absolute with source image, "
+                                       f"got {model.path!r}")
+    if (model.source == "pvc") != bool(model.claim_name):
+        raise SpecError("InvalidSpec", "spec.model.claimName is required with source pvc and "
+                                       "only allowed with it")
+    if model.source == "pvc" and (model.path.startswith("/") or ".." in model.path.split("/")):
+        raise SpecError("InvalidSpec", f"spec.model.path must be relative to the volume's root "
+                                       f"(no leading '/', no '..') with source pvc, "
+                                       f"got {model.path!r}")
+
+
+def use_image_volume(model: ModelSpec, kube_version: tuple[int, int] | None) -> bool:
+    """Whether a model image is mounted as an image volume (else through a modelcar sidecar):
+    as ``spec.model.oci.mount`` says, or for ``auto`` when the cluster is Kubernetes ≥ 1.35
+    (``kube_version`` None: assume a current one)."""
+    mount = (model.oci or OCISpec()).mount
+    if mount != "auto":
+        return mount == "image-volume"
+    return kube_version is None or kube_version >= IMAGE_VOLUMES_SINCE

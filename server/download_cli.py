@@ -1,0 +1,82 @@
+"""``slipstream download URI``: fetch a model into the model cache, as an InferenceService's init
+container does before ``slipstream serve`` starts.
+
+On success the termination message (``--termination-message-path``, Kubernetes'
+``terminationMessagePath``) is ``{"model", "revision", "bytes", "seconds", "path"}`` and the exit
+code 0; on failure ``{"model", "error", "reason", "status"}``, the message on stderr, exit code 1.
+Network errors are tried again a few times with backoff; 401/403/404 fail at once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+TERMINATION_MESSAGE_MAX = 4096  # bytes the kubelet keeps of a termination message
+
+
+def parser() -> argparse.ArgumentParser:
+    from slipstream.server.cli import HelpFormatter, byte_size
+
+    p = argparse.ArgumentParser(prog="slipstream download", formatter_class=HelpFormatter,
+                                description="Fetch a model (hf://ORG/NAME[@REVISION][:FILE_GLOB], ORG/NAME, "
+                                            "s3://BUCKET/PREFIX) into the model cache shared by serve.")
+    p.add_argument("model", metavar="URI", help="the model to fetch (forms as for `slipstream serve --model`)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="the model cache (default: $SLIPSTREAM_MODEL_CACHE, else ~/.cache/slipstream/models)")
+    p.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: $AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument("--termination-message-path", type=Path, default=None,
+                   help="write the result as JSON here (a pod's /dev/termination-log); default: nowhere")
+    p.add_argument("--max-cache-bytes", type=byte_size, default=None,
+                   help="after fetching, evict least recently used models until the cache holds at most this much "
+                        "(e.g. 200GiB); the model just fetched and models being fetched are kept")
+    p.add_argument("--offline", action="store_true", help="use the cache only (as HF_HUB_OFFLINE=1)")
+    p.add_argument("--retries", type=int, default=3, help="tries again after network errors")
+    p.add_argument("--stale-lock-seconds", type=float, default=30.0,
+                   help="take over another process's download lock after this long without its heartbeat")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _write(path: Path | None, doc: dict) -> None:
+    if path is None:
+        return
+    text = json.dumps(doc)  # ASCII: one byte a character
+    if len(text) > TERMINATION_MESSAGE_MAX:  # the kubelet would cut it mid-JSON: shorten the message
+        excess = len(text) - TERMINATION_MESSAGE_MAX + len("...")
+        text = json.dumps({**doc, "error": doc["error"][:-excess] + "..."})
+    path.write_text(text)
+
+
+def _fail(args, message: str, reason: str, status: int | None) -> int:
+    print(f"slipstream download: {message}", file=sys.stderr)
+    _write(args.termination_message_path, {"model": args.model, "error": message, "reason": reason, "status": status})
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "DEBUG":  # one line per HTTP request: only when debugging
+        for noisy in ("httpx", "httpx2", "botocore", "urllib3"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    from slipstream.server.models import model_cache, sources
+
+    cache_dir = args.cache_dir or sources.default_cache_dir()
+    try:
+        uri = sources.parse_model_uri(args.model)
+        result = sources.fetch(uri, cache_dir, offline=args.offline, s3_endpoint=args.s3_endpoint,
+                               retries=args.retries, stale_after_s=args.stale_lock_seconds)
+    except sources.ModelSourceError as e:
+        return _fail(args, str(e), e.reason, e.status)
+    except OSError as e:  # the cache volume: read-only, full, or not ours (hostPath without permissions)
+        return _fail(args, f"model {args.model!r}: cannot write the model cache {cache_dir}: {e}",
+                     "CacheNotWritable", None)
+    if args.max_cache_bytes is not None:
+        model_cache.evict(cache_dir, args.max_cache_bytes, keep=(str(result.path), str(result.path.parent)))
+    _write(args.termination_message_path, {"model": args.model, "revision": result.revision, "bytes": result.bytes,
+                                           "seconds": round(result.seconds, 3), "path": str(result.path)})
+    print(f"{args.model}: revision {result.revision}, {result.bytes} bytes in {result.seconds:.1f} s at {result.path}")
+    return 0

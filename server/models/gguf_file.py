@@ -1,0 +1,289 @@
+"""Read a GGUF file: config, tensors (kept as stored or dequantized) and tokenizer.
+
+Read with the ``gguf`` package. ``as_stored``: Q4_0/Q4_1/Q8_0 tensors stay in their blocks
+(:mod:`.quant`); other types are dequantized by ``gguf.quants``. The header's config and tensor
+table, the dequantized fp32 weights and the converted tokenizer are each cached on disk
+(:mod:`.disk_cache`): parsing and converting take seconds, reloading a fraction of one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import disk_cache, quant
+from .config import ModelConfig, eos_ids
+from .errors import ModelLoadError
+
+log = logging.getLogger("slipstream.loader")
+
+# GGUF tensor names → Hugging Face names (llama.cpp's convert script maps the other way).
+GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    # experts stacked 3-D ([E, rows, cols]); named without ".weight" (see _hf_name)
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
+def read_gguf(path: Path, as_stored: bool) -> tuple[ModelConfig, dict, object, Path | None]:
+    """Config, weights and tokenizer of a GGUF file, and the cache folder to fill (or None).
+
+    ``as_stored``: Q4_0/Q4_1/Q8_0 tensors come back as :class:`~.quant.GGMLTensor` (reading
+    them is a copy of the file's bytes; nothing is cached). Otherwise parsing and dequantizing
+    take several seconds, so the model's fp32 weights (q/k/v and gate/up already fused) are cached
+    as safetensors (``$SLIPSTREAM_CACHE_DIR/weights``, about 4 bytes per parameter;
+    ``SLIPSTREAM_WEIGHT_CACHE=0`` turns it off); later loads memory-map them and copy nothing.
+    """
+    use_cache = os.environ.get("SLIPSTREAM_WEIGHT_CACHE", "1") != "0"
+    entry = disk_cache.cache_entry(path, "weights")
+    parsed = _parse_gguf(path, as_stored=True) if as_stored else None
+    kept = parsed is not None and any(isinstance(w, quant.GGMLTensor) for w in parsed[1].values())
+    cached = _read_weight_cache(entry) if use_cache and parsed is None else None
+    cfg, weights = parsed or cached or _parse_gguf(path)
+    tokenizer = gguf_tokenizer(path)
+    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | eos_ids(tokenizer))
+    return cfg, weights, tokenizer, entry if use_cache and cached is None and not kept else None
+
+
+def _read_weight_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    from safetensors.torch import load_file
+
+    if not (entry / "config.json").is_file() or not (entry / "model.safetensors").is_file():
+        return None
+    try:
+        t0 = time.perf_counter()
+        cfg = ModelConfig(**json.loads((entry / "config.json").read_text()))
+        weights = load_file(str(entry / "model.safetensors"))
+        log.info("read %d cached dequantized tensors from %s in %.1f s", len(weights), entry,
+                 time.perf_counter() - t0)
+        return cfg, weights
+    except Exception as e:  # a damaged cache is rebuilt, never fatal
+        log.warning("weight cache %s unreadable (%s); rebuilding", entry, e)
+        return None
+
+
+def write_weight_cache(tmp: Path, cfg: ModelConfig, net: torch.nn.Module) -> None:
+    from dataclasses import asdict
+    from safetensors.torch import save_file
+
+    weights = {k: v for k, v in net.state_dict().items()
+               if not (cfg.tie_word_embeddings and k == "lm_head.weight")}  # tied: stored once
+    save_file(weights, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(asdict(cfg)))
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    """Where one tensor lies in a GGUF file: ``shape`` in ggml order (columns first)."""
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
+    """The config and tensor table of a GGUF file. Parsing the header (with its tokenizer arrays)
+    takes seconds, so the result is cached (``$SLIPSTREAM_CACHE_DIR/gguf-index``, a few KB)."""
+    entry = disk_cache.cache_entry(path, "gguf-index")
+    try:
+        raw = json.loads((entry / "index.json").read_text())
+        return ModelConfig(**raw["config"]), [_TensorInfo(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"]]
+    except FileNotFoundError:
+        pass
+    except (ValueError, TypeError, KeyError) as e:  # a damaged cache is rebuilt, never fatal
+        log.warning("GGUF index cache %s unreadable (%s); rebuilding", entry, e)
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # a truncated or foreign file
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+    cfg = _gguf_config(reader, path)
+    tensors = [_TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset),
+                           int(t.n_bytes)) for t in reader.tensors]
+    from dataclasses import asdict
+    index = {"config": asdict(cfg), "tensors": [asdict(t) for t in tensors]}
+    disk_cache.fill_cache(entry, lambda tmp: (tmp / "index.json").write_text(json.dumps(index)), path)
+    return cfg, tensors
+
+
+# GGUF ``general.architecture`` → the Hugging Face architecture it is served as. llama.cpp writes
+# Mixtral as ``llama`` with ``llama.expert_count``; it permutes q/k rows only for ``llama``.
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+_GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(_GGUF_ARCHITECTURES)})")
+
+    def a(key: str, default=None):
+        return field(f"{arch}.{key}", default)
+
+    num_heads = int(a("attention.head_count"))
+    num_kv_heads = int(a("attention.head_count_kv", num_heads))
+    hidden = int(a("embedding_length"))
+    num_layers = int(a("block_count"))
+    tensors = {t.name: t for t in reader.tensors}
+    embd = tensors.get("token_embd.weight")
+    eos = field("tokenizer.ggml.eos_token_id")
+    experts = int(a("expert_count", 0) or 0)
+    hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else _GGUF_ARCHITECTURES[arch]
+    cfg = ModelConfig(
+        architecture=hf_arch,
+        # the embedding's rows, which a file may hold more or fewer of than tokenizer entries
+        vocab_size=int(embd.shape[1]) if embd is not None else int(a("vocab_size", 0)
+                                                                   or len(field("tokenizer.ggml.tokens"))),
+        hidden_size=hidden,
+        intermediate_size=int(a("feed_forward_length", 0)),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(a("attention.key_length", 0) or a("rope.dimension_count", hidden // num_heads)),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(a("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(a("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        eos_token_ids=[int(eos)] if eos is not None else [],
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
+    if experts:
+        cfg.moe_layers = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+        legacy = [i for i in cfg.moe_layers if f"blk.{i}.ffn_gate_exps.weight" not in tensors]
+        if legacy:
+            raise ModelLoadError(f"{path}: layer {legacy[0]} stores its experts one tensor each (an old llama.cpp "
+                                 "layout); convert the model again with a current convert_hf_to_gguf.py")
+        cfg.num_experts = experts
+        cfg.num_experts_per_tok = int(a("expert_used_count"))
+        cfg.moe_intermediate_size = int(a("expert_feed_forward_length", 0) or cfg.intermediate_size)
+        # llama.cpp renormalizes the top-k weights of Mixtral and Qwen3-MoE unless the file says not to
+        cfg.norm_topk_prob = bool(a("expert_weights_norm", True))
+        try:
+            cfg.__post_init__()
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
+    scaling_type = a("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        if scaling_type != "linear":
+            raise ModelLoadError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
+        cfg.rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+
+    return cfg
+
+
+def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]:
+    """Config and weights; ``as_stored`` keeps the types :func:`quant.supported` as blocks."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t0 = time.perf_counter()
+    cfg, tensors = _gguf_index(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict = {}
+    dequantized: set[str] = set()
+    stacked: set[str] = set()  # supported types in 3-D expert tensors, which QuantLinear cannot hold
+    for t in tensors:
+        qtype = t.qtype
+        if t.offset + t.nbytes > data.size:
+            raise ModelLoadError(f"{path}: tensor {t.name} lies past the end of the file (truncated?)")
+        raw = data[t.offset:t.offset + t.nbytes]
+        rows = int(np.prod(t.shape[1:], dtype=np.int64))
+        keep = as_stored and quant.supported(qtype) and len(t.shape) == 2  # QuantLinear is 2-D: experts dequantize
+        if keep:
+            array = np.array(raw.reshape(rows, -1), copy=True)  # [rows, row bytes], the file's blocks
+        else:
+            if qtype in ("F32", "F16"):
+                stored = raw.view(np.float32 if qtype == "F32" else np.float16).reshape(*reversed(t.shape))
+            else:
+                stored = raw.reshape(rows, -1)
+            try:
+                array = dequantize(stored, GGMLQuantizationType[qtype])
+            except (NotImplementedError, KeyError):
+                raise ModelLoadError(f"{path}: tensor {t.name} uses quantization {qtype}, "
+                                     "which the gguf package cannot dequantize") from None
+            array = np.array(array, dtype=np.float32, copy=True).reshape(*reversed(t.shape))
+            if as_stored and qtype not in ("F32", "F16", "BF16"):
+                (stacked if quant.supported(qtype) else dequantized).add(qtype)
+        name = _hf_name(t.name)
+        if cfg.architecture in _GGUF_ROPE_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+            array = _unpermute_rope(array, heads)  # permutes whole rows: blocks stay intact
+        tensor = torch.from_numpy(array)
+        weights[name] = quant.GGMLTensor(tensor, qtype, (rows, t.shape[0])) if keep else tensor
+    if dequantized:
+        log.info("no CPU kernel for %s: those tensors are served dequantized to fp32", ", ".join(sorted(dequantized)))
+    if stacked:
+        log.info("stacked expert tensors in %s are served dequantized to fp32 (the quantized kernel is 2-D)",
+                 ", ".join(sorted(stacked)))
+    kept = sorted({w.qtype for w in weights.values() if isinstance(w, quant.GGMLTensor)})
+    log.info("read %d GGUF tensors in %.1f s (%s)", len(weights), time.perf_counter() - t0,
+             f"{', '.join(kept)} kept as stored" if kept else "dequantized to fp32")
+    return cfg, weights
+
+
+def _hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        suffix = "" if parts[2].endswith("_exps") else f".{parts[3]}"  # stacked experts: Experts' own names
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}{suffix}"
+    return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs) back to HF's half-split
+    layout, so one RoPE implementation serves GGUF and safetensors checkpoints."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tokenizer(path: Path):
+    """transformers tokenizer converted from the GGUF, cached under ``$SLIPSTREAM_CACHE_DIR``."""
+    from transformers import AutoTokenizer
+
+    cached = disk_cache.cache_entry(path, "tokenizers")
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as e:  # a damaged cache is rebuilt, never fatal
+            log.warning("tokenizer cache %s unreadable (%s); rebuilding", cached, e)
+    t0 = time.perf_counter()
+    log.info("converting the GGUF tokenizer (once; cached in %s)", cached)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    disk_cache.fill_cache(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)), path)
+    log.info("tokenizer converted in %.1f s", time.perf_counter() - t0)
+    return tokenizer

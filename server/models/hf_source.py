@@ -1,0 +1,176 @@
+"""Fetch a Hugging Face Hub model with huggingface_hub into its standard cache layout.
+
+Only what the loader reads comes down: ``*.safetensors`` or the chosen ``*.gguf``, the config
+and generation config, tokenizer files and chat templates; pickles (``*.bin``, ``*.pt``, …) never.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .sources import ModelSourceError, ModelURI, weights_path
+
+log = logging.getLogger("slipstream.sources")
+
+METADATA_PATTERNS = [
+    "config.json", "generation_config.json", "special_tokens_map.json",
+    "tokenizer*", "vocab.json", "merges.txt", "added_tokens.json",  # slow tokenizers' files beside tokenizer.json
+    "chat_template.json", "chat_template.jinja", "additional_chat_templates/*.jinja",
+]
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
+
+
+def select_files(uri: ModelURI, files: list[str]) -> list[str]:
+    """The repository files to download out of ``files``: the weights (the selector's GGUF files,
+    else ``*.safetensors``, else the one ``*.gguf``) and the metadata files.
+
+    Raises:
+        ModelSourceError: no weights in a format that is safe to load, nothing matching the
+            selector, or several GGUF files and no selector (reason ``NotFound`` / ``InvalidURI``).
+    """
+    def top(pattern: str) -> list[str]:  # the loader reads weights at the top of the folder only
+        return sorted(f for f in files if "/" not in f and fnmatch.fnmatchcase(f, pattern))
+
+    if uri.filename:
+        weights = sorted(f for f in files if fnmatch.fnmatchcase(f, uri.filename))
+        if not weights:
+            ggufs = top("*.gguf")
+            raise ModelSourceError(
+                f"model {uri.text!r}: no file of {uri.repo_id}@{uri.revision} matches {uri.filename!r}"
+                + (f" (GGUF files: {', '.join(ggufs[:8])})" if ggufs else ""), reason="NotFound", status=404)
+    else:
+        weights = top("*.safetensors") or top("*.gguf")
+        if len(weights) > 1 and weights[0].endswith(".gguf"):
+            raise ModelSourceError(
+                f"model {uri.text!r}: {uri.repo_id} holds {len(weights)} GGUF files ({', '.join(weights[:6])}"
+                f"{', ...' if len(weights) > 6 else ''}); choose one, e.g. hf://{uri.repo_id}:{weights[0]} or a "
+                "quantization tag such as hf://ORG/NAME:Q4_K_M", reason="InvalidURI")
+        if not weights:
+            pickles = [f for f in files if any(fnmatch.fnmatchcase(f, p) for p in PICKLES)]
+            raise ModelSourceError(
+                f"model {uri.text!r}: {uri.repo_id}@{uri.revision} has no *.safetensors or *.gguf weights"
+                + (f"; only pickle checkpoints ({', '.join(pickles[:3])}), which can run code on load and are "
+                   "refused: use a safetensors or GGUF version of the model" if pickles else ""),
+                reason="NotFound", status=404)
+    meta = [f for f in files if any(fnmatch.fnmatchcase(f, p) for p in METADATA_PATTERNS)]
+    return sorted(set(weights) | set(meta))
+
+
+def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str]:
+    """Download (or, ``offline``, find in ``hf_cache``) the files :func:`select_files` picks.
+    Returns the path to load and the commit sha. The endpoint is ``$HF_ENDPOINT`` and the token
+    ``$HF_TOKEN`` (else a saved ``hf auth login``), read at each call.
+
+    Raises:
+        ModelSourceError: see :func:`map_error`.
+    """
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    if not sys.stderr.isatty():  # pod logs get sources.py's progress lines, not bars redrawn with \r
+        disable_progress_bars()
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # huggingface_hub reads it only once, at import
+    token = os.environ.get("HF_TOKEN") or None
+    try:
+        if offline:
+            sha, files = _cached_listing(uri, hf_cache)
+        else:
+            info = HfApi(endpoint=endpoint, token=token).model_info(uri.repo_id, revision=uri.revision)
+            sha, files = info.sha, [s.rfilename for s in info.siblings or []]
+        selected = select_files(uri, files)
+        log.info("%s: revision %s, %d files: %s", uri.text, sha, len(selected), ", ".join(selected))
+        folder = snapshot_download(uri.repo_id, revision=sha, cache_dir=hf_cache, allow_patterns=selected,
+                                   token=token, endpoint=endpoint, local_files_only=offline)
+    except ModelSourceError:
+        raise
+    except Exception as e:
+        raise map_error(uri, e, token_sent=token is not None, offline=offline) from e
+    if not offline and uri.revision != sha:
+        _write_ref(hf_cache, uri.repo_id, uri.revision, sha)
+    return weights_path(Path(folder), selected), sha
+
+
+def _write_ref(hf_cache: Path, repo_id: str, revision: str, sha: str) -> None:
+    """Record ``revision`` -> ``sha`` as huggingface_hub does (``refs/<revision>`` holding the sha),
+    so an offline start resolves the branch from the cache."""
+    ref = hf_cache / f"models--{repo_id.replace('/', '--')}" / "refs" / revision
+    try:
+        if ref.is_file() and ref.read_text() == sha:
+            return
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(sha)
+        os.replace(tmp, ref)
+    except OSError as e:
+        log.warning("could not record %s -> %s in %s: %s", revision, sha, ref, e)
+
+
+def _cached_listing(uri: ModelURI, hf_cache: Path) -> tuple[str, list[str]]:
+    """Commit sha and file list of ``uri`` from the cache alone: the tree listing huggingface_hub
+    saved, else the files present in the snapshot folder."""
+    storage = hf_cache / f"models--{uri.repo_id.replace('/', '--')}"
+    sha = uri.revision
+    ref = storage / "refs" / uri.revision
+    if ref.is_file():
+        sha = ref.read_text().strip()
+    snapshot = storage / "snapshots" / sha
+    if not snapshot.is_dir():
+        raise ModelSourceError(
+            f"model {uri.text!r}: offline, and {hf_cache} holds no snapshot of {uri.repo_id}@{uri.revision}; fetch "
+            "it once online (slipstream download), mount a cache that has it, or unset HF_HUB_OFFLINE",
+            reason="NotCached")
+    try:
+        from huggingface_hub import get_cached_repo_tree  # 2.x: the listing saved beside the snapshot
+
+        files = [f.path for f in get_cached_repo_tree(uri.repo_id, revision=sha, cache_dir=hf_cache)]
+    except Exception:  # older huggingface_hub, or a cache it did not write
+        files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
+    return sha, files
+
+
+def map_error(uri: ModelURI, e: Exception, *, token_sent: bool, offline: bool = False) -> ModelSourceError:
+    """The :class:`ModelSourceError` of a huggingface_hub or httpx error: the message names the
+    model, the HTTP status and what to do."""
+    try:
+        from httpx2 import TransportError  # huggingface_hub 2.x
+    except ImportError:
+        from httpx import TransportError  # huggingface_hub 1.x
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    where = f"model {uri.text!r}" + (f": HTTP {status}" if status else "")
+    token_hint = "check that HF_TOKEN (or spec.model.secretRef) holds a valid token" if token_sent else \
+        "set HF_TOKEN or spec.model.secretRef"
+    if isinstance(e, GatedRepoError):
+        return ModelSourceError(
+            f"{where}: {uri.repo_id} is a gated repository: accept its terms on the Hub with the account of your token "
+            f"and {token_hint}", reason="GatedRepo", status=status)
+    if isinstance(e, RevisionNotFoundError):
+        return ModelSourceError(f"{where}: {uri.repo_id} has no revision {uri.revision!r} (a branch, tag or commit sha)",
+                                reason="RevisionNotFound", status=status)
+    if isinstance(e, RepositoryNotFoundError):
+        return ModelSourceError(f"{where}: no repository {uri.repo_id} on the Hub, or it is private: check the name, "
+                                f"or {token_hint}", reason="NotFound", status=status)
+    if isinstance(e, RemoteEntryNotFoundError):
+        return ModelSourceError(f"{where}: a file of {uri.repo_id}@{uri.revision} is missing on the Hub",
+                                reason="NotFound", status=status)
+    if isinstance(e, LocalEntryNotFoundError) and (offline or isinstance(e.__cause__, OfflineModeIsEnabled)):
+        return ModelSourceError(f"{where}: offline, and the cache holds no complete copy of {uri.repo_id}@"
+                                f"{uri.revision} ({e}); fetch it once online or unset HF_HUB_OFFLINE",
+                                reason="NotCached")
+    if isinstance(e, HfHubHTTPError) and status in (401, 403):
+        return ModelSourceError(f"{where}: the Hub refused the request: {token_hint}", reason="Unauthorized",
+                                status=status)
+    if isinstance(e, HfHubHTTPError) and status == 404:
+        return ModelSourceError(f"{where}: not found on the Hub", reason="NotFound", status=status)
+    if isinstance(e, (TransportError, LocalEntryNotFoundError, OfflineModeIsEnabled)) or \
+            (isinstance(e, HfHubHTTPError) and (status or 500) >= 500):
+        endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+        return ModelSourceError(f"{where}: cannot reach the Hub at {endpoint} ({type(e).__name__}: {e}); check the "
+                                "network, a proxy (HTTPS_PROXY) or HF_ENDPOINT", reason="Unreachable", status=status)
+    return ModelSourceError(f"{where}: {type(e).__name__}: {e}", reason="InvalidURI", status=status)

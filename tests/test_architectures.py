@@ -1,0 +1,408 @@
+"""Qwen3, Qwen3-MoE and Mixtral: greedy output equals transformers' token for token on the same
+random weights — alone, batched, chunked, preempted and after a prefix-cache hit — from
+safetensors directories and from GGUF files written with ``gguf.GGUFWriter``.
+
+The checkpoints are tiny (hidden 64, head_dim 32 ≠ 64 / 4 heads, 8 experts top-2, one dense layer
+in Qwen3-MoE) and made here with transformers; nothing is downloaded. Weights are drawn with a
+large spread (std 0.2, norm weights 1 ± 0.3) so that logits and router scores are peaky and
+summation-order differences cannot flip a greedy token or an expert choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from slipstream.server.engine import LLM, SamplingParams
+from slipstream.server.models import moe
+from slipstream.server.models.config import ModelConfig
+from slipstream.server.models.loader import ModelLoadError, builtin_model_path, load_model, load_tokenizer
+
+VOCAB = 512
+MAX_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+              rms_norm_eps=1e-6)
+ARCHS = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(attention_bias=False)),
+    # layer 1 dense (mlp_only_layers); Qwen3-MoE's default: top-k weights not renormalized
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1],
+                       norm_topk_prob=False)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n):
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    prefix = ids(50)  # three full blocks shared by the last two prompts
+    return [ids(4), ids(9), ids(23), ids(75), prefix + ids(5), prefix + ids(8)]
+
+
+PROMPTS = _prompts()
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.3 * noise if "norm" in name else 0.2 * noise)
+
+
+def _save(path: Path, arch: str, tokenizer, **overrides):
+    """A random checkpoint of ``arch`` saved as safetensors with ``tokenizer``; returns the model."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    cfg = config_cls(**{**COMMON, **extra, **overrides}, eos_token_id=tokenizer.eos_token_id,
+                     bos_token_id=tokenizer.bos_token_id)
+    model = model_cls(cfg).eval()
+    _randomize(model, seed=sum(map(ord, arch)))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def _generate(hf, prompts, eos: int) -> list[list[int]]:
+    from tiny_checkpoints import greedy
+
+    return greedy(hf, prompts, eos, MAX_TOKENS)
+
+
+@dataclass
+class Case:
+    arch: str
+    path: Path
+    loaded: object
+    expected: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin")
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def case(request, tmp_path_factory, tokenizer) -> Case:
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _save(path, request.param, tokenizer)
+    expected = _generate(hf, PROMPTS, tokenizer.eos_token_id)
+    # The oracle must be able to tell a wrong model from a right one.
+    assert len({t for out in expected for t in out}) >= 20, expected
+    assert len({tuple(out) for out in expected}) == len(expected), "prompts should give different outputs"
+    return Case(request.param, path, load_model(str(path), torch.device("cpu"), torch.float32), expected)
+
+
+@pytest.fixture
+def make(case, no_leaks):
+    made: list[LLM] = []
+
+    def build(**kwargs) -> LLM:
+        made.append(LLM(loaded=case.loaded, **{"kv_cache_memory_bytes": 4 << 20, **kwargs}))
+        return made[-1]
+
+    yield build
+    for llm in made:
+        no_leaks(llm.engine)
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_config_reads_qk_norm_head_dim_and_expert_layers(case):
+    cfg = case.loaded.config
+    assert cfg.head_dim == 32 and cfg.num_heads * cfg.head_dim != cfg.hidden_size
+    assert cfg.qk_norm == (case.arch != "mixtral")
+    want = {"qwen3": [], "qwen3_moe": [0, 2], "mixtral": [0, 1, 2]}[case.arch]
+    assert cfg.moe_layers == want
+    if want:
+        assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
+        assert cfg.norm_topk_prob == (case.arch == "mixtral")
+        assert isinstance(case.loaded.model.layers[want[0]].mlp, moe.SparseMoE)
+        assert not case.loaded.model.graph_safe
+
+
+def test_one_at_a_time_matches_transformers(case, make):
+    llm = make(max_num_batched_tokens=512)
+    for p, want in zip(PROMPTS, case.expected):
+        assert _tokens(llm.generate(p, GREEDY)) == [want]
+
+
+def test_one_batch_matches_transformers(case, make):
+    llm = make(max_num_batched_tokens=1024, trace=True)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == case.expected
+    assert len(llm.engine.trace[0].scheduled) == len(PROMPTS), "all prompts should share the first step"
+
+
+def test_chunked_prefill_matches_transformers(case, make):
+    llm = make(max_num_batched_tokens=16, trace=True)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == case.expected
+    assert all(rec.num_tokens <= 16 for rec in llm.engine.trace)
+    assert any(r.num_prefill_tokens and r.num_decode_tokens for r in llm.engine.trace), \
+        "some step should carry a prefill chunk beside decode tokens"
+
+
+def test_preemption_keeps_output_exact(case, make):
+    cfg = case.loaded.config
+    blocks = -(-(max(len(p) for p in PROMPTS) + MAX_TOKENS) // 16) + 2
+    llm = make(kv_cache_memory_bytes=blocks * 16 * cfg.kv_bytes_per_token(4), max_num_batched_tokens=512)
+    assert llm.engine.kv.num_blocks == blocks
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == case.expected
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small for all at once"
+
+
+def test_prefix_cache_hit_keeps_output_exact(case, make):
+    llm = make()
+    assert _tokens(llm.generate(PROMPTS[4], GREEDY)) == [case.expected[4]]
+    out = llm.generate(PROMPTS[5], GREEDY)
+    assert _tokens(out) == [case.expected[5]]
+    assert out[0].num_cached_tokens == 48, "the shared 50-token prefix holds three full blocks"
+
+
+# --- the MoE layer alone ------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch, renormalize", [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+def test_sparse_moe_matches_transformers_block(arch, renormalize):
+    config_cls, model_cls, extra = ARCHS[arch]
+    hf_cfg = config_cls(**{**COMMON, **extra, "num_hidden_layers": 1, "mlp_only_layers": [],
+                           "norm_topk_prob": renormalize})
+    hf = model_cls(hf_cfg).eval()
+    _randomize(hf, seed=7)
+    block = hf.model.layers[0].mlp
+    cfg = ModelConfig("x", VOCAB, 64, 96, 1, 4, 2, 32, 1e-6, 1e4, 512, False, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48 if arch == "qwen3_moe" else 96, norm_topk_prob=renormalize,
+                      moe_layers=[0])
+    ours = moe.SparseMoE(cfg)
+    state = {k.removeprefix("model.layers.0.mlp."): v for k, v in hf.state_dict().items() if ".mlp." in k}
+    ours.load_state_dict(state)
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(3))
+    experts, _ = ours.route(x)
+    assert experts.unique().numel() == 8, "every expert should receive tokens"
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_experts_run_one_matmul_pair_per_expert_not_per_token(monkeypatch):
+    cfg = ModelConfig("x", VOCAB, 64, 96, 1, 4, 2, 32, 1e-6, 1e4, 512, False, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, moe_layers=[0])
+    layer = moe.SparseMoE(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+    calls = []
+
+    def linear(x, w, b=None):
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, w, b)
+
+    monkeypatch.setattr(moe, "F", SimpleNamespace(linear=linear, silu=torch.nn.functional.silu))
+    layer(torch.randn(300, 64))
+    assert len(calls) <= 2 * 8 and sum(calls) == 2 * 300 * 2, calls
+
+
+# --- GGUF ---------------------------------------------------------------------------------
+
+_GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_TENSOR_NAMES = {  # Hugging Face → llama.cpp, as convert_hf_to_gguf.py writes them
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+}
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order for the ``llama`` architecture: each head's two halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer() -> dict:
+    """The built-in model's GGUF tokenizer fields cut to its first ``VOCAB`` tokens and the merges
+    among them (a consistent byte-level BPE; converting 49k tokens would take seconds per test)."""
+    import gguf
+
+    src = gguf.GGUFReader(str(builtin_model_path()))
+    fields = {k: (src.fields[k].contents(), src.fields[k].types) for k in (
+        "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
+    tokens = fields["tokenizer.ggml.tokens"][0][:VOCAB]
+    kept = set(tokens)
+    merges = [m for m in fields["tokenizer.ggml.merges"][0]
+              if "".join(m.split(" ")) in kept and all(part in kept for part in m.split(" "))]
+    fields["tokenizer.ggml.tokens"] = (tokens, fields["tokenizer.ggml.tokens"][1])
+    fields["tokenizer.ggml.token_type"] = (fields["tokenizer.ggml.token_type"][0][:VOCAB],
+                                           fields["tokenizer.ggml.token_type"][1])
+    fields["tokenizer.ggml.merges"] = (merges, fields["tokenizer.ggml.merges"][1])
+    return fields
+
+
+def _file_type(t: torch.Tensor, dtype: str) -> str:
+    """How the test file stores ``t``: norms in F32; Q8_0 only where rows split into 32-wide blocks."""
+    if t.dim() == 1 or (dtype == "Q8_0" and t.shape[-1] % 32):
+        return "F32"
+    return dtype
+
+
+def _as_stored(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``t`` as the file holds it, back in fp32: what transformers must run on to be the oracle."""
+    import gguf
+
+    kind = _file_type(t, dtype)
+    if kind == "F16":
+        return t.half().float()
+    if kind == "Q8_0":
+        qtype = gguf.GGMLQuantizationType.Q8_0
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.float().numpy(), qtype), qtype))
+    return t
+
+
+def _write_gguf(path: Path, arch: str, checkpoint: Path, hf_cfg, dtype: str, tokenizer_fields: dict) -> None:
+    """The safetensors in ``checkpoint`` as a GGUF file of ``arch`` with ``tokenizer_fields``."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    state = {k.removeprefix("model."): v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
+    w = gguf.GGUFWriter(str(path), _GGUF_ARCH[arch])
+    w.add_block_count(hf_cfg.num_hidden_layers)
+    w.add_context_length(hf_cfg.max_position_embeddings)
+    w.add_embedding_length(hf_cfg.hidden_size)
+    w.add_feed_forward_length(hf_cfg.intermediate_size)
+    w.add_head_count(hf_cfg.num_attention_heads)
+    w.add_head_count_kv(hf_cfg.num_key_value_heads)
+    w.add_key_length(hf_cfg.head_dim)
+    w.add_value_length(hf_cfg.head_dim)
+    w.add_rope_dimension_count(hf_cfg.head_dim)
+    w.add_rope_freq_base(hf_cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(hf_cfg.rms_norm_eps)
+    experts = getattr(hf_cfg, "num_experts", None) or getattr(hf_cfg, "num_local_experts", 0)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hf_cfg.num_experts_per_tok)
+        if arch == "qwen3_moe":
+            w.add_expert_feed_forward_length(hf_cfg.moe_intermediate_size)
+    for key, (value, types) in tokenizer_fields.items():
+        w.add_key_value(key, value, types[0], types[-1] if len(types) > 1 else None)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        array = t.float().numpy()
+        kind = _file_type(t, dtype)
+        if kind == "F16":
+            w.add_tensor(name, array.astype(np.float16))
+        elif kind == "Q8_0":
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, array)
+
+    add("token_embd.weight", state.pop("embed_tokens.weight"))
+    add("output_norm.weight", state.pop("norm.weight"))
+    add("output.weight", state.pop("lm_head.weight"))
+    for i in range(hf_cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        stacks: dict[str, list[torch.Tensor]] = {}
+        for name in sorted(k for k in state if k.startswith(p)):
+            t = state.pop(name)
+            rest = name[len(p):].removesuffix(".weight")
+            if ".experts." in rest:  # mlp.experts.3.gate_proj → stacked ffn_gate_exps
+                e, proj = rest.split(".experts.")[1].split(".")
+                stacks.setdefault(_EXPERT_NAMES[proj], []).append((int(e), t))
+                continue
+            if arch == "mixtral" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = hf_cfg.num_attention_heads if rest.endswith("q_proj") else hf_cfg.num_key_value_heads
+                t = _permute_rope(t, heads)
+            add(f"blk.{i}.{_TENSOR_NAMES[rest]}.weight", t)
+        for gguf_name, parts in stacks.items():
+            add(f"blk.{i}.{gguf_name}.weight", torch.stack([t for _, t in sorted(parts, key=lambda x: x[0])]))
+    assert not state, sorted(state)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_gguf_matches_transformers_on_the_same_weights(tmp_path, tokenizer, gguf_tokenizer, arch, dtype, no_leaks,
+                                                      monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    # llama.cpp always renormalizes Qwen3-MoE's top-k weights
+    hf = _save(tmp_path / "hf", arch, tokenizer, **({"norm_topk_prob": True} if arch == "qwen3_moe" else {}))
+    with torch.no_grad():  # quantizing rows commutes with stacking experts and permuting q/k rows
+        for p in hf.parameters():
+            p.copy_(_as_stored(p, dtype))
+    gguf_path = tmp_path / f"{arch}.gguf"
+    _write_gguf(gguf_path, arch, tmp_path / "hf", hf.config, dtype, gguf_tokenizer)
+    loaded = load_model(str(gguf_path), torch.device("cpu"), torch.float32)
+    cfg = loaded.config
+    assert cfg.architecture == hf.config.architectures[0]
+    assert (cfg.head_dim, cfg.qk_norm, cfg.moe_layers) == (
+        32, arch != "mixtral", {"qwen3": [], "qwen3_moe": [0, 2], "mixtral": [0, 1, 2]}[arch])
+    prompts = PROMPTS[:4]
+    expected = _generate(hf, prompts, tokenizer.eos_token_id)
+    assert len(loaded.tokenizer) == VOCAB and loaded.tokenizer.decode(prompts[0])
+    llm = LLM(loaded=loaded, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20)
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    no_leaks(llm.engine)
+
+
+# --- what is not supported ----------------------------------------------------------------
+
+def test_unsupported_hf_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="DeepseekV3ForCausalLM.*not supported.*Qwen3MoeForCausalLM"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="'mamba' is not supported.*qwen3moe"):
+        load_model(str(tmp_path / "m.gguf"), torch.device("cpu"), torch.float32)
+
+
+# --- config rules, as transformers reads them ----------------------------------------------
+
+def test_qwen3_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    from slipstream.server.models.hf_checkpoint import qwen3_moe_fields as _qwen3_moe_fields
+
+    raw = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "decoder_sparse_step": 2,
+           "mlp_only_layers": [3]}
+    fields = _qwen3_moe_fields(raw, "Qwen3MoeForCausalLM", 6)
+    assert fields["moe_layers"] == [1, 5] and fields["norm_topk_prob"] is False
+    assert _qwen3_moe_fields({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 8},
+                             "MixtralForCausalLM", 3)["moe_layers"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("arch, raw, want", [
+    ("MixtralForCausalLM", {"sliding_window": 64}, [64, 64, 64]),
+    ("Qwen3ForCausalLM", {"sliding_window": 64}, []),  # use_sliding_window is off by default
+    ("Qwen3ForCausalLM", {"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2}, [None, None, 64]),
+    ("Qwen3MoeForCausalLM", {"sliding_window": 64, "use_sliding_window": True}, [64, 64, 64]),
+])
+def test_sliding_window_layers_follow_transformers(arch, raw, want):
+    from slipstream.server.models.hf_checkpoint import layer_windows as _layer_windows
+
+    assert _layer_windows(raw, arch, 3) == want

@@ -1,0 +1,568 @@
+"""Model sources: URIs, fetching from a Hugging Face Hub (the loopback fixture of hub_server.py) and
+from S3 (moto's server on loopback), the shared cache's lock, and `slipstream download`. Nothing
+here leaves 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hub_server import HubServer, Repo
+from slipstream.server.models.model_cache import ModelCache, evict
+from slipstream.server.models.sources import ModelSourceError, fetch, parse_model_uri
+
+TOKEN = "hf_good"
+
+
+# --- URIs -------------------------------------------------------------------------------------
+
+def test_uri_forms_parse_to_their_fields():
+    assert parse_model_uri("builtin").scheme == "builtin"
+    assert parse_model_uri("sim:h100,time_scale=0").profile == "h100,time_scale=0"
+    u = parse_model_uri("hf://Org/Model-1.5B@v1.0:*Q4_K_M.gguf")
+    assert (u.scheme, u.repo_id, u.revision, u.filename) == ("hf", "Org/Model-1.5B", "v1.0", "*Q4_K_M.gguf")
+    assert parse_model_uri("hf://Org/M@refs/pr/3").revision == "refs/pr/3"
+    bare = parse_model_uri("Org/Model")
+    assert (bare.scheme, bare.repo_id, bare.revision, bare.filename) == ("hf", "Org/Model", "main", None)
+    s3 = parse_model_uri("s3://my-bucket/models/llama/")
+    assert (s3.scheme, s3.bucket, s3.prefix) == ("s3", "my-bucket", "models/llama")
+    assert parse_model_uri("/abs/model.gguf").scheme == "local"
+    assert parse_model_uri("~/m").scheme == "local"
+
+
+def test_a_quantization_tag_selects_gguf_files_of_either_case():
+    import fnmatch
+
+    glob = parse_model_uri("hf://o/n:q4_k_m").filename
+    assert fnmatch.fnmatchcase("model.Q4_K_M.gguf", glob) and fnmatch.fnmatchcase("model-q4_k_m.gguf", glob)
+    assert not fnmatch.fnmatchcase("model.Q8_0.gguf", glob)
+
+
+def test_an_existing_local_path_wins_over_an_org_name_repo(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "name").mkdir()
+    assert parse_model_uri("org/name").scheme == "local"
+    assert parse_model_uri("org/other").scheme == "hf"
+
+
+@pytest.mark.parametrize("text", ["pvc://models/llama", "oci://ghcr.io/x/y:1"])
+def test_operator_side_schemes_say_they_belong_in_inference_service_specs(text):
+    with pytest.raises(ModelSourceError, match="InferenceService") as info:
+        parse_model_uri(text)
+    assert info.value.reason == "InvalidURI"
+
+
+@pytest.mark.parametrize("text", ["ftp://x/y", "hf://not-a-repo", "hf://a/b@", "s3://X_Bad/p", ""])
+def test_invalid_uris_name_the_accepted_forms(text):
+    with pytest.raises(ModelSourceError, match="accepted forms") as info:
+        parse_model_uri(text)
+    assert info.value.reason == "InvalidURI" and info.value.status is None
+
+
+# --- the Hub fixture --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory) -> dict[str, bytes]:
+    """A tiny random LlamaForCausalLM (safetensors) with the built-in tokenizer, as repo files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slipstream.server.models.loader import load_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny")
+    tok = load_tokenizer("builtin")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    files = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    assert any(f.endswith(".safetensors") for f in files)
+    return files
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_files):
+    server = HubServer()
+    server.add("org/tiny", Repo({**tiny_files, "pytorch_model.bin": b"\x80pickle" * 100, "README.md": b"# tiny",
+                                 ".gitattributes": b"*.bin filter=lfs"}))
+    server.add("org/gated", Repo(dict(tiny_files), gated=True, allowed_tokens={TOKEN}))
+    server.add("org/pickles", Repo({"config.json": b"{}", "pytorch_model.bin": b"\x80" * 10}))
+    server.start()
+    yield server
+    server.stop()
+
+
+def online(monkeypatch) -> None:
+    """Undo the offline mode other test modules' conftest set (tests/clients: in the environment,
+    which huggingface_hub also read into its constants when it was imported)."""
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def env(hub, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    online(monkeypatch)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved login of the developer's
+    monkeypatch.setenv("SLIPSTREAM_MODEL_CACHE", str(tmp_path / "models"))
+    hub.requests.clear()
+    return tmp_path / "models"
+
+
+def test_hf_fetch_brings_safetensors_config_and_tokenizer_and_never_a_pickle(hub, env):
+    result = fetch(parse_model_uri("hf://org/tiny"), env)
+    repo = hub.repos["org/tiny"]
+    assert result.revision == repo.sha
+    assert result.path == env / "hf" / "models--org--tiny" / "snapshots" / repo.sha
+    names = {p.name for p in result.path.iterdir()}
+    assert "model.safetensors" in names and "config.json" in names and "tokenizer.json" in names
+    assert not names & {"pytorch_model.bin", "README.md", ".gitattributes"}
+    assert hub.count(contains="pytorch_model.bin") == 0
+    assert result.bytes == sum(len(repo.files[n]) for n in names)
+    assert hub.count("GET", "/lfs/") == 1  # the safetensors came from the "CDN" after the 302
+
+
+def test_a_second_fetch_downloads_nothing_and_a_pinned_one_asks_nothing(hub, env):
+    first = fetch(parse_model_uri("hf://org/tiny"), env)
+    hub.requests.clear()
+    again = fetch(parse_model_uri("hf://org/tiny"), env)
+    assert again.path == first.path and again.revision == first.revision
+    assert hub.count(contains="/resolve/") == 0 and hub.count(contains="/lfs/") == 0
+    assert hub.count(contains="/api/models/org/tiny/revision/main") == 1  # only "which commit is main?"
+    hub.requests.clear()
+    pinned = fetch(parse_model_uri(f"hf://org/tiny@{first.revision}"), env)
+    assert pinned.revision == first.revision
+    hub.requests.clear()
+    assert fetch(parse_model_uri(f"hf://org/tiny@{first.revision}"), env).path == first.path
+    assert hub.requests == []
+
+
+def test_served_hf_model_loads_under_its_repo_name_and_answers(hub, env):
+    from api.harness import Http, LoopThread, serve_app
+    from slipstream.server.engine.async_llm import AsyncLLM
+    from slipstream.server.engine.config import EngineConfig
+
+    loop = LoopThread()
+    try:
+        async def load():
+            llm = AsyncLLM(EngineConfig(model="hf://org/tiny", device="cpu", max_num_seqs=2,
+                                        kv_cache_memory_bytes=4 << 20, max_model_len=128))
+            await llm.start()
+            return llm
+
+        llm = loop.run(load(), timeout=120)
+        with serve_app(loop, llm) as served:
+            http = Http(served.url)
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["org/tiny"]
+            r = http.post("/v1/completions", json={"model": "org/tiny", "prompt": "Hello", "max_tokens": 3,
+                                                   "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] >= 1
+        loop.run(llm.shutdown())
+    finally:
+        loop.close()
+
+
+def test_gated_repo_without_a_token_is_401_gated_and_says_to_set_hf_token(hub, env):
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/gated"), env)
+    e = info.value
+    assert (e.status, e.reason) == (401, "GatedRepo")
+    assert "hf://org/gated" in str(e) and "401" in str(e) and "HF_TOKEN" in str(e)
+    assert hub.count(contains="/lfs/") == 0
+
+
+def test_gated_repo_with_a_token_without_access_is_403_and_with_access_fetches(hub, env, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_other")
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/gated"), env)
+    assert (info.value.status, info.value.reason) == (403, "GatedRepo")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert fetch(parse_model_uri("hf://org/gated"), env).revision == hub.repos["org/gated"].sha
+
+
+def test_missing_repo_is_not_found_and_missing_revision_is_revision_not_found(hub, env, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/nope"), env)
+    assert (info.value.status, info.value.reason) == (404, "NotFound")
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/tiny@v9"), env)
+    assert (info.value.status, info.value.reason) == (404, "RevisionNotFound")
+
+
+def test_a_404_fails_at_once_without_retries(hub, env):
+    with pytest.raises(ModelSourceError):
+        fetch(parse_model_uri("hf://org/nope"), env, retries=3, backoff_s=30)  # a retry would take 30 s
+    assert hub.count(contains="/api/models/org/nope") == 1
+
+
+def test_a_repo_with_only_pickles_is_refused_by_name(hub, env):
+    with pytest.raises(ModelSourceError, match="pickle") as info:
+        fetch(parse_model_uri("hf://org/pickles"), env)
+    assert info.value.reason == "NotFound"
+    assert hub.count(contains="pytorch_model.bin") == 0
+
+
+def test_an_unreachable_hub_is_retried_with_backoff_then_reported(env, monkeypatch, caplog):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    with caplog.at_level(logging.WARNING), pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/tiny"), env, retries=2, backoff_s=0.01)
+    assert info.value.reason == "Unreachable" and info.value.status is None
+    assert sum("try" in r.message for r in caplog.records) == 2
+
+
+def test_offline_resolves_from_the_cache_and_says_so_when_it_is_not_there(hub, env, monkeypatch):
+    online = fetch(parse_model_uri("hf://org/tiny"), env)
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline = fetch(parse_model_uri("hf://org/tiny"), env)
+    assert (offline.path, offline.revision) == (online.path, online.revision)
+    assert hub.requests == []
+    with pytest.raises(ModelSourceError, match="offline") as info:
+        fetch(parse_model_uri("hf://org/gated"), env)
+    assert info.value.reason == "NotCached"
+
+
+def test_a_gguf_selector_picks_one_file_among_decoys_and_it_loads(hub, env):
+    from slipstream.server.models.loader import builtin_model_path, load_model
+
+    gguf = builtin_model_path().read_bytes()
+    hub.add("org/smol-gguf", Repo({"smol.Q4_1.gguf": gguf, "smol.Q8_0.gguf": b"GGUF decoy" * 10,
+                                   "smol.F16.gguf": b"GGUF decoy 2" * 10}))
+    with pytest.raises(ModelSourceError, match="3 GGUF files"):
+        fetch(parse_model_uri("hf://org/smol-gguf"), env)
+    result = fetch(parse_model_uri("hf://org/smol-gguf:Q4_1"), env)
+    assert result.path.name == "smol.Q4_1.gguf" and result.bytes == len(gguf)
+    assert hub.count(contains="Q8_0") == 0 and hub.count(contains="F16") == 0
+    loaded = load_model("hf://org/smol-gguf:*Q4_1.gguf", torch.device("cpu"), torch.float32)
+    assert loaded.name == "org/smol-gguf" and loaded.config.num_layers == 30
+
+
+def test_an_unreachable_hub_falls_back_to_a_complete_cached_copy(hub, env, monkeypatch, caplog):
+    online = fetch(parse_model_uri("hf://org/tiny"), env)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with caplog.at_level(logging.WARNING):
+        again = fetch(parse_model_uri("hf://org/tiny"), env, retries=1, backoff_s=0.01)
+    assert (again.path, again.revision) == (online.path, online.revision)
+    assert any("serving the cached copy" in r.message for r in caplog.records)
+
+
+# --- slipstream download ------------------------------------------------------------------------
+
+def test_download_writes_the_termination_message_on_success(hub, env, tmp_path, capsys):
+    from slipstream.server import cli
+
+    msg = tmp_path / "termination-log"
+    assert cli.main(["download", "hf://org/tiny", "--cache-dir", str(env), "--termination-message-path",
+                     str(msg)]) == 0
+    doc = json.loads(msg.read_text())
+    assert set(doc) == {"model", "revision", "bytes", "seconds", "path"}
+    assert doc["model"] == "hf://org/tiny" and doc["revision"] == hub.repos["org/tiny"].sha
+    assert Path(doc["path"]).is_dir() and doc["bytes"] > 0 and doc["seconds"] >= 0
+
+
+def test_download_writes_the_error_reason_and_status_on_failure(hub, env, tmp_path, capsys):
+    from slipstream.server import cli
+
+    msg = tmp_path / "termination-log"
+    assert cli.main(["download", "hf://org/gated", "--cache-dir", str(env), "--termination-message-path",
+                     str(msg)]) == 1
+    doc = json.loads(msg.read_text())
+    assert (doc["model"], doc["reason"], doc["status"]) == ("hf://org/gated", "GatedRepo", 401)
+    assert "HF_TOKEN" in doc["error"] and "HF_TOKEN" in capsys.readouterr().err
+
+
+def test_download_into_a_cache_it_cannot_write_says_so_naming_the_model(hub, env, tmp_path):
+    """A cache volume the step cannot write (a hostPath not writable by the pod's user; here, as
+    root, a file where the directory should be): a message, not a traceback."""
+    from slipstream.server import cli
+
+    cache, msg = tmp_path / "not-a-directory", tmp_path / "termination-log"
+    cache.write_text("")
+    assert cli.main(["download", "hf://org/tiny", "--cache-dir", str(cache),
+                     "--termination-message-path", str(msg)]) == 1
+    doc = json.loads(msg.read_text())
+    assert doc["reason"] == "CacheNotWritable" and "hf://org/tiny" in doc["error"] and str(cache) in doc["error"]
+
+
+def test_serve_passes_the_model_cache_dir_to_the_loader(monkeypatch, tmp_path):
+    from slipstream.server import cli
+
+    seen = {}
+
+    async def fake_serve(engine, options, host, port):
+        seen.update(model=engine.model, cache=os.environ.get("SLIPSTREAM_MODEL_CACHE"))
+        return 0
+
+    monkeypatch.setattr("slipstream.server.api.server.serve", fake_serve)
+    monkeypatch.setenv("SLIPSTREAM_MODEL_CACHE", "/elsewhere")
+    assert cli.main(["serve", "--model", "hf://org/tiny@v1", "--model-cache-dir", str(tmp_path)]) == 0
+    assert seen == {"model": "hf://org/tiny@v1", "cache": str(tmp_path)}
+
+
+def test_download_help_names_its_options(capsys):
+    from slipstream.server import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["download", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--cache-dir", "--s3-endpoint", "--termination-message-path", "--max-cache-bytes", "--offline"):
+        assert option in text, option
+
+
+def test_download_evicts_down_to_max_cache_bytes_but_keeps_what_it_fetched(hub, env, tmp_path):
+    from slipstream.server import cli
+
+    old = tmp_path / "models" / "s3" / "b" / "old"
+    old.mkdir(parents=True)
+    (old / "w.gguf").write_bytes(b"x" * 1000)
+    ModelCache(env).record("old", model="s3://b/old", requested="s3://b/old", revision="r", path=old, nbytes=1000)
+    msg = tmp_path / "t"
+    assert cli.main(["download", "hf://org/tiny", "--cache-dir", str(env), "--max-cache-bytes", "1",
+                     "--termination-message-path", str(msg)]) == 0
+    assert not old.exists() and Path(json.loads(msg.read_text())["path"]).exists()
+
+
+def test_a_long_error_is_shortened_to_fit_the_kubelets_4096_byte_termination_message(tmp_path):
+    from slipstream.server import download_cli
+
+    msg = tmp_path / "t"
+    download_cli._write(msg, {"model": "hf://o/n", "error": "x" * 10000, "reason": "NotFound", "status": 404})
+    doc = json.loads(msg.read_text())
+    assert len(msg.read_bytes()) <= 4096 and doc["error"].endswith("...") and doc["reason"] == "NotFound"
+
+
+def test_concurrent_download_processes_fetch_each_file_once(hub, env, tmp_path):
+    """Three init containers on one shared volume: one downloads, two wait and reuse its copy."""
+    procs = [subprocess.Popen([sys.executable, "-I", "-m", "slipstream.server", "download", "hf://org/tiny",
+                               "--cache-dir", str(env), "--termination-message-path", str(tmp_path / f"t{i}")],
+                              env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(3)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert hub.count("GET", "/lfs/") == 1
+    assert len({json.loads((tmp_path / f"t{i}").read_text())["path"] for i in range(3)}) == 1
+
+
+# --- the shared cache's lock ------------------------------------------------------------------------
+
+def test_a_second_holder_waits_logs_the_holder_and_gets_the_lock_after_release(tmp_path, caplog):
+    a = ModelCache(tmp_path, stale_after_s=5, heartbeat_s=0.2, poll_s=0.05)
+    b = ModelCache(tmp_path, stale_after_s=5, heartbeat_s=0.2, poll_s=0.05)
+    b.holder = "pod-b:1"
+    order = []
+    with caplog.at_level(logging.INFO, logger="slipstream.model_cache"):
+        with a.lock("m", "hf://o/m") as held:
+            assert held.waited_since is None
+
+            def second():
+                with b.lock("m", "hf://o/m") as lock:
+                    order.append(("b", lock.waited_since is not None))
+
+            t = threading.Thread(target=second)
+            t.start()
+            time.sleep(0.6)  # several heartbeats: a live holder is never taken over
+            order.append(("a", True))
+        t.join(5)
+    assert order == [("a", True), ("b", True)]
+    assert any("waiting for" in r.message and a.holder in r.message and "hf://o/m" in r.message
+               for r in caplog.records)
+
+
+def test_a_lock_whose_heartbeat_stopped_is_taken_over(tmp_path):
+    cache = ModelCache(tmp_path, stale_after_s=0.5, heartbeat_s=0.1, poll_s=0.05)
+    path = cache.lock_path("m")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"holder": "gone-pod:7", "token": "t", "started": 0, "heartbeat": 0}))
+    t0 = time.monotonic()
+    with cache.lock("m") as lock:
+        assert lock.waited_since is not None
+        assert json.loads(path.read_text())["holder"] == cache.holder
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert not path.exists()
+
+
+def test_a_lock_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path):
+    code = ("import sys, time; from pathlib import Path; from slipstream.server.models.model_cache import ModelCache;"
+            "c = ModelCache(Path(sys.argv[1]), stale_after_s=60, heartbeat_s=1)\n"
+            "with c.lock('m'):\n    print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-I", "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    with ModelCache(tmp_path, stale_after_s=60, poll_s=0.05).lock("m"):
+        pass
+    assert time.monotonic() - t0 < 5
+
+
+def test_eviction_removes_least_recently_used_entries_but_not_locked_or_kept_ones(tmp_path):
+    cache = ModelCache(tmp_path)
+    made = {}
+    for i, name in enumerate(["old", "locked", "kept", "new"]):
+        d = tmp_path / "s3" / "b" / name
+        d.mkdir(parents=True)
+        (d / "w.safetensors").write_bytes(b"x" * 100)
+        e = cache.record(name, model=f"s3://b/{name}", requested=f"s3://b/{name}", revision="r", path=d, nbytes=100)
+        made[name] = cache.touch(e)
+        time.sleep(0.01)
+    cache.lock_path("locked").parent.mkdir(parents=True, exist_ok=True)
+    cache.lock_path("locked").write_text("{}")  # a fresh lock file: being fetched
+    removed = evict(tmp_path, 200, keep=(str(made["kept"].path),))
+    assert [e.name for e in removed] == ["old", "new"]
+    assert not (tmp_path / "s3" / "b" / "old").exists() and (tmp_path / "s3" / "b" / "kept").exists()
+    assert {e.name for e in cache.entries()} == {"locked", "kept"}
+
+
+def test_eviction_of_an_hf_revision_uses_huggingface_hubs_cache_tools(hub, env):
+    result = fetch(parse_model_uri("hf://org/tiny"), env)
+    assert evict(env, 0) and not result.path.exists()
+    assert ModelCache(env).entries() == []
+
+
+# --- S3 ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 on loopback (werkzeug, threaded), counting the requests it serves."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+    seen: list[tuple[str, str, str]] = []
+
+    def counting(environ, start_response):
+        seen.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("HTTP_RANGE", "")))
+        return app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, counting, threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.seen = seen
+    server.url = f"http://127.0.0.1:{server.server_port}"
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tiny_files, tmp_path):
+    import boto3
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                 "AWS_ENDPOINT_URL": s3_server.url}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    online(monkeypatch)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    client = boto3.client("s3", endpoint_url=s3_server.url, region_name="us-east-1")
+    if "models" not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+        client.create_bucket(Bucket="models")
+        for name, data in tiny_files.items():
+            client.put_object(Bucket="models", Key=f"tiny/{name}", Body=data)
+        client.put_object(Bucket="models", Key="tiny/pytorch_model.bin", Body=b"\x80pickle")
+        client.put_object(Bucket="models", Key="tiny-2/config.json", Body=b"{}")  # shares the prefix's letters
+    s3_server.seen.clear()
+    return client
+
+
+def test_s3_fetch_brings_the_prefix_and_a_second_fetch_downloads_nothing(s3_server, s3, tmp_path, tiny_files):
+    result = fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache")
+    assert result.path == tmp_path / "cache" / "s3" / "models" / "tiny"
+    assert {p.name for p in result.path.iterdir() if not p.name.startswith(".")} == set(tiny_files)
+    assert result.bytes == sum(len(v) for v in tiny_files.values())
+    gets = [s for s in s3_server.seen if s[0] == "GET" and s[1].startswith("/models/tiny/")]
+    assert len(gets) == len(tiny_files)
+    s3_server.seen.clear()
+    again = fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache")
+    assert again.revision == result.revision and len(result.revision) == 64
+    assert [s for s in s3_server.seen if s[1].startswith("/models/tiny/")] == []  # only the listing
+
+
+def test_s3_model_loads_from_the_cache(s3, tmp_path, monkeypatch):
+    from slipstream.server.models.loader import load_model
+
+    monkeypatch.setenv("SLIPSTREAM_MODEL_CACHE", str(tmp_path / "cache"))
+    loaded = load_model("s3://models/tiny", torch.device("cpu"), torch.float32)
+    assert loaded.name == "tiny" and loaded.config.num_layers == 1
+
+
+def test_s3_changed_object_changes_the_revision_and_only_it_comes_again(s3_server, s3, tmp_path):
+    first = fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache")
+    s3.put_object(Bucket="models", Key="tiny/generation_config.json", Body=b'{"changed": true}')
+    s3_server.seen.clear()
+    second = fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache")
+    assert second.revision != first.revision
+    assert [s[1] for s in s3_server.seen if s[0] == "GET" and s[1].startswith("/models/tiny/")] == \
+        ["/models/tiny/generation_config.json"]
+    assert (second.path / "generation_config.json").read_bytes() == b'{"changed": true}'
+
+
+def test_s3_resumes_a_partial_download_with_a_range_request(s3_server, s3, tmp_path, tiny_files):
+    import hashlib
+
+    head = s3.head_object(Bucket="models", Key="tiny/model.safetensors")
+    etag = head["ETag"].strip('"')
+    dest = tmp_path / "cache" / "s3" / "models" / "tiny"
+    dest.mkdir(parents=True)
+    partial = dest / f"model.safetensors.{hashlib.sha256(etag.encode()).hexdigest()[:12]}.partial"
+    partial.write_bytes(tiny_files["model.safetensors"][:1000])
+    s3_server.seen.clear()
+    result = fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache")
+    assert (result.path / "model.safetensors").read_bytes() == tiny_files["model.safetensors"]
+    assert ("GET", "/models/tiny/model.safetensors", "bytes=1000-") in s3_server.seen
+
+
+def test_s3_missing_prefix_and_bucket_are_not_found(s3, tmp_path):
+    for uri in ("s3://models/nothing-here", "s3://no-such-bucket/tiny"):
+        with pytest.raises(ModelSourceError) as info:
+            fetch(parse_model_uri(uri), tmp_path / "cache")
+        assert info.value.reason == "NotFound" and uri in str(info.value), uri
+
+
+def test_s3_wrong_credentials_are_unauthorized_and_say_what_to_set(s3_server, s3, tmp_path, monkeypatch):
+    import requests
+
+    requests.post(f"{s3_server.url}/moto-api/reset-auth", data=b"0").raise_for_status()  # check signatures
+    try:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
+        with pytest.raises(ModelSourceError) as info:
+            fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache", retries=0)
+    finally:
+        requests.post(f"{s3_server.url}/moto-api/reset-auth", data=b"inf").raise_for_status()
+    e = info.value
+    assert (e.reason, e.status) == ("Unauthorized", 403)
+    assert "AWS_ACCESS_KEY_ID" in str(e) and "s3://models/tiny" in str(e) and "403" in str(e)
+
+
+def test_s3_uri_of_one_object_fetches_that_file(s3, tmp_path):
+    s3.put_object(Bucket="models", Key="ggufs/one.Q4_0.gguf", Body=b"GGUF" + b"\0" * 60)
+    result = fetch(parse_model_uri("s3://models/ggufs/one.Q4_0.gguf"), tmp_path / "cache")
+    assert result.path.name == "one.Q4_0.gguf" and result.path.read_bytes()[:4] == b"GGUF" and result.bytes == 64
+
+
+def test_a_directory_holding_one_gguf_file_loads_that_file(tmp_path):
+    """A model image's /models (oci:// in an InferenceService) holds the GGUF and nothing else."""
+    from slipstream.server.models.loader import builtin_model_path, resolve_model_path
+
+    (tmp_path / "model.gguf").symlink_to(builtin_model_path())
+    (tmp_path / "README.md").write_text("a model image")
+    assert resolve_model_path(str(tmp_path)) == tmp_path / "model.gguf"
+    (tmp_path / "other.gguf").write_bytes(b"")
+    with pytest.raises(ModelSourceError, match="2 GGUF files"):
+        resolve_model_path(str(tmp_path))
