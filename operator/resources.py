@@ -18,7 +18,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from slipstream.operator.model_spec import (MODEL_IMAGE_DIR, ModelCacheSpec, ModelLocation, model_location,
                                             use_image_volume)
-from slipstream.operator.spec import InferenceServiceSpec, parse_spec
+from slipstream.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 
 GROUP = "slipstream.dev"
 VERSION = "v1alpha1"
@@ -45,6 +45,7 @@ TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 MODEL_IMAGE_MOUNT = "/mnt/model-image"
 MODELCAR_CONTAINER = "modelcar"
 MODELCAR_LINK_MOUNT = "/mnt/modelcar"
+MODELCAR_SINCE = (1, 29)  # native sidecars (initContainers with restartPolicy Always) on by default
 # The rollout's deadline allows this long for a download on top of the startup budget.
 DOWNLOAD_BUDGET_SECONDS = 3600
 # GPU pods' /dev/shm (PyTorch's and NCCL's shared buffers; the runtime's 64 MiB default is too
@@ -209,8 +210,10 @@ def _container(spec: InferenceServiceSpec, name: str,
     }
     location = model_location(spec.model)
     # The server reads downloaded weights from the cache only; the user's env may override.
-    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}] if location.downloaded else []
-    env += [dict(var) for var in spec.env]
+    user = [dict(var) for var in spec.env]
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}] if location.downloaded and not any(
+        var.get("name") == "HF_HUB_OFFLINE" for var in user) else []
+    env += user
     if env:
         container["env"] = env
     mounts = []
@@ -338,6 +341,10 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
     location = model_location(spec.model)
+    if location.kind == "oci" and kube_version is not None and kube_version < MODELCAR_SINCE:
+        raise SpecError("UnsupportedCluster", f"spec.model.uri oci:// needs Kubernetes 1.29 or later (a "
+                                              f"native sidecar, or an image volume from 1.35); this cluster "
+                                              f"is {kube_version[0]}.{kube_version[1]}")
     if location.downloaded:
         pod_spec["initContainers"] = [download_container(spec)]
     if location.kind == "oci" and not use_image_volume(spec.model, kube_version):

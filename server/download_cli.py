@@ -47,7 +47,10 @@ def _write(path: Path | None, doc: dict) -> None:
     if len(text) > TERMINATION_MESSAGE_MAX:  # the kubelet would cut it mid-JSON: shorten the message
         excess = len(text) - TERMINATION_MESSAGE_MAX + len("...")
         text = json.dumps({**doc, "error": doc["error"][:-excess] + "..."})
-    path.write_text(text)
+    try:
+        path.write_text(text)
+    except OSError as e:  # the result still reaches the log
+        print(f"slipstream download: cannot write the termination message to {path}: {e}", file=sys.stderr)
 
 
 def _fail(args, message: str, reason: str, status: int | None) -> int:

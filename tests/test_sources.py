@@ -566,3 +566,70 @@ def test_a_directory_holding_one_gguf_file_loads_that_file(tmp_path):
     (tmp_path / "other.gguf").write_bytes(b"")
     with pytest.raises(ModelSourceError, match="2 GGUF files"):
         resolve_model_path(str(tmp_path))
+
+
+def test_eviction_in_a_copied_cache_touches_only_that_cache(hub, env, tmp_path):
+    """Entries name their files relative to the cache root: a copy (or another mount point) of a
+    cache evicts its own files, never the original's."""
+    import shutil
+
+    from slipstream.server import cli
+
+    assert cli.main(["download", "hf://org/tiny", "--cache-dir", str(env)]) == 0
+    copy = tmp_path / "copy"
+    shutil.copytree(env, copy, symlinks=True)
+    [entry] = ModelCache(copy).entries()
+    assert Path(entry.path).is_relative_to(copy)
+    assert [e.model for e in evict(copy, 0)] == ["hf://org/tiny"]
+    assert not list((copy / "hf").glob("models--org--tiny/snapshots/*/config.json"))
+    assert list((env / "hf").glob("models--org--tiny/snapshots/*/config.json")), "the original cache lost files"
+
+
+def test_removal_never_leaves_the_cache_root(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.gguf").write_bytes(b"x")
+    cache = ModelCache(tmp_path / "cache")
+    entry = cache.record("x", model="s3://b/x", requested="s3://b/x", revision="r", path=outside / "keep.gguf", nbytes=1)
+    cache.remove(entry)
+    assert (outside / "keep.gguf").exists()
+
+
+def test_a_file_selector_picks_weights_only_never_a_pickle_or_readme():
+    from slipstream.server.models.hf_source import select_files
+
+    files = ["config.json", "pytorch_model.bin", "README.md", "a.Q4_0.gguf", "a.Q8_0.gguf"]
+    for selector in ("*.bin", "README.md"):
+        with pytest.raises(ModelSourceError, match="not GGUF or safetensors"):
+            select_files(parse_model_uri(f"hf://o/n:{selector}"), files)
+    with pytest.raises(ModelSourceError, match="matches 2 GGUF files") as info:
+        select_files(parse_model_uri("hf://o/n:*.gguf"), files)
+    assert info.value.reason == "InvalidURI"
+    assert select_files(parse_model_uri("hf://o/n:Q8_0"), files) == ["a.Q8_0.gguf", "config.json"]
+
+
+def test_a_mistral_repository_downloads_the_hugging_face_format_only():
+    from slipstream.server.models.hf_source import select_files
+
+    files = ["config.json", "params.json", "consolidated.safetensors", "model-00001-of-00002.safetensors",
+             "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    assert [f for f in select_files(parse_model_uri("hf://mistralai/m"), files) if f.endswith(".safetensors")] == \
+        ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert select_files(parse_model_uri("hf://o/n"), ["config.json", "consolidated.safetensors"])[1] == \
+        "consolidated.safetensors"  # nothing else to load
+
+
+def test_a_truncated_safetensors_file_is_a_load_error_not_a_traceback(tmp_path, tiny_files):
+    from slipstream.server.models.loader import ModelLoadError, load_model
+
+    for name, data in tiny_files.items():
+        (tmp_path / name).write_bytes(data[:100] if name.endswith(".safetensors") else data)
+    with pytest.raises(ModelLoadError, match="truncated or damaged"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+def test_an_unwritable_termination_message_path_is_reported_not_raised(tmp_path, capsys):
+    from slipstream.server import download_cli
+
+    download_cli._write(tmp_path / "no" / "such" / "dir", {"model": "m", "error": "e", "reason": "r", "status": None})
+    assert "cannot write the termination message" in capsys.readouterr().err

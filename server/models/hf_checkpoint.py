@@ -89,7 +89,10 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], objec
     t0 = time.perf_counter()
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        try:
+            weights.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type: a truncated or damaged file
+            raise ModelLoadError(f"{f}: not a readable safetensors file, truncated or damaged? ({e})") from None
     log.info("read %d tensors from %d safetensors files in %.1f s", len(weights), len(files), time.perf_counter() - t0)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -35,14 +35,25 @@ def select_files(uri: ModelURI, files: list[str]) -> list[str]:
         return sorted(f for f in files if "/" not in f and fnmatch.fnmatchcase(f, pattern))
 
     if uri.filename:
-        weights = sorted(f for f in files if fnmatch.fnmatchcase(f, uri.filename))
+        matched = sorted(f for f in files if fnmatch.fnmatchcase(f, uri.filename))
+        weights = [f for f in matched if f.endswith((".gguf", ".safetensors"))]  # never a pickle, never README
         if not weights:
             ggufs = top("*.gguf")
+            refused = f" (only {', '.join(matched[:4])}, which are not GGUF or safetensors weights)" if matched else ""
             raise ModelSourceError(
-                f"model {uri.text!r}: no file of {uri.repo_id}@{uri.revision} matches {uri.filename!r}"
-                + (f" (GGUF files: {', '.join(ggufs[:8])})" if ggufs else ""), reason="NotFound", status=404)
+                f"model {uri.text!r}: no GGUF or safetensors file of {uri.repo_id}@{uri.revision} matches "
+                f"{uri.filename!r}{refused}" + (f"; GGUF files: {', '.join(ggufs[:8])}" if ggufs else ""),
+                reason="NotFound", status=404)
+        ggufs = [f for f in weights if f.endswith(".gguf") and "/" not in f]
+        if len(ggufs) > 1 and not any(f.endswith(".safetensors") for f in weights):
+            raise ModelSourceError(
+                f"model {uri.text!r}: {uri.filename!r} matches {len(ggufs)} GGUF files ({', '.join(ggufs[:6])}); "
+                f"choose one, e.g. hf://{uri.repo_id}:{ggufs[0]}", reason="InvalidURI")
     else:
-        weights = top("*.safetensors") or top("*.gguf")
+        # Mistral's repositories also ship their own format (consolidated.safetensors): the HF one only
+        safetensors = top("*.safetensors")
+        hf_format = [f for f in safetensors if not f.startswith("consolidated")]
+        weights = hf_format or safetensors or top("*.gguf")
         if len(weights) > 1 and weights[0].endswith(".gguf"):
             raise ModelSourceError(
                 f"model {uri.text!r}: {uri.repo_id} holds {len(weights)} GGUF files ({', '.join(weights[:6])}"
@@ -173,4 +184,7 @@ def map_error(uri: ModelURI, e: Exception, *, token_sent: bool, offline: bool = 
         endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
         return ModelSourceError(f"{where}: cannot reach the Hub at {endpoint} ({type(e).__name__}: {e}); check the "
                                 "network, a proxy (HTTPS_PROXY) or HF_ENDPOINT", reason="Unreachable", status=status)
+    if isinstance(e, OSError) and not isinstance(e, TransportError):  # the cache: full, read-only, not ours
+        return ModelSourceError(f"model {uri.text!r}: cannot write the model cache: {type(e).__name__}: {e}",
+                                reason="CacheNotWritable")
     return ModelSourceError(f"{where}: {type(e).__name__}: {e}", reason="InvalidURI", status=status)

@@ -16,6 +16,7 @@ matter; a holder on the same host whose process is gone is stale at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -195,11 +196,18 @@ class ModelCache:
     def record(self, name: str, *, model: str, requested: str, revision: str, path: Path, nbytes: int) -> Entry:
         """Mark the copy at ``path`` complete (written last, after every file is in place)."""
         now = time.time()
-        entry = Entry(name, model, requested, revision, str(path), nbytes, now, now)
+        entry = Entry(name, model, requested, revision, str(Path(path).resolve()), nbytes, now, now)
         target = self._entry_path(name, revision)
         target.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(target, json.dumps(asdict(entry)))
+        # stored relative to the cache root: a cache copied, mounted elsewhere or named relatively still resolves
+        _write_atomic(target, json.dumps({**asdict(entry), "path": self._relative(entry.path)}))
         return entry
+
+    def _relative(self, path: str) -> str:
+        try:
+            return str(Path(path).relative_to(self.root.resolve()))
+        except ValueError:
+            return path
 
     def find(self, name: str, revision: str | None = None, *, completed_after: float | None = None) -> Entry | None:
         """The complete entry of ``name`` at ``revision`` (or, without one, the latest completed),
@@ -213,18 +221,21 @@ class ModelCache:
         base = self.root / META_DIR / "entries"
         files = (base / name).glob("*.json") if name else base.glob("*/*.json")
         out = []
+        root = self.root.resolve()
         for f in files:
             try:
-                out.append(Entry(**json.loads(f.read_text())))
+                entry = Entry(**json.loads(f.read_text()))
             except (OSError, ValueError, TypeError):
                 continue
+            out.append(dataclasses.replace(entry, path=str(root / entry.path)))  # absolute stays absolute
         return out
 
     def touch(self, entry: Entry) -> Entry:
         """Record a use of ``entry`` now (eviction removes the least recently used first)."""
         used = Entry(**{**asdict(entry), "last_used": time.time()})
         with contextlib.suppress(OSError):
-            _write_atomic(self._entry_path(entry.name, entry.revision), json.dumps(asdict(used)))
+            _write_atomic(self._entry_path(entry.name, entry.revision),
+                          json.dumps({**asdict(used), "path": self._relative(used.path)}))
         return used
 
     def remove(self, entry: Entry) -> None:
@@ -232,16 +243,22 @@ class ModelCache:
         Face snapshot is removed with huggingface_hub's own cache tools, which keep blobs that other
         revisions still link to."""
         self._entry_path(entry.name, entry.revision).unlink(missing_ok=True)
-        hf_root = self.root / "hf"
-        if Path(entry.path).is_relative_to(hf_root):
+        root = self.root.resolve()
+        hf_root = root / "hf"
+        path = Path(entry.path).resolve()
+        if not path.is_relative_to(root) or path in (root, hf_root, root / "s3"):
+            log.warning("not removing %s: outside the cache %s", path, root)
+            return
+        if path.is_relative_to(hf_root):
             if any(e.revision == entry.revision and Path(e.path).is_relative_to(hf_root) for e in self.entries()):
                 return  # the snapshot also backs another entry (another file selector of the same commit)
             from huggingface_hub import scan_cache_dir
 
             scan_cache_dir(hf_root).delete_revisions(entry.revision).execute()
         elif not any(e.path == entry.path for e in self.entries()):
-            path = Path(entry.path)
-            shutil.rmtree(path.parent if path.is_file() else path, ignore_errors=True)  # a GGUF: its folder
+            folder = path.parent if path.is_file() else path  # a GGUF: its folder
+            if folder.is_relative_to(root / "s3") and folder != root / "s3":
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: ModelCache | None = None) -> list[Entry]:
@@ -250,15 +267,18 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
     are never removed. Returns the removed entries, oldest first.
 
     A serving process keeps no file open once its weights are loaded, so removing the copy of a
-    running model does not disturb it (only its next restart fetches again)."""
+    running model does not disturb it; but a pod's server that restarts in place (its init
+    container does not run again) finds its revision gone until the pod is recreated, so size
+    ``max_bytes`` above the models in use."""
     cache = cache or ModelCache(cache_dir)
+    kept = {str(Path(k).resolve()) for k in keep}
     entries = sorted(cache.entries(), key=lambda e: e.last_used)
     total = sum(e.bytes for e in entries)
     removed = []
     for e in entries:
         if total <= max_bytes:
             break
-        if e.name in keep or e.path in keep or cache.is_locked(e.name):
+        if e.name in keep or e.path in kept or cache.is_locked(e.name):
             continue
         log.info("evicting %s at %s (%d bytes, last used %s)", e.model, e.revision, e.bytes,
                  time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)))

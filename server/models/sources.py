@@ -279,7 +279,7 @@ def weights_path(folder: Path, files: list[str]) -> Path:
         return folder
     if len(ggufs) > 1:
         raise ModelSourceError(f"{folder}: {len(ggufs)} GGUF files ({', '.join(ggufs[:4])}); choose one with "
-                               "a file selector, e.g. hf://ORG/NAME:*Q4_K_M.gguf", reason="InvalidURI")
+                               "a file selector (hf://ORG/NAME:*Q4_K_M.gguf) or an s3:// URI naming the one object", reason="InvalidURI")
     return folder / ggufs[0]
 
 

@@ -234,3 +234,16 @@ def test_the_operator_and_slipstream_serve_take_the_same_hub_and_s3_uris(uri):
     except ModelSourceError:
         theirs = False
     assert ours is theirs, f"{uri}: operator {ours}, server {theirs}"
+
+
+def test_oci_on_a_cluster_older_than_native_sidecars_is_refused_naming_the_version():
+    with pytest.raises(SpecError, match="1.29 or later.*1.28") as info:
+        render_deployment(isvc(uri="oci://registry.example/models/m:1"), kube_version=(1, 28))
+    assert info.value.reason == "UnsupportedCluster"
+
+
+def test_the_users_hf_hub_offline_replaces_the_operators_not_duplicates_it():
+    body = isvc(uri="hf://org/name")
+    body["spec"]["env"].append({"name": "HF_HUB_OFFLINE", "value": "0"})
+    env = render_deployment(body)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "HF_HUB_OFFLINE"] == ["0"]

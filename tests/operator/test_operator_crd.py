@@ -265,7 +265,8 @@ MODEL_PROBES = [{"uri": u} for u in (
     {"uri": "hf://org/name", "s3": {}}, {"uri": "hf://org/name", "oci": {}},
     {"uri": "oci://ghcr.io/org/model:1", "oci": {"mount": "modelcar"}},
     {"uri": "oci://ghcr.io/org/model:1", "oci": {"mount": "image-volume"}},
-    {"uri": "oci://ghcr.io/org/model:1", "oci": {"mount": "sidecar"}}, {"uri": "builtin", "secretRef": {"name": "x"}},
+    {"uri": "oci://ghcr.io/org/model:1", "oci": {"mount": "sidecar"}},
+    {"uri": "oci://ghcr.io/org/model:1", "cache": {"claimName": "c"}}, {"uri": "oci://ghcr.io/org/model:1", "secretRef": {"name": "s"}}, {"uri": "builtin", "secretRef": {"name": "x"}},
     {"source": "image", "path": "/m", "cache": {"claimName": "c"}}, {"source": "pvc", "path": "m", "claimName": "c"},
     {"source": "builtin"}, {}, {"path": "/x"}, {"claimName": "c"}, {"profile": "tiny"}]
 
