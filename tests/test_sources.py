@@ -439,22 +439,10 @@ def test_eviction_of_an_hf_revision_uses_huggingface_hubs_cache_tools(hub, env):
 
 @pytest.fixture(scope="module")
 def s3_server():
-    """moto's S3 on loopback (werkzeug, threaded), counting the requests it serves."""
-    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-    from werkzeug.serving import make_server
+    """moto's S3 on loopback (tests/s3_server.py)."""
+    from s3_server import start_s3
 
-    app = DomainDispatcherApplication(create_backend_app)
-    seen: list[tuple[str, str, str]] = []
-
-    def counting(environ, start_response):
-        seen.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("HTTP_RANGE", "")))
-        return app(environ, start_response)
-
-    server = make_server("127.0.0.1", 0, counting, threaded=True, request_handler=MotoRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    server.seen = seen
-    server.url = f"http://127.0.0.1:{server.server_port}"
+    server = start_s3()
     yield server
     server.shutdown()
 

@@ -45,6 +45,9 @@ GGUF_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm before the feed-forward there.
+_GEMMA_NAMES = {**GGUF_NAMES, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def read_gguf(path: Path, as_stored: bool) -> tuple[ModelConfig, dict, object, Path | None]:
@@ -137,8 +140,11 @@ _GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _GGUF_ROPE_PERMUTED = ("LlamaForCausalLM", "MixtralForCausalLM")
+_GGUF_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
@@ -202,8 +208,32 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         if scaling_type != "linear":
             raise ModelLoadError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
         cfg.rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
-
+    if hf_arch in _GGUF_GEMMA:
+        for name, value in _gemma_fields(a, hf_arch, cfg).items():
+            setattr(cfg, name, value)
     return cfg
+
+
+def _gemma_fields(a, hf_arch: str, cfg: ModelConfig) -> dict:
+    """Gemma's :class:`ModelConfig` fields as llama.cpp reads a ``gemma2``/``gemma3`` file
+    (``llama_load_hparams``): local layers every other one (Gemma 2) or five in six (Gemma 3,
+    RoPE base 10,000 there), soft-caps only in Gemma 2 (default 50 and 30), and an attention scale
+    from ``hidden / heads`` for the 27B models (46 and 62 layers) and from ``head_dim`` otherwise."""
+    gemma3 = hf_arch == "Gemma3ForCausalLM"
+    pattern = a("attention.sliding_window_pattern", 6 if gemma3 else 2)
+    window = a("attention.sliding_window")
+    if isinstance(pattern, list):  # newer files: one flag per layer, true for the local ones
+        local = [bool(p) for p in pattern]
+    else:
+        local = [bool((i + 1) % int(pattern)) for i in range(cfg.num_layers)]
+    is_27b = cfg.num_layers == (62 if gemma3 else 46)
+    return {
+        "layer_windows": [int(window) if window and w else None for w in local],
+        "attn_logit_softcap": None if gemma3 else float(a("attn_logit_softcapping", 50.0)),
+        "final_logit_softcap": None if gemma3 else float(a("final_logit_softcapping", 30.0)),
+        "query_pre_attn_scalar": float(cfg.hidden_size // cfg.num_heads if is_27b else cfg.head_dim),
+        "rope_local_theta": 10_000.0 if gemma3 else None,
+    }
 
 
 def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]:
@@ -213,6 +243,9 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
 
     t0 = time.perf_counter()
     cfg, tensors = _gguf_index(path)
+    gemma_file = cfg.architecture in _GGUF_GEMMA
+    if gemma_file and as_stored:
+        log.info("%s: Gemma's quantized tensors are served dequantized to fp32 (no quantized Gemma modules yet)", path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict = {}
     dequantized: set[str] = set()
@@ -223,7 +256,8 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
             raise ModelLoadError(f"{path}: tensor {t.name} lies past the end of the file (truncated?)")
         raw = data[t.offset:t.offset + t.nbytes]
         rows = int(np.prod(t.shape[1:], dtype=np.int64))
-        keep = as_stored and quant.supported(qtype) and len(t.shape) == 2  # QuantLinear is 2-D: experts dequantize
+        # QuantLinear is 2-D (experts dequantize), and Gemma's modules take plain tensors only
+        keep = as_stored and quant.supported(qtype) and len(t.shape) == 2 and not gemma_file
         if keep:
             array = np.array(raw.reshape(rows, -1), copy=True)  # [rows, row bytes], the file's blocks
         else:
@@ -239,7 +273,9 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
             array = np.array(array, dtype=np.float32, copy=True).reshape(*reversed(t.shape))
             if as_stored and qtype not in ("F32", "F16", "BF16"):
                 (stacked if quant.supported(qtype) else dequantized).add(qtype)
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, _GEMMA_NAMES if cfg.architecture in _GGUF_GEMMA else GGUF_NAMES)
+        if cfg.architecture in _GGUF_GEMMA and name.endswith("norm.weight"):
+            array = array - 1  # llama.cpp's converter stores Gemma's zero-centred norm weights + 1
         if cfg.architecture in _GGUF_ROPE_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
             array = _unpermute_rope(array, heads)  # permutes whole rows: blocks stay intact
@@ -256,12 +292,12 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
     return cfg, weights
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, names: dict[str, str] = GGUF_NAMES) -> str:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
         suffix = "" if parts[2].endswith("_exps") else f".{parts[3]}"  # stacked experts: Experts' own names
-        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}{suffix}"
-    return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+        return f"model.layers.{parts[1]}.{names[parts[2]]}{suffix}"
+    return f"{names[parts[0]]}.{parts[1]}"
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:

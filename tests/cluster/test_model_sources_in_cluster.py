@@ -2,8 +2,9 @@
 (the loopback Hub of tests/hub_server.py on the pod network's gateway) downloads once into a
 shared ReadWriteMany cache for two pods, a third pod starts from the cache, a new revision
 downloads again, and a bad token or a missing model gives Ready=False naming the model and the
-status code without a retry storm; a model image from a registry on loopback (go-containerregistry's
-``registry``) is served through an image volume.
+status code without a retry storm; an S3 model (moto's server, tests/s3_server.py) downloads
+with the credentials of a Secret; a model image from a registry on loopback
+(go-containerregistry's ``registry``) is served through an image volume.
 
 The tests in this module run in order on one installation.
 """
@@ -154,6 +155,32 @@ def test_a_refused_download_is_ready_false_naming_the_model_and_the_code_without
     attempts = hub.count(contains=repo) - before
     assert attempts <= 12, hub.requests[-40:]
     installed.kubectl("delete", "infsvc", name, "-n", NS, "--wait=false")
+
+
+def test_an_s3_model_downloads_with_the_secrets_credentials_and_serves(installed, hub, gguf):
+    import boto3
+    from s3_server import start_s3
+
+    s3 = start_s3(POD_GATEWAY_IP)
+    try:
+        client = boto3.client("s3", endpoint_url=s3.url, region_name="us-east-1",
+                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        client.create_bucket(Bucket="models")
+        client.put_object(Bucket="models", Key=f"smollm2/{BUILTIN_FILE}", Body=gguf)
+        installed.kubectl("create", "secret", "generic", "s3-credentials", "-n", NS,
+                          "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
+                          check=False)
+        apply(installed, service("s3", {"uri": "s3://models/smollm2", "secretRef": {"name": "s3-credentials"},
+                                        "s3": {"endpoint": s3.url, "region": "us-east-1"}}, hub))
+        obj = wait_for(lambda: ready(installed, "s3", 1), MODEL_READY_TIMEOUT, "the S3 model's pod Ready")
+        report = obj["status"]["model"]
+        assert report["uri"] == "s3://models/smollm2" and report["revision"] and report["bytes"] >= len(gguf), report
+        assert any(method == "GET" and path.endswith(BUILTIN_FILE) for method, path, _ in s3.seen), s3.seen
+        reply = chat(ready_pod_ips(installed, "s3", NS)[0], "s3")
+        assert reply["choices"][0]["message"]["content"]
+        installed.kubectl("delete", "infsvc", "s3", "-n", NS, "--wait=false")
+    finally:
+        s3.shutdown()
 
 
 def test_a_model_image_from_a_registry_serves_through_an_image_volume(installed, hub, gguf, tmp_path):

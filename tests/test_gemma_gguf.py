@@ -1,0 +1,169 @@
+"""Gemma 2 and Gemma 3 (text) GGUF files, llama.cpp's ``gemma2``/``gemma3`` architectures: greedy
+output equals transformers' reading the same file, token for token, alone and batched, on prompts
+longer than the 16-token sliding window.
+
+The files are written here with ``gguf.GGUFWriter`` from tiny random Gemma models, in llama.cpp's
+conventions (``convert_hf_to_gguf.py``): norm weights stored with 1 added, q/k rows not permuted,
+Gemma's four norms as ``attn_norm``/``post_attention_norm``/``ffn_norm``/``post_ffw_norm``, the
+LM head tied (no ``output.weight``). transformers' GGUF reader drops the soft-caps and the RoPE
+scaling and has no ``query_pre_attn_scalar`` (llama.cpp takes ``head_dim``), so the oracle is given
+them as config overrides; it must also agree with the source model, which checks the writer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.server.engine import LLM
+
+from test_architectures import VOCAB, _as_stored, _file_type, gguf_tokenizer  # noqa: F401 (fixture)
+from tiny_checkpoints import GREEDY, assert_not_degenerate, greedy, tokens
+
+WINDOW = 16
+HEAD_DIM = 32
+SHAPES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+              head_dim=HEAD_DIM, sliding_window=WINDOW, max_position_embeddings=512, initializer_range=0.2,
+              rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")
+ROPE_SCALING = {"rope_type": "linear", "factor": 8.0}
+# config as llama.cpp reads the file, which transformers' GGUF reader leaves at its defaults
+OVERRIDES = {
+    "gemma2": dict(query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=5.0, final_logit_softcapping=30.0),
+    "gemma3": dict(query_pre_attn_scalar=HEAD_DIM, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                   rope_parameters={"full_attention": {**ROPE_SCALING, "rope_theta": 1_000_000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+}
+GGUF_NAMES = {  # Hugging Face → llama.cpp for Gemma (gguf.constants.MODEL_TENSORS[MODEL_ARCH.GEMMA3])
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _source(arch: str, eos: int):
+    """A random Gemma model whose post-sublayer norms are drawn around 4 (see ``tiny_checkpoints``)."""
+    import transformers
+
+    if arch == "gemma2":
+        config = transformers.Gemma2Config(**SHAPES, num_hidden_layers=4, **OVERRIDES["gemma2"],
+                                           eos_token_id=eos, bos_token_id=1, pad_token_id=eos)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        config = transformers.Gemma3TextConfig(**SHAPES, num_hidden_layers=6, **OVERRIDES["gemma3"],
+                                               eos_token_id=eos, bos_token_id=1, pad_token_id=eos)
+        cls = transformers.Gemma3ForCausalLM
+    torch.manual_seed(sum(map(ord, arch)))
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".post_" in name and "norm" in name:
+                p.normal_(4.0, 0.5)
+    return model
+
+
+def _write_gguf(path: Path, arch: str, model, dtype: str, tokenizer_fields: dict) -> None:
+    """``model`` as a llama.cpp ``arch`` GGUF file, matrices in ``dtype``, norms in F32 (+1)."""
+    import gguf
+    import numpy as np
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_rope_freq_base(10_000.0)
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    else:
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(ROPE_SCALING["factor"])
+    for key, (value, types) in tokenizer_fields.items():
+        w.add_key_value(key, value, types[0], types[-1] if len(types) > 1 else None)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        array = t.detach().float().numpy()
+        if "norm" in name:
+            w.add_tensor(name, array + 1)
+        elif _file_type(t, dtype) == "Q8_0":
+            w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, array.astype(np.float16) if dtype == "F16" else array)
+
+    state = {k.removeprefix("model."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    add("token_embd.weight", state.pop("embed_tokens.weight"))
+    add("output_norm.weight", state.pop("norm.weight"))
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        for name in sorted(k for k in state if k.startswith(p)):
+            add(f"blk.{i}.{GGUF_NAMES[name[len(p):].removesuffix('.weight')]}.weight", state.pop(name))
+    assert not state, sorted(state)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _prompts() -> list[list[int]]:
+    """Four prompts, three longer than the window (one over three windows), one shorter."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 40, 57)]
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_greedy_tokens_equal_transformers(tmp_path, monkeypatch, gguf_tokenizer, arch,  # noqa: F811
+                                                     dtype, no_leaks):
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.server.models.gemma import GemmaModel
+    from slipstream.server.models.loader import load_model
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    eos = int(gguf_tokenizer["tokenizer.ggml.eos_token_id"][0])
+    model = _source(arch, eos)
+    with torch.no_grad():  # what the file holds, back in fp32
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(_as_stored(p, dtype))
+    gguf_path = tmp_path / f"{arch}.gguf"
+    _write_gguf(gguf_path, arch, model, dtype, gguf_tokenizer)
+    ps = _prompts()
+
+    oracle = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32,
+                                                  attn_implementation="eager", **OVERRIDES[arch]).eval()
+    expected = greedy(oracle, ps, eos)
+    assert_not_degenerate(expected)
+    assert greedy(model, ps, eos) == expected, "transformers should read the file as the model it was written from"
+
+    loaded = load_model(str(gguf_path), torch.device("cpu"), torch.float32)
+    cfg = loaded.config
+    assert isinstance(loaded.model, GemmaModel) and cfg.tie_word_embeddings
+    assert cfg.query_pre_attn_scalar == HEAD_DIM
+    if arch == "gemma2":
+        assert cfg.architecture == "Gemma2ForCausalLM" and cfg.layer_windows == [WINDOW, None] * 2
+        assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (5.0, 30.0)
+    else:
+        assert cfg.architecture == "Gemma3ForCausalLM" and cfg.layer_windows == [WINDOW] * 5 + [None]
+        assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling) == (1e6, 1e4, ROPE_SCALING)
+    assert any(len(p) > 2 * WINDOW for p in ps)
+
+    alone = LLM(loaded=loaded, max_num_batched_tokens=512, kv_cache_memory_bytes=4 << 20)
+    assert [tokens(alone.generate(p, GREEDY))[0] for p in ps] == expected
+    no_leaks(alone.engine)
+    batched = LLM(loaded=loaded, max_num_batched_tokens=1024, kv_cache_memory_bytes=4 << 20, trace=True)
+    assert tokens(batched.generate(ps, GREEDY)) == expected
+    assert len(batched.engine.trace[0].scheduled) == len(ps), "all prompts should share the first step"
+    no_leaks(batched.engine)
