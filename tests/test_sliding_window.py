@@ -225,3 +225,39 @@ def test_mistral_greedy_tokens_equal_transformers_with_prompts_longer_than_the_w
 def test_layer_windows_follow_transformers_reading_of_the_config(arch, raw, expected):
     from slipstream.server.models.hf_checkpoint import layer_windows as _layer_windows
     assert _layer_windows(raw, arch, 3) == expected
+
+
+def test_a_windowed_request_longer_than_the_whole_kv_cache_matches_transformers(mistral, no_leaks):
+    """Blocks behind the window are released as a request moves, so with small prefill chunks a
+    request far longer than the pool runs in it, and its tokens are still transformers'."""
+    import dataclasses
+
+    from tiny_checkpoints import GREEDY, MAX_TOKENS, tokens
+    from slipstream.server.engine import LLM
+    path, ps, expected, _ = mistral
+    probe = LLM(model=str(path))
+    per_block = 16 * probe.engine.model_config.kv_bytes_per_token(4)
+    llm = LLM(model=str(path), kv_cache_memory_bytes=4 * per_block, max_num_batched_tokens=12, trace=True)
+    kv = llm.engine.kv
+    assert kv.num_blocks == 4 and kv.sliding_window == 16
+    assert llm.engine.max_model_len == 512, "a window plus a chunk fits: the context is not cut to the pool"
+    longest = max(range(len(ps)), key=lambda i: len(ps[i]))
+    assert len(ps[longest]) + MAX_TOKENS > kv.num_slots, "the request should not fit in the pool without releasing"
+    for p, want in zip(ps, expected):
+        assert tokens(llm.generate(p, GREEDY)) == [want]
+        no_leaks(llm.engine)
+    assert llm.engine.scheduler.num_preemptions == 0
+    # Two greedy choices fork from one prefill: each sees the window it needs, both are transformers'.
+    two = llm.generate(ps[longest], dataclasses.replace(GREEDY, n=2))
+    assert [c.token_ids for c in two[0].outputs] == [expected[longest]] * 2
+    no_leaks(llm.engine)
+
+
+def test_only_a_model_whose_every_layer_slides_releases_blocks():
+    from slipstream.server.models.config import ModelConfig
+    shapes = dict(architecture="MistralForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=1, num_kv_heads=1,
+                  head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+                  tie_word_embeddings=True)
+    assert ModelConfig(**shapes, layer_windows=[8, 4]).kv_window == 8
+    assert ModelConfig(**shapes, layer_windows=[8, None]).kv_window is None  # Gemma's global layers read it all
+    assert ModelConfig(**shapes).kv_window is None

@@ -111,8 +111,12 @@ def check_engine_modes(path: Path, ps: list[list[int]], expected: list[list[int]
 
     cfg = batched.engine.runner.model.cfg
     longest = max(len(p) for p in ps) + MAX_TOKENS
-    blocks = -(-longest // 16) + 1  # the longest request fits; all four at once do not
-    small = LLM(model=str(path), kv_cache_memory_bytes=blocks * 16 * cfg.kv_bytes_per_token(4))
+    # Behind a sliding window a request holds only the window's blocks and a chunk's: small chunks
+    # keep that few, so the cache is still too small for all four at once.
+    chunk = 12 if cfg.kv_window else None
+    blocks = batched.engine.kv.max_blocks_held(longest, chunk or longest) + 1  # the longest request fits
+    small = LLM(model=str(path), kv_cache_memory_bytes=blocks * 16 * cfg.kv_bytes_per_token(4),
+                **({"max_num_batched_tokens": chunk} if chunk else {}))
     assert small.engine.kv.num_blocks == blocks
     assert tokens(small.generate(ps, GREEDY)) == expected
     assert small.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small for all at once"

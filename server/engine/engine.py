@@ -80,8 +80,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={kv_bytes} holds no KV block "
                              f"(one block of {config.block_size} tokens needs {block_bytes} bytes)")
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        capacity = self.kv.num_slots
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cfg.kv_window)
+        capacity = self._request_capacity()
         if capacity < self.max_model_len:
             if config.max_model_len:  # asked for: kept, longer requests are refused with the cache's size
                 log.warning("max_model_len %d exceeds the KV cache's %d tokens: requests needing more are rejected",
@@ -106,6 +106,16 @@ class LLMEngine:
         self.step_listeners: list = []
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d", num_blocks, config.block_size,
                  num_blocks * block_bytes / 2**20, self.max_model_len)
+
+    def _request_capacity(self) -> int:
+        """Tokens one request can reach alone in the pool: every slot, or ``max_model_len`` when
+        every layer slides and the blocks of a window plus a prefill chunk fit (those behind the
+        window are released as it moves)."""
+        kv = self.kv
+        if kv.sliding_window is not None and \
+                kv.max_blocks_held(self.max_model_len, self.config.max_num_batched_tokens) <= kv.num_blocks:
+            return max(self.max_model_len, kv.num_slots)
+        return kv.num_slots
 
     def _kv_cache_bytes(self, block_bytes: int) -> int:
         """The KV pool's bytes: the config's when given; on CUDA with the model's own runner, what
@@ -181,7 +191,7 @@ class LLMEngine:
                                   "context_length_exceeded", "messages")
         max_tokens = params.max_tokens
         if max_tokens is None:  # the rest of the context, as far as the whole cache reaches
-            capacity = self.kv.num_slots
+            capacity = self._request_capacity()
             if n_prompt >= capacity:  # possible when an explicit max_model_len exceeds the cache
                 raise RequestRejected(f"The prompt has {n_prompt} tokens but the KV cache holds only {capacity}, "
                                       "and at least one more is needed to generate. Shorten the prompt.",
@@ -192,7 +202,7 @@ class LLMEngine:
                                   f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
                                   f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
                                   "context_length_exceeded", "max_tokens")
-        blocks = self.kv.blocks_needed(n_prompt + max_tokens)
+        blocks = self.kv.max_blocks_held(n_prompt + max_tokens, self.config.max_num_batched_tokens)
         if blocks > self.kv.num_blocks:
             raise RequestRejected(f"The request needs {blocks} KV blocks ({n_prompt + max_tokens} tokens) but the "
                                   f"cache holds only {self.kv.num_blocks}. Reduce the prompt or max_tokens.",

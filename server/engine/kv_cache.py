@@ -8,6 +8,13 @@ reference count. A block whose count drops to zero keeps its contents and hash a
 LRU free queue: a later request with the same prefix revives it, and allocation evicts the least
 recently freed first.
 
+Sliding windows (Mistral 7B, Jiang et al. 2023, §2; vLLM's sliding-window manager): when every
+layer attends only the last ``sliding_window`` tokens, the blocks wholly behind the window of a
+request's next query can never be read again by it; :meth:`KVCacheManager.free_out_of_window`
+releases them before each allocation (the request's table keeps :data:`NULL_BLOCK` in their
+place), so a request holds about ``window + chunk`` tokens of blocks however long it grows. They
+keep their hashes, so prefix sharing still finds them until they are evicted.
+
 KV events: while ``events`` is a list (:meth:`record_events`), the manager appends what changed
 in the set of shareable blocks, by hash — ``stored`` when a full block gets its hash,
 ``removed`` when an evicted block loses it — as vLLM publishes ``BlockStored`` and
@@ -22,10 +29,11 @@ from dataclasses import dataclass, field
 from ..kv_hash import block_hash
 from .request import Request
 
-__all__ = ["KVCacheManager", "KVEvent", "block_hash"]
+__all__ = ["KVCacheManager", "KVEvent", "NULL_BLOCK", "block_hash"]
 
 STORED = "stored"
 REMOVED = "removed"
+NULL_BLOCK = -1  # a block-table entry released behind the sliding window (the step layout reads block 0 there)
 
 
 @dataclass(slots=True)
@@ -45,12 +53,18 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: share and revive full blocks by content hash.
+        sliding_window: tokens of K/V a query reads behind it when every layer slides (keys
+            ``p - window < j <= p``, as the attention kernels); None: every token stays readable.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 token, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
@@ -79,6 +93,15 @@ class KVCacheManager:
         """Fraction of the pool referenced by requests, 0..1 (the ``kv_cache_usage_perc`` gauge)."""
         return self.num_used_blocks / self.num_blocks
 
+    def max_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one request of ``num_tokens`` tokens holds at once when it advances at
+        most ``chunk`` tokens a step: all of them, or behind a sliding window only the window's
+        and the chunk's (one more when they straddle a block boundary)."""
+        full = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return full
+        return min(full, self.blocks_needed(self.sliding_window - 1 + chunk) + 1)
+
     def utilization(self, requests: list[Request]) -> float:
         """Tokens held / slots allocated over the given requests' blocks, 0..1; a shared block counts once.
 
@@ -88,6 +111,8 @@ class KVCacheManager:
         filled: dict[int, int] = {}
         for req in requests:
             for i, block in enumerate(req.block_table):
+                if block == NULL_BLOCK:
+                    continue
                 n = min(self.block_size, max(0, req.num_computed_tokens - i * self.block_size))
                 filled[block] = max(filled.get(block, 0), n)
         return sum(filled.values()) / (len(filled) * self.block_size) if filled else 0.0
@@ -168,14 +193,22 @@ class KVCacheManager:
         num_computed: the parent's tokens whose K/V is in its blocks, when the forward pass is
         ahead of ``parent.num_computed_tokens`` (the engine forks between the forward pass and
         :meth:`Scheduler.update_from_output`, which may finish the parent and free its blocks).
+        Behind a sliding window, when the parent has already released a block the child's first
+        query would read, the child shares nothing and is admitted as a new request (its prompt
+        blocks mostly found again by :meth:`match_prefix`).
         """
         computed = parent.num_computed_tokens if num_computed is None else num_computed
         shared = min((child.num_tokens - 1) // self.block_size, computed // self.block_size)
-        for block in parent.block_table[:shared]:
+        if self.sliding_window is not None and parent.num_released_blocks:
+            first_needed = max(0, shared * self.block_size - self.sliding_window + 1) // self.block_size
+            if first_needed < parent.num_released_blocks:
+                return  # the child's first query would see a released block: it starts fresh (prefix cache)
+        for block in parent.block_table[parent.num_released_blocks:shared]:
             self._ref(block)
         child.block_table = parent.block_table[:shared]
         child.block_hashes = parent.block_hashes[:shared]
         child.num_computed_tokens = shared * self.block_size
+        child.num_released_blocks = min(parent.num_released_blocks, shared)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Name the request's newly computed full blocks by hash so later requests can share them."""
@@ -183,7 +216,7 @@ class KVCacheManager:
             return
         self._extend_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
-        for i in range(full):
+        for i in range(req.num_released_blocks, full):  # released ones were named before they went
             block, h = req.block_table[i], req.block_hashes[i]
             if self.hash_of[block] is None and h not in self.cached:
                 self.hash_of[block] = h
@@ -191,27 +224,54 @@ class KVCacheManager:
                 if self.events is not None:
                     self._emit(STORED, h)
 
+    def free_out_of_window(self, req: Request) -> int:
+        """Release the request's leading blocks that its next query can no longer see.
+
+        The next step's first query sits at ``num_computed_tokens`` and reads keys after
+        ``num_computed_tokens - sliding_window``; blocks wholly before that are dropped (as in
+        :meth:`free_request`) and their table entries become :data:`NULL_BLOCK`, so positions
+        and the slot mapping of later tokens keep their meaning. Returns the blocks released
+        now; 0 without a sliding window.
+        """
+        if self.sliding_window is None:
+            return 0
+        first_needed = req.num_computed_tokens - self.sliding_window + 1
+        stop = min(max(0, first_needed) // self.block_size, len(req.block_table))
+        start = req.num_released_blocks
+        if stop <= start:
+            return 0
+        table = req.block_table
+        for i in range(start, stop):
+            self._unref(table[i])
+            table[i] = NULL_BLOCK
+        req.num_released_blocks = stop
+        return stop - start
+
     def free_request(self, req: Request) -> None:
         """Drop the request's references; blocks reaching zero go to the free queue.
 
         Tail blocks are freed first so they are evicted first (a later request is likelier
         to share the head of a prompt than its tail); unhashed blocks go to the front.
         """
-        for block in reversed(req.block_table):
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
-            if self.ref_counts[block] == 0:
-                self.free[block] = None
-                if self.hash_of[block] is None:
-                    self.free.move_to_end(block, last=False)
+        for block in reversed(req.block_table[req.num_released_blocks:]):
+            self._unref(block)
         req.block_table = []
         req.num_computed_tokens = 0
+        req.num_released_blocks = 0
 
     # --- internals ----------------------------------------------------------------------------
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free[block]
         self.ref_counts[block] += 1
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+            if self.hash_of[block] is None:
+                self.free.move_to_end(block, last=False)
 
     def _evict(self, block: int) -> None:
         h = self.hash_of[block]

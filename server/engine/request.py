@@ -40,6 +40,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0  # leading table entries released behind the sliding window (NULL_BLOCK)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

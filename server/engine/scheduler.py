@@ -6,7 +6,9 @@ running request needs a block and none is free, the newest running request is pr
 blocks are freed and it waits at the head of the queue to be recomputed (vLLM's recompute
 preemption, Kwon et al. SOSP '23, §4.5). If nothing runs and the head of the queue still does not
 fit, waiting requests give back the blocks they hold, so the queue always moves. Finished
-requests leave at once, so a freed seat is filled on the very next step.
+requests leave at once, so a freed seat is filled on the very next step. Before a request's
+blocks are allocated, those behind every layer's sliding window are released
+(:meth:`KVCacheManager.free_out_of_window`).
 
 After the forward pass, :meth:`Scheduler.update_from_output` is the other half of the state
 machine (vLLM v1's ``Scheduler.update_from_output``, nano-vllm's ``Scheduler.postprocess``): it
@@ -79,6 +81,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self.kv.free_out_of_window(req)
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -97,6 +100,7 @@ class Scheduler:
             fresh = not req.block_table  # a forked choice arrives holding its parent's blocks
             hit = self.kv.match_prefix(req) if fresh else 0
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self.kv.free_out_of_window(req)
             if not self.kv.allocate(req, n):
                 if fresh:
                     self.kv.free_request(req)  # don't pin cache hits while it waits

@@ -28,7 +28,8 @@ class HostStep:
         query_start_loc: ``[num_seqs + 1]``; request i owns rows ``query_start_loc[i] ..
             query_start_loc[i+1] - 1``.
         seq_lens: ``[num_seqs]``, context length after the step (padding sequences: 1).
-        block_tables: ``[num_seqs, width]``, zero past each request's blocks.
+        block_tables: ``[num_seqs, width]``, zero past each request's blocks and in place of those
+            released behind a sliding window.
         sample_rows: ``[num_sampled]``, the row of each sampled request's last scheduled token.
         num_requests: real requests (≤ num_seqs; the rest are padding).
         max_query_len, max_seq_len: over the real requests.
@@ -86,6 +87,8 @@ def layout(batch: SchedulerOutput, block_size: int, sample: list[int], *, num_se
         if len(table) > width:
             raise ValueError(f"request {req.request_id} holds {len(table)} blocks, more than the table's {width}")
         tables[i, :len(table)] = table
+        if req.num_released_blocks:  # released behind the sliding window: masked, so block 0 stands in
+            tables[i, :req.num_released_blocks] = 0
         start = req.num_computed_tokens
         positions = np.arange(start, start + count, dtype=np.int64)
         ids.append(np.asarray(req.token_ids[start:start + count], dtype=np.int64))

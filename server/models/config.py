@@ -77,6 +77,15 @@ class ModelConfig:
         """The largest window of any layer, or None when no layer slides."""
         return max((w for w in self.layer_windows if w is not None), default=None)
 
+    @property
+    def kv_window(self) -> int | None:
+        """Tokens behind a query whose K/V some layer still reads: the largest window when every
+        layer slides (Mistral, Mixtral), else None (a full-attention layer, as in Gemma's
+        interleaving, needs the whole context, so no block can be released)."""
+        if not self.layer_windows or any(w is None for w in self.layer_windows):
+            return None
+        return max(self.layer_windows)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token holds across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
