@@ -5,13 +5,21 @@ On success the termination message (``--termination-message-path``, Kubernetes'
 ``terminationMessagePath``) is ``{"model", "revision", "bytes", "seconds", "path"}`` and the exit
 code 0; on failure ``{"model", "error", "reason", "status"}``, the message on stderr, exit code 1.
 Network errors are tried again a few times with backoff; 401/403/404 fail at once.
+
+SIGINT and SIGTERM (a pod being deleted) stop the download within a chunk (10 MiB from the Hub,
+8 MiB from S3): the lock is released so that another process takes over at once, the
+termination message says ``"reason": "Interrupted"``, and the exit code is 130 (SIGINT) or 143
+(SIGTERM). A second signal exits at once, leaving the lock for the stale-lock takeover.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 TERMINATION_MESSAGE_MAX = 4096  # bytes the kubelet keeps of a termination message
@@ -59,6 +67,22 @@ def _fail(args, message: str, reason: str, status: int | None) -> int:
     return 1
 
 
+def _stop_on_signals() -> None:
+    """SIGINT/SIGTERM: cancel the fetch (its download threads stop at their next chunk) and raise
+    :class:`~.sources.Interrupted` here in the main thread, which unwinds through the lock's release;
+    a second signal exits at once."""
+    from slipstream.server.models import sources
+
+    def on_signal(signum, frame):
+        if sources.cancelled():
+            os._exit(128 + signum)
+        sources.cancel_fetches(signum)
+        raise sources.Interrupted(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -68,17 +92,31 @@ def main(argv: list[str]) -> int:
     from slipstream.server.models import model_cache, sources
 
     cache_dir = args.cache_dir or sources.default_cache_dir()
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    if in_main:
+        _stop_on_signals()
     try:
         uri = sources.parse_model_uri(args.model)
+        # this process does not serve the model: no lease (the lock and `keep` protect it here)
         result = sources.fetch(uri, cache_dir, offline=args.offline, s3_endpoint=args.s3_endpoint,
-                               retries=args.retries, stale_after_s=args.stale_lock_seconds)
+                               retries=args.retries, stale_after_s=args.stale_lock_seconds, lease=False)
+        if args.max_cache_bytes is not None:
+            model_cache.evict(cache_dir, args.max_cache_bytes, keep=(str(result.path), str(result.path.parent)),
+                              cache=model_cache.ModelCache(cache_dir, stale_after_s=args.stale_lock_seconds))
+    except sources.Interrupted as e:
+        name = signal.Signals(e.signum).name if e.signum else "a signal"
+        _fail(args, f"model {args.model!r}: interrupted by {name}; the download lock is released, so another "
+                    "process can take over", "Interrupted", None)
+        return e.exit_code
     except sources.ModelSourceError as e:
         return _fail(args, str(e), e.reason, e.status)
     except OSError as e:  # the cache volume: read-only, full, or not ours (hostPath without permissions)
         return _fail(args, f"model {args.model!r}: cannot write the model cache {cache_dir}: {e}",
                      "CacheNotWritable", None)
-    if args.max_cache_bytes is not None:
-        model_cache.evict(cache_dir, args.max_cache_bytes, keep=(str(result.path), str(result.path.parent)))
+    finally:
+        for signum, handler in previous.items():  # main() also runs inside tests' processes
+            signal.signal(signum, handler)
     _write(args.termination_message_path, {"model": args.model, "revision": result.revision, "bytes": result.bytes,
                                            "seconds": round(result.seconds, 3), "path": str(result.path)})
     print(f"{args.model}: revision {result.revision}, {result.bytes} bytes in {result.seconds:.1f} s at {result.path}")

@@ -13,7 +13,10 @@ calls, with the headers huggingface_hub 1.x/2.x reads (``file_download.get_hf_fi
   (``X-Error-Code: RepoNotFound``); a gated repo's files 401 without a token, 403 with one that
   has no access (``GatedRepo``); ``RevisionNotFound`` and ``EntryNotFound`` 404s.
 
-Every request is recorded in ``requests`` as ``(method, path)``.
+Every request is recorded in ``requests`` as ``(method, path)``, the ``Range`` header of those that
+send one in ``ranges`` as ``(path, range)``, and the body bytes written per path in ``sent``.
+``trickle = (nbytes, seconds)`` makes the CDN send LFS bodies ``nbytes`` at a time with a pause
+between writes (a slow link, to interrupt a download midway).
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ class HubServer:
         self.host = host
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str]] = []
+        self.ranges: list[tuple[str, str]] = []
+        self.sent: dict[str, int] = {}
+        self.trickle: tuple[int, float] | None = None
         self.blobs: dict[str, bytes] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -100,6 +106,8 @@ class HubServer:
     @web.middleware
     async def _record(self, request: web.Request, handler):
         self.requests.append((request.method, request.path))
+        if "Range" in request.headers:
+            self.ranges.append((request.path, request.headers["Range"]))
         return await handler(request)
 
     def _error(self, status: int, code: str, message: str, sha: str | None = None) -> web.Response:
@@ -163,21 +171,38 @@ class HubServer:
                             "X-Linked-Size": str(len(data)), "ETag": f'"{git_blob_id(data)}"'})
             return web.Response(status=302, headers=headers)
         headers["ETag"] = f'"{git_blob_id(data)}"'
-        return _body(request, data, headers)
+        return await self._body(request, data, headers)
 
-    async def _lfs(self, request: web.Request) -> web.Response:
+    async def _lfs(self, request: web.Request) -> web.StreamResponse:
         data = self.blobs.get(request.match_info["sha256"])
         if data is None:
             return web.Response(status=404)
-        return _body(request, data, {"ETag": f'"{request.match_info["sha256"]}"', "Accept-Ranges": "bytes"})
+        return await self._body(request, data, {"ETag": f'"{request.match_info["sha256"]}"', "Accept-Ranges": "bytes"},
+                                trickle=self.trickle)
 
-
-def _body(request: web.Request, data: bytes, headers: dict) -> web.Response:
-    """200 with the bytes (HEAD: only the headers), or 206 for a ``Range: bytes=N-`` request."""
-    status = 200
-    rng = request.headers.get("Range", "")
-    if rng.startswith("bytes=") and rng.endswith("-"):
-        start = int(rng[6:-1])
-        headers = {**headers, "Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"}
-        data, status = data[start:], 206
-    return web.Response(status=status, body=data, headers=headers)  # aiohttp sends no body for HEAD
+    async def _body(self, request: web.Request, data: bytes, headers: dict,
+                    trickle: tuple[int, float] | None = None) -> web.StreamResponse:
+        """200 with the bytes (HEAD: only the headers), or 206 with ``Content-Range`` for a
+        ``Range: bytes=N-`` request, as the Hub and its CDN answer; ``trickle`` as in the class."""
+        status = 200
+        rng = request.headers.get("Range", "")
+        if rng.startswith("bytes=") and rng.endswith("-"):
+            start = int(rng[6:-1])
+            headers = {**headers, "Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"}
+            data, status = data[start:], 206
+        if request.method == "HEAD" or trickle is None:
+            if request.method != "HEAD":
+                self.sent[request.path] = self.sent.get(request.path, 0) + len(data)
+            return web.Response(status=status, body=data, headers=headers)  # aiohttp sends no body for HEAD
+        response = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(data))})
+        await response.prepare(request)
+        step, pause = trickle
+        try:
+            for i in range(0, len(data), step):
+                await response.write(data[i:i + step])
+                self.sent[request.path] = self.sent.get(request.path, 0) + len(data[i:i + step])
+                await asyncio.sleep(pause)
+            await response.write_eof()
+        except ConnectionError:  # the client went away mid-body
+            pass
+        return response

@@ -423,15 +423,15 @@ def test_eviction_removes_least_recently_used_entries_but_not_locked_or_kept_one
         time.sleep(0.01)
     cache.lock_path("locked").parent.mkdir(parents=True, exist_ok=True)
     cache.lock_path("locked").write_text("{}")  # a fresh lock file: being fetched
-    removed = evict(tmp_path, 200, keep=(str(made["kept"].path),))
+    removed = evict(tmp_path, 200, keep=(str(made["kept"].path),)).removed
     assert [e.name for e in removed] == ["old", "new"]
     assert not (tmp_path / "s3" / "b" / "old").exists() and (tmp_path / "s3" / "b" / "kept").exists()
     assert {e.name for e in cache.entries()} == {"locked", "kept"}
 
 
 def test_eviction_of_an_hf_revision_uses_huggingface_hubs_cache_tools(hub, env):
-    result = fetch(parse_model_uri("hf://org/tiny"), env)
-    assert evict(env, 0) and not result.path.exists()
+    result = fetch(parse_model_uri("hf://org/tiny"), env, lease=False)
+    assert evict(env, 0).removed and not result.path.exists()
     assert ModelCache(env).entries() == []
 
 
@@ -568,7 +568,7 @@ def test_eviction_in_a_copied_cache_touches_only_that_cache(hub, env, tmp_path):
     shutil.copytree(env, copy, symlinks=True)
     [entry] = ModelCache(copy).entries()
     assert Path(entry.path).is_relative_to(copy)
-    assert [e.model for e in evict(copy, 0)] == ["hf://org/tiny"]
+    assert [e.model for e in evict(copy, 0).removed] == ["hf://org/tiny"]
     assert not list((copy / "hf").glob("models--org--tiny/snapshots/*/config.json"))
     assert list((env / "hf").glob("models--org--tiny/snapshots/*/config.json")), "the original cache lost files"
 

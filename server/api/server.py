@@ -4,7 +4,8 @@
 warm-up step has run. SIGTERM (or SIGINT) starts a drain, which is what lets Kubernetes roll pods
 without dropping requests: ``/ready`` turns 503 so the pod leaves the Service, new requests get
 503, in-flight ones finish (up to ``--shutdown-timeout``), then the process exits 0. A second
-signal exits at once.
+signal exits at once. A signal that comes while the model is still being fetched stops the fetch
+at its next chunk (releasing its lock for another process) and exits 130 (SIGINT) or 143 (SIGTERM).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from aiohttp import web
 
 from slipstream.server.api.app import build_app
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
+from slipstream.server.models.sources import cancel_fetches
 
 logger = logging.getLogger("slipstream.server")
 
@@ -75,11 +77,15 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    interrupted: list[int] = []  # the signal that stopped a model fetch
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
             logger.warning("second %s: exiting now", signal.Signals(signum).name)
             os._exit(1)
+        # still loading: a fetch in the loader's thread would otherwise run to its end before exit
+        if state.llm is None and cancel_fetches(signum):
+            interrupted.append(signum)
         logger.info("%s: draining (up to %.0fs for in-flight requests)", signal.Signals(signum).name,
                     options.shutdown_timeout)
         state.draining = True
@@ -102,6 +108,9 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
         code = 1
     else:
         await stopper
+        if interrupted and not state.ready:
+            logger.error("%s while fetching the model: stopped", signal.Signals(interrupted[0]).name)
+            code = 128 + interrupted[0]
         if state.ready:
             finished = await state.drain(options.shutdown_timeout)
             logger.info("drained: %s", "all requests finished" if finished else "aborted the rest at the timeout")

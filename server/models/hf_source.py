@@ -2,16 +2,24 @@
 
 Only what the loader reads comes down: ``*.safetensors`` or the chosen ``*.gguf``, the config
 and generation config, tokenizer files and chat templates; pickles (``*.bin``, ``*.pt``, …) never.
+
+A download stops at its next 10 MiB chunk once :func:`.sources.cancel_fetches` is called: the
+check rides on the progress bar class huggingface_hub lets a caller pass (``tqdm_class``), whose
+``update`` every download thread calls per chunk. huggingface_hub 1.18 and later write each try
+to a file of its own (``blobs/<etag>.<nonce>.incomplete``) and never resume one, so a download
+that is killed leaves that file behind and the next one starts the file over; the cache's
+eviction removes such files (:func:`.model_cache.evict`).
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import os
 import sys
 from pathlib import Path
 
-from .sources import ModelSourceError, ModelURI, weights_path
+from .sources import ModelSourceError, ModelURI, check_cancelled, several_ggufs, weights_path
 
 log = logging.getLogger("slipstream.sources")
 
@@ -46,19 +54,15 @@ def select_files(uri: ModelURI, files: list[str]) -> list[str]:
                 reason="NotFound", status=404)
         ggufs = [f for f in weights if f.endswith(".gguf") and "/" not in f]
         if len(ggufs) > 1 and not any(f.endswith(".safetensors") for f in weights):
-            raise ModelSourceError(
-                f"model {uri.text!r}: {uri.filename!r} matches {len(ggufs)} GGUF files ({', '.join(ggufs[:6])}); "
-                f"choose one, e.g. hf://{uri.repo_id}:{ggufs[0]}", reason="InvalidURI")
+            raise several_ggufs(f"model {uri.text!r}: {uri.filename!r} matches", ggufs, f"hf://{uri.repo_id}:{ggufs[0]}")
     else:
         # Mistral's repositories also ship their own format (consolidated.safetensors): the HF one only
         safetensors = top("*.safetensors")
         hf_format = [f for f in safetensors if not f.startswith("consolidated")]
         weights = hf_format or safetensors or top("*.gguf")
         if len(weights) > 1 and weights[0].endswith(".gguf"):
-            raise ModelSourceError(
-                f"model {uri.text!r}: {uri.repo_id} holds {len(weights)} GGUF files ({', '.join(weights[:6])}"
-                f"{', ...' if len(weights) > 6 else ''}); choose one, e.g. hf://{uri.repo_id}:{weights[0]} or a "
-                "quantization tag such as hf://ORG/NAME:Q4_K_M", reason="InvalidURI")
+            raise several_ggufs(f"model {uri.text!r}: {uri.repo_id} holds", weights,
+                                f"hf://{uri.repo_id}:{weights[0]} or a quantization tag such as hf://ORG/NAME:Q4_K_M")
         if not weights:
             pickles = [f for f in files if any(fnmatch.fnmatchcase(f, p) for p in PICKLES)]
             raise ModelSourceError(
@@ -70,13 +74,15 @@ def select_files(uri: ModelURI, files: list[str]) -> list[str]:
     return sorted(set(weights) | set(meta))
 
 
-def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str]:
+def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str, list[Path]]:
     """Download (or, ``offline``, find in ``hf_cache``) the files :func:`select_files` picks.
-    Returns the path to load and the commit sha. The endpoint is ``$HF_ENDPOINT`` and the token
-    ``$HF_TOKEN`` (else a saved ``hf auth login``), read at each call.
+    Returns the path to load, the commit sha and the selected files' paths in the snapshot folder
+    (which may hold other selectors' files of the same commit too). The endpoint is
+    ``$HF_ENDPOINT`` and the token ``$HF_TOKEN`` (else a saved ``hf auth login``), read at each call.
 
     Raises:
         ModelSourceError: see :func:`map_error`.
+        Interrupted: :func:`.sources.cancel_fetches` was called.
     """
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
@@ -94,14 +100,30 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
         selected = select_files(uri, files)
         log.info("%s: revision %s, %d files: %s", uri.text, sha, len(selected), ", ".join(selected))
         folder = snapshot_download(uri.repo_id, revision=sha, cache_dir=hf_cache, allow_patterns=selected,
-                                   token=token, endpoint=endpoint, local_files_only=offline)
+                                   token=token, endpoint=endpoint, local_files_only=offline,
+                                   tqdm_class=_stoppable_tqdm())
     except ModelSourceError:
         raise
     except Exception as e:
         raise map_error(uri, e, token_sent=token is not None, offline=offline) from e
     if not offline and uri.revision != sha:
         _write_ref(hf_cache, uri.repo_id, uri.revision, sha)
-    return weights_path(Path(folder), selected), sha
+    return weights_path(Path(folder), selected), sha, [Path(folder) / f for f in selected]
+
+
+@functools.cache
+def _stoppable_tqdm() -> type:
+    """huggingface_hub's progress bar class with a cancellation check in ``update`` (called per
+    chunk by every download thread, and per finished file), so that a fetch stops at its next
+    chunk. Disabled bars still call it."""
+    from huggingface_hub.utils import tqdm
+
+    class StoppableTqdm(tqdm):
+        def update(self, n=1):
+            check_cancelled()
+            return super().update(n)
+
+    return StoppableTqdm
 
 
 def _write_ref(hf_cache: Path, repo_id: str, revision: str, sha: str) -> None:

@@ -1,20 +1,31 @@
 """A model cache that several processes share (pods on one ReadWriteMany volume): a lock with a
-heartbeat per model, completion markers per fetched revision, and eviction by size.
+heartbeat per model, completion markers per fetched revision, in-use leases, and eviction by size.
 
 Layout under the cache directory (the fetched files themselves live in ``hf/`` and ``s3/``)::
 
-    .slipstream/locks/<name>.lock           {"holder": "host:pid", "token", "started", "heartbeat"}
+    .slipstream/locks/<name>.lock           {"holder": "host:pid", "token", "started", "heartbeat",
+                                             "model", "writes": [folders the download writes, relative]}
     .slipstream/entries/<name>/<rev>.json   {"model", "requested", "revision", "path", "bytes",
                                              "completed", "last_used"}   (a complete copy)
+    .slipstream/leases/<key>.<holder>.json  {"holder", "name", "revision", "path", "started", "heartbeat"}
+                                             (a process serving that copy)
 
 The lock is a file created with ``O_CREAT | O_EXCL`` (atomic on local disks and NFSv3+; ``flock``
 is not reliable on every network filesystem). Its holder rewrites the heartbeat every
 ``heartbeat_s`` seconds from a thread. A waiter takes the lock over when it has seen the heartbeat
 unchanged for ``stale_after_s`` seconds of its own clock, so clock skew between nodes does not
 matter; a holder on the same host whose process is gone is stale at once.
+
+A lease is held for the life of a process that serves from an entry (:meth:`ModelCache.lease`,
+taken by :func:`.sources.fetch`): a daemon thread rewrites it every ``LEASE_HEARTBEAT_S`` seconds
+and it is removed at a clean exit. :func:`evict` never removes an entry with a live lease, one
+rewritten within ``LEASE_STALE_AFTER_S`` seconds (a pod that died without cleanup stops
+pinning its entry after that long). A server restarted in place, which does not rerun its init
+container, so finds its revision still there.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -29,13 +40,17 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 log = logging.getLogger("slipstream.model_cache")
 
 META_DIR = ".slipstream"
 STALE_AFTER_S = 30.0
 HEARTBEAT_S = 5.0
+# Leases only delay eviction when stale, so their limit is generous: it absorbs clock skew between the
+# file server and the evicting node, and a file server that is slow for minutes.
+LEASE_HEARTBEAT_S = 30.0
+LEASE_STALE_AFTER_S = 300.0
 
 
 def cache_name(identity: str) -> str:
@@ -91,10 +106,19 @@ class ModelCache:
         return self.root / META_DIR / "locks" / f"{name}.lock"
 
     @contextlib.contextmanager
-    def lock(self, name: str, what: str = "") -> Iterator[Lock]:
+    def lock(self, name: str, what: str = "", *, writes: Iterable[str] = (),
+             check: Callable[[], None] | None = None) -> Iterator[Lock]:
         """Hold the lock ``name`` (waiting while another live process holds it), with a heartbeat
-        thread, and release it on exit. ``what`` names the model in the waiting log line."""
-        lock = self._acquire(name, what or name)
+        thread, and release it on exit (also when the body raises).
+
+        Args:
+            what: names the model in the waiting log line.
+            writes: folders, relative to the cache root, that the holder writes partial files in;
+                :func:`evict` leaves partial files there alone while the lock is live.
+            check: called between looks at another process's lock; what it raises (a fetch being
+                cancelled) ends the wait.
+        """
+        lock = self._acquire(name, what or name, list(writes), check)
         stop = threading.Event()
         beat = threading.Thread(target=self._beat, args=(lock, stop), name=f"heartbeat {name}", daemon=True)
         beat.start()
@@ -105,7 +129,7 @@ class ModelCache:
             beat.join()
             self._release(lock)
 
-    def _acquire(self, name: str, what: str) -> Lock:
+    def _acquire(self, name: str, what: str, writes: list[str], check: Callable[[], None] | None) -> Lock:
         path = self.lock_path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
@@ -114,7 +138,8 @@ class ModelCache:
         last_log = 0.0
         while True:
             now = time.time()
-            record = {"holder": self.holder, "token": token, "started": now, "heartbeat": now}
+            record = {"holder": self.holder, "token": token, "started": now, "heartbeat": now, "model": what,
+                      "writes": writes}
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -142,6 +167,8 @@ class ModelCache:
                 log.info("waiting for %s to download %s (heartbeat %.0f s ago)", other.get("holder", "?"), what,
                          unchanged)
                 last_log = time.monotonic()
+            if check is not None:
+                check()
             time.sleep(self.poll_s)
 
     def _break(self, path: Path, stale: str) -> None:
@@ -187,6 +214,65 @@ class ModelCache:
         except FileNotFoundError:
             return False
         return age < self.stale_after_s
+
+    def writing(self, now: float | None = None) -> list[str] | None:
+        """The folders (relative to the root) that live lock holders write partial files in; None
+        when a live lock does not say (written by an older version: it may write anywhere). Live:
+        as in :meth:`is_locked`."""
+        now = time.time() if now is None else now
+        folders: list[str] = []
+        for path in (self.root / META_DIR / "locks").glob("*.lock"):
+            try:
+                if now - path.stat().st_mtime >= self.stale_after_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            writes = _parse(_read_text(path) or "").get("writes")
+            if not isinstance(writes, list):
+                return None
+            folders += [str(w) for w in writes]
+        return folders
+
+    # --- leases -------------------------------------------------------------------------
+
+    def lease(self, name: str, revision: str, path: Path) -> "Lease":
+        """Record that this process serves the entry ``name`` at ``revision`` (files at ``path``)
+        and keep the record fresh from a daemon thread until :meth:`Lease.release` or the
+        process's exit; the same lease again if this process already holds it.
+
+        Raises:
+            OSError: the lease file cannot be written (a read-only cache: nothing can evict it).
+        """
+        holder = lease_holder()
+        key = hashlib.sha256(f"{name}\n{revision}".encode()).hexdigest()[:16]
+        file = self.root / META_DIR / "leases" / f"{key}.{re.sub(r'[^A-Za-z0-9._-]+', '-', holder)}.json"
+        with _LEASES_GUARD:
+            held = _LEASES.get(str(file))
+            if held is not None:
+                return held
+            now = time.time()
+            held = Lease(file, {"holder": holder, "name": name, "revision": revision,
+                                "path": self._relative(str(Path(path).resolve())), "started": now, "heartbeat": now})
+            file.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(file, json.dumps(held.record))
+            _LEASES[str(file)] = held
+            _start_lease_heartbeat()
+        return held
+
+    def leases(self) -> list["LeaseRecord"]:
+        """Every lease file under the root, live or not (see :func:`live_leases`); ``heartbeat`` is
+        the later of the recorded time and the file's mtime, so neither clock alone ends a lease."""
+        out = []
+        root = self.root.resolve()
+        for f in (self.root / META_DIR / "leases").glob("*.json"):
+            try:
+                mtime = f.stat().st_mtime
+                doc = json.loads(f.read_text())
+                out.append(LeaseRecord(str(doc["holder"]), str(doc["name"]), str(doc["revision"]),
+                                       str(root / doc["path"]), max(float(doc.get("heartbeat", 0)), mtime), str(f)))
+            except (OSError, ValueError, TypeError, KeyError):
+                continue  # removed meanwhile, or being written
+        return out
 
     # --- completion markers -------------------------------------------------------------
 
@@ -261,31 +347,210 @@ class ModelCache:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
-def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: ModelCache | None = None) -> list[Entry]:
-    """Remove least-recently-used complete entries until the entries add up to ``max_bytes`` or
-    less. Entries whose model is locked (being fetched) and those whose name or path is in ``keep``
-    are never removed. Returns the removed entries, oldest first.
+@dataclass(frozen=True)
+class LeaseRecord:
+    """A lease as read back: ``path`` absolute; ``heartbeat`` epoch seconds; ``file`` its lease file."""
+    holder: str
+    name: str
+    revision: str
+    path: str
+    heartbeat: float
+    file: str = ""
 
-    A serving process keeps no file open once its weights are loaded, so removing the copy of a
-    running model does not disturb it; but a pod's server that restarts in place (its init
-    container does not run again) finds its revision gone until the pod is recreated, so size
-    ``max_bytes`` above the models in use."""
+
+class Lease:
+    """This process's lease on one entry (:meth:`ModelCache.lease`)."""
+
+    def __init__(self, file: Path, record: dict):
+        self.file, self.record = file, record
+
+    def beat(self) -> None:
+        """Rewrite the lease with the time now (recreating it if a stale-lease sweep removed it);
+        nothing when the cache folder itself is gone."""
+        if not self.file.parent.is_dir():
+            return
+        self.record = {**self.record, "heartbeat": time.time()}
+        try:
+            _write_atomic(self.file, json.dumps(self.record))
+        except OSError as e:  # the next beat tries again; a lease only goes stale after many misses
+            log.debug("lease heartbeat %s: %s", self.file, e)
+
+    def release(self) -> None:
+        """End the lease (idempotent): the entry may be evicted once no other process holds one."""
+        with _LEASES_GUARD:
+            _LEASES.pop(str(self.file), None)
+        with contextlib.suppress(OSError):
+            self.file.unlink()
+
+
+_LEASES: dict[str, Lease] = {}
+_LEASES_GUARD = threading.Lock()
+_lease_thread: threading.Thread | None = None
+
+
+def lease_holder() -> str:
+    """This process as a lease holder: ``$HOSTNAME`` (the pod name in Kubernetes) and the pid."""
+    return f"{os.environ.get('HOSTNAME') or socket.gethostname()}:{os.getpid()}"
+
+
+def _start_lease_heartbeat() -> None:
+    global _lease_thread
+    if _lease_thread is not None and _lease_thread.is_alive():
+        return
+    _lease_thread = threading.Thread(target=_lease_heartbeats, name="lease heartbeat", daemon=True)
+    _lease_thread.start()
+
+
+def _lease_heartbeats() -> None:
+    while True:
+        time.sleep(LEASE_HEARTBEAT_S)
+        with _LEASES_GUARD:
+            held = list(_LEASES.values())
+        for lease in held:
+            lease.beat()
+
+
+@atexit.register
+def release_leases() -> None:
+    """Release every lease this process holds (run at a clean exit)."""
+    with _LEASES_GUARD:
+        held = list(_LEASES.values())
+    for lease in held:
+        lease.release()
+
+
+def live_leases(leases: Iterable[LeaseRecord], now: float, stale_after: float) -> list[LeaseRecord]:
+    """The leases whose heartbeat (epoch seconds) is less than ``stale_after`` seconds before
+    ``now``; the others belong to processes that died without cleaning up."""
+    return [lease for lease in leases if now - lease.heartbeat < stale_after]
+
+
+def files_root(path: str, revision: str) -> str:
+    """What removing an entry at ``revision`` whose files are at ``path`` deletes: for a Hugging
+    Face entry its snapshot (``…/models--ORG--NAME@SHA``; ``path`` may be the snapshot folder or,
+    for a GGUF, the blob it links to), for a GGUF file its folder, else ``path`` itself."""
+    p = Path(path)
+    for i, part in enumerate(p.parts):
+        if part.startswith("models--"):
+            return f"{Path(*p.parts[:i + 1])}@{revision}"
+    return str(p.parent if p.suffix == ".gguf" else p)
+
+
+def pinned_by(entry: Entry, leases: Iterable[LeaseRecord]) -> list[LeaseRecord]:
+    """The leases that keep ``entry``: on the same entry and revision, or on files that removing
+    the entry would delete (another file selector of the same snapshot)."""
+    root = files_root(entry.path, entry.revision)
+    return [lease for lease in leases if (lease.name, lease.revision) == (entry.name, entry.revision)
+            or files_root(lease.path, lease.revision) == root]
+
+
+@dataclass(frozen=True)
+class Partial:
+    """An unfinished download's file: ``path`` absolute, ``bytes`` its size, ``mtime`` epoch seconds."""
+    path: str
+    bytes: int
+    mtime: float
+
+
+def orphans(partials: Iterable[Partial], root: str, writing: list[str] | None, now: float,
+            stale_after: float) -> list[Partial]:
+    """The partial files that no download will finish: outside every folder in ``writing``
+    (relative to ``root``, the folders of live lock holders; None: unknown, so every file may be
+    written) and untouched for ``stale_after`` seconds (a writer that is not ours, such as ``hf
+    download`` into the same cache, keeps its file's mtime fresh). Oldest first."""
+    if writing is None:
+        return []
+    busy = [Path(root) / w for w in writing]
+    out = [p for p in partials if now - p.mtime >= stale_after and not any(Path(p.path).is_relative_to(b) for b in busy)]
+    return sorted(out, key=lambda p: p.mtime)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What :func:`evict` did. ``removed``: entries removed, least recently used first; ``in_use``:
+    entries it would have removed but that a live lease pins; ``orphans``: partial files removed;
+    ``total_bytes``: the entries' and partial files' bytes left."""
+    removed: list[Entry]
+    in_use: list[Entry]
+    orphans: list[Partial]
+    total_bytes: int
+
+
+def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: ModelCache | None = None, *,
+          lease_stale_after_s: float = LEASE_STALE_AFTER_S) -> Eviction:
+    """Bring the cache down to ``max_bytes`` (the complete entries plus the partial files of
+    unfinished downloads): first partial files that no live download is writing (oldest first,
+    see :func:`orphans`), then least-recently-used entries. Never removed: entries whose model is
+    locked (being fetched), entries with a live lease (a process serves them; the log line names
+    the holders), and those whose name or path is in ``keep``. Lease files staler than
+    ``lease_stale_after_s`` seconds are swept. The cache may stay above ``max_bytes`` when what
+    is left is in use.
+
+    A serving process keeps no file open once its weights are loaded, but one restarted in place
+    (its init container does not run again) reads its revision again: the lease keeps it."""
     cache = cache or ModelCache(cache_dir)
+    now = time.time()
+    root = str(cache.root.resolve())
+    every_lease = cache.leases()
+    leases = live_leases(every_lease, now, lease_stale_after_s)
+    for stale in set(every_lease) - set(leases):
+        log.info("removing the stale lease of %s on %s (no heartbeat for %.0f s)", stale.holder, stale.name,
+                 now - stale.heartbeat)
+        with contextlib.suppress(OSError):
+            Path(stale.file).unlink()
     kept = {str(Path(k).resolve()) for k in keep}
     entries = sorted(cache.entries(), key=lambda e: e.last_used)
-    total = sum(e.bytes for e in entries)
-    removed = []
+    partials = _partials(cache.root)
+    total = sum(e.bytes for e in entries) + sum(p.bytes for p in partials)
+    removed_orphans = []
+    for p in orphans(partials, root, cache.writing(now), now, cache.stale_after_s):
+        if total <= max_bytes:
+            break
+        log.info("removing %s (%d bytes): a partial file of a download that is no longer running", p.path, p.bytes)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p.path)
+        total -= p.bytes
+        removed_orphans.append(p)
+    removed, in_use = [], []
     for e in entries:
         if total <= max_bytes:
             break
         if e.name in keep or e.path in kept or cache.is_locked(e.name):
+            continue
+        if holders := pinned_by(e, leases):
+            log.info("not evicting %s at %s (%d bytes): in use by %s", e.model, e.revision, e.bytes,
+                     ", ".join(sorted({h.holder for h in holders})))
+            in_use.append(e)
             continue
         log.info("evicting %s at %s (%d bytes, last used %s)", e.model, e.revision, e.bytes,
                  time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)))
         cache.remove(e)
         total -= e.bytes
         removed.append(e)
-    return removed
+    return Eviction(removed, in_use, removed_orphans, total)
+
+
+def _partials(root: Path) -> list[Partial]:
+    """The unfinished downloads' files: huggingface_hub's ``*.incomplete`` blobs (as its own cache
+    scan reports them) and s3_source's ``*.partial`` files."""
+    paths: list[Path] = []
+    hf_root = root / "hf"
+    if hf_root.is_dir():
+        try:
+            from huggingface_hub import scan_cache_dir
+
+            paths += [f.file_path for f in scan_cache_dir(hf_root).incomplete_files]
+        except (ImportError, AttributeError):  # huggingface_hub before incomplete_files: the same glob
+            paths += list(hf_root.glob("*/blobs/*.incomplete"))
+    paths += [p for p in (root / "s3").rglob("*.partial")] if (root / "s3").is_dir() else []
+    out = []
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        out.append(Partial(str(Path(p).resolve()), st.st_size, st.st_mtime))
+    return out
 
 
 def _read_text(path: Path) -> str | None:

@@ -5,7 +5,13 @@ credentials as boto3 finds them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
 ``AWS_SESSION_TOKEN``, a profile, a pod's web identity). Each file is downloaded to a
 ``.partial`` file named after its ETag, resumed with a ranged GET if one is there, and renamed
 into place when its size is right; ``.slipstream-s3.json`` records each file's ETag and size, so
-a file whose object has not changed is never downloaded again.
+a file whose object has not changed is never downloaded again. A download that is killed or
+interrupted (:func:`.sources.cancel_fetches`, checked every 8 MiB chunk) keeps its ``.partial``
+file, which the next fetch of the same object resumes.
+
+What to load is decided from the listing, before anything is downloaded, by the rule the loader
+applies to any folder (:func:`.sources.weights_path`): a prefix holding several GGUF files and no
+safetensors fails at once, naming them.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from .sources import ModelSourceError, ModelURI, weights_path
+from .sources import ModelSourceError, ModelURI, check_cancelled, weights_path
 
 log = logging.getLogger("slipstream.sources")
 
@@ -44,12 +50,14 @@ def object_revision(objects: dict[str, tuple[str, int]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tuple[Path, str]:
-    """Bring ``s3://bucket/prefix`` into ``s3_root/bucket/prefix/``; returns the path to load and
-    the revision (:func:`object_revision`).
+def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tuple[Path, str, list[Path]]:
+    """Bring ``s3://bucket/prefix`` into ``s3_root/bucket/prefix/``; returns the path to load, the
+    revision (:func:`object_revision`) and the paths of the files fetched.
 
     Raises:
-        ModelSourceError: see :func:`map_error`; ``NotFound`` when nothing lies under the prefix.
+        ModelSourceError: see :func:`map_error`; ``NotFound`` when nothing lies under the prefix;
+            ``InvalidURI`` for several GGUF files and no safetensors (before any download).
+        Interrupted: :func:`.sources.cancel_fetches` was called; the ``.partial`` file stays.
     """
     s3 = client(endpoint)
     try:
@@ -57,6 +65,9 @@ def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tu
         dest = s3_root / uri.bucket / (uri.prefix or "")
         if single:  # the prefix names one object: keep it in a folder of its own name
             dest = dest.with_name(dest.name + ".d")
+        ggufs = sorted(rel for rel in objects if rel.endswith(".gguf"))
+        load = weights_path(dest, list(objects), model=uri.text,
+                            example=f"s3://{uri.bucket}/{uri.prefix + '/' if uri.prefix else ''}{ggufs[0] if ggufs else ''}")
         dest.mkdir(parents=True, exist_ok=True)
         manifest = _read_manifest(dest)
         for rel, (etag, size) in sorted(objects.items()):
@@ -76,7 +87,7 @@ def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tu
         raise
     except Exception as e:
         raise map_error(uri, e, endpoint) from e
-    return weights_path(dest, list(objects)), object_revision(objects)
+    return load, object_revision(objects), [dest / rel for rel in objects]
 
 
 def _list(s3, uri: ModelURI) -> tuple[dict[str, tuple[str, int]], bool]:
@@ -138,6 +149,7 @@ def _download(s3, bucket: str, key: str, etag: str, size: int, target: Path) -> 
         with open(partial, "ab") as f:
             for chunk in body.iter_chunks(_CHUNK):
                 f.write(chunk)
+                check_cancelled()  # after the write: what arrived is kept for the resume
     got = partial.stat().st_size if partial.exists() else 0
     if got != size:
         raise ModelSourceError(f"s3://{bucket}/{key}: got {got} of {size} bytes; fetch again to resume",

@@ -27,25 +27,33 @@ Cache layout (``--model-cache-dir``, default ``$SLIPSTREAM_MODEL_CACHE`` else
     hf/                      huggingface_hub's own cache layout (models--ORG--NAME/{blobs,snapshots,refs}),
                              so an existing HF cache can be mounted here
     s3/BUCKET/PREFIX/        the objects, with .slipstream-s3.json (ETag and size of each file)
-    .slipstream/             locks and completion markers (:mod:`.model_cache`)
+    .slipstream/             locks, completion markers and in-use leases (:mod:`.model_cache`)
+
+A fetch stops at its next chunk (10 MiB from the Hub, 8 MiB from S3) once :func:`cancel_fetches`
+is called (``slipstream download`` and ``serve`` do on SIGINT/SIGTERM), raising
+:class:`Interrupted` and releasing its lock on the way out.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from .errors import ModelLoadError
-from .model_cache import STALE_AFTER_S, Entry, ModelCache, cache_name
+from .model_cache import STALE_AFTER_S, Entry, Lease, ModelCache, cache_name
 
 log = logging.getLogger("slipstream.sources")
 
 SCHEMES = ("builtin", "sim", "local", "hf", "s3")
-REASONS = ("Unauthorized", "GatedRepo", "NotFound", "RevisionNotFound", "Unreachable", "InvalidURI", "NotCached")
+REASONS = ("Unauthorized", "GatedRepo", "NotFound", "RevisionNotFound", "Unreachable", "InvalidURI", "NotCached",
+           "Interrupted")
 ACCEPTED_FORMS = ("builtin, sim:PROFILE, a local path (a .gguf file or a checkpoint directory), "
                   "hf://ORG/NAME[@REVISION][:FILE_GLOB], ORG/NAME[@REVISION][:FILE_GLOB], s3://BUCKET/PREFIX")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -59,6 +67,74 @@ class ModelSourceError(ModelLoadError):
     def __init__(self, message: str, *, reason: str, status: int | None = None):
         super().__init__(message)
         self.reason, self.status = reason, status
+
+
+class Interrupted(BaseException):
+    """A fetch stopped by :func:`cancel_fetches` (a signal). A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way (ours, huggingface_hub's,
+    botocore's retries) takes it for a network error. ``signum``: the signal, or None;
+    ``exit_code``: 128 + ``signum`` (130 for SIGINT, 143 for SIGTERM), else 130."""
+
+    def __init__(self, signum: int | None = None):
+        self.signum = signum
+        name = signal.Signals(signum).name if signum else "cancelled"
+        super().__init__(f"fetch interrupted ({name})")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+
+_cancel = threading.Event()
+_cancel_signum: list[int | None] = [None]
+_in_flight = [0]
+_in_flight_guard = threading.Lock()
+
+
+def cancel_fetches(signum: int | None = None) -> bool:
+    """Make every running and later fetch of this process raise :class:`Interrupted` at its next
+    check (each chunk, each wait); for a process that is stopping. ``signum``: the signal that
+    asked, for the exit code. Returns whether a fetch was running. Safe from a signal handler."""
+    _cancel_signum[0] = signum
+    _cancel.set()
+    return _in_flight[0] > 0
+
+
+def cancelled() -> bool:
+    """Whether :func:`cancel_fetches` was called (and not yet answered by a KeyboardInterrupt)."""
+    return _cancel.is_set()
+
+
+def check_cancelled() -> None:
+    """Raise :class:`Interrupted` if :func:`cancel_fetches` was called (the fetchers' check)."""
+    if _cancel.is_set():
+        raise Interrupted(_cancel_signum[0])
+
+
+@contextlib.contextmanager
+def _fetching() -> Iterator[None]:
+    """Count a running fetch; on the main thread, while Python's own SIGINT handler is in place, a
+    Ctrl-C also stops the download threads (huggingface_hub's pool would otherwise finish every file
+    it started before the KeyboardInterrupt got out). Nothing else about signals changes."""
+    check_cancelled()
+    with _in_flight_guard:
+        _in_flight[0] += 1
+    wrapped = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if wrapped:
+        def on_sigint(signum, frame):
+            cancel_fetches(signum)
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        with _in_flight_guard:
+            _in_flight[0] -= 1
+        if wrapped:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if _cancel.is_set() and _cancel_signum[0] == signal.SIGINT:
+                _cancel.clear()  # the KeyboardInterrupt is the caller's now; a later fetch may run
 
 
 @dataclass(frozen=True)
@@ -87,12 +163,15 @@ class ModelURI:
 @dataclass(frozen=True)
 class FetchResult:
     """A fetched model: ``path`` to load (a checkpoint directory, or the one GGUF file chosen);
-    ``revision`` the commit sha (hf) or a hash of the objects' ETags (s3); ``bytes`` the size of its
-    files; ``seconds`` the time the fetch took."""
+    ``revision`` the commit sha (hf) or a hash of the objects' ETags (s3); ``bytes`` the size of the
+    files the URI selected (not of everything in a shared snapshot folder); ``seconds`` the time
+    the fetch took; ``lease`` this process's in-use lease on the copy (None when not asked for, or
+    when the cache is read-only)."""
     path: Path
     revision: str
     bytes: int
     seconds: float
+    lease: Lease | None = field(default=None, compare=False, repr=False)
 
 
 def _invalid(text: str, why: str) -> ModelSourceError:
@@ -177,7 +256,8 @@ def _offline_env() -> bool:
 
 
 def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint: str | None = None,
-          retries: int = 3, backoff_s: float = 1.0, stale_after_s: float = STALE_AFTER_S) -> FetchResult:
+          retries: int = 3, backoff_s: float = 1.0, stale_after_s: float = STALE_AFTER_S,
+          lease: bool = True) -> FetchResult:
     """Fetch a ``hf`` or ``s3`` model into ``cache_dir`` (layout in the module docstring), at most
     one process at a time per model: others wait for it and reuse its complete copy.
 
@@ -188,31 +268,45 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
             times after ``backoff_s``, 2×, 4× … seconds; when all fail, a complete cached copy of
             the same model is used if there is one. HTTP 401/403/404 fail at once.
         stale_after_s: seconds without a heartbeat after which another process's lock is taken over.
+        lease: hold an in-use lease on the copy until this process exits, so that eviction
+            (``--max-cache-bytes``) keeps it (:meth:`.ModelCache.lease`); for processes that serve
+            the model. A cache this process cannot write gets no lease, with a warning.
 
     Raises:
         ModelSourceError: with ``reason`` and ``status`` (see :data:`REASONS`).
+        Interrupted: :func:`cancel_fetches` was called; the lock is released.
     """
     if uri.scheme not in ("hf", "s3"):
         raise ModelSourceError(f"model {uri.text!r}: nothing to fetch ({uri.scheme} models are local)",
                                reason="InvalidURI")
     cache_dir = Path(cache_dir).expanduser()
+    with _fetching():
+        result = _fetch(uri, cache_dir, offline or _offline_env(), s3_endpoint, retries, backoff_s, stale_after_s,
+                        lease)
+    return result
+
+
+def _fetch(uri: ModelURI, cache_dir: Path, offline: bool, s3_endpoint: str | None, retries: int, backoff_s: float,
+           stale_after_s: float, lease: bool) -> FetchResult:
     start = time.perf_counter()
     cache = ModelCache(cache_dir, stale_after_s=stale_after_s)
     name = cache_name(uri.identity)
-    offline = offline or _offline_env()
     if uri.scheme == "hf" and _COMMIT.match(uri.revision) and (entry := cache.find(name, uri.revision)):
-        return _reuse(cache, entry, start, "pinned revision already complete")
+        return _reuse(cache, entry, start, "pinned revision already complete", lease)
     if offline:
-        path, revision = _download(uri, cache_dir, s3_endpoint, offline=True, cache=cache, name=name)
-        return _result(path, revision, start)
+        path, revision, nbytes = _download(uri, cache_dir, s3_endpoint, offline=True, cache=cache, name=name)
+        held = _hold(cache, name, revision, path, uri.text) if lease else None
+        return FetchResult(path, revision, nbytes, time.perf_counter() - start, held)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with cache.lock(name, uri.text) as lock:
+    with cache.lock(name, uri.text, writes=_writes(uri), check=check_cancelled) as lock:
         if lock.waited_since is not None and (entry := cache.find(name, completed_after=lock.waited_since)):
-            return _reuse(cache, entry, start, "fetched by the process we waited for")
+            return _reuse(cache, entry, start, "fetched by the process we waited for", lease)
         for attempt in range(retries + 1):
+            check_cancelled()
             try:
                 with _Progress(uri.text, cache_dir):
-                    path, revision = _download(uri, cache_dir, s3_endpoint, offline=False, cache=cache, name=name)
+                    path, revision, nbytes = _download(uri, cache_dir, s3_endpoint, offline=False, cache=cache,
+                                                       name=name)
                 break
             except ModelSourceError as e:
                 if e.reason != "Unreachable":
@@ -220,24 +314,52 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
                 if attempt < retries:
                     wait = backoff_s * 2 ** attempt
                     log.warning("%s (try %d of %d; again in %.0f s)", e, attempt + 1, retries + 1, wait)
-                    time.sleep(wait)
+                    if _cancel.wait(wait):
+                        check_cancelled()
                 elif entry := cache.find(name):
                     log.warning("%s; serving the cached copy at revision %s", e, entry.revision)
-                    return _reuse(cache, entry, start, "source unreachable")
+                    return _reuse(cache, entry, start, "source unreachable", lease)
                 else:
                     raise
-        result = _result(path, revision, start)
-        cache.record(name, model=uri.text, requested=uri.identity, revision=revision, path=path, nbytes=result.bytes)
+        cache.record(name, model=uri.text, requested=uri.identity, revision=revision, path=path, nbytes=nbytes)
+        held = _hold(cache, name, revision, path, uri.text) if lease else None  # before the lock goes: no gap for evict
+    result = FetchResult(path, revision, nbytes, time.perf_counter() - start, held)
     log.info("fetched %s at revision %s: %.1f MB in %.1f s -> %s", uri.text, revision, result.bytes / 1e6,
              result.seconds, path)
     return result
 
 
+def _writes(uri: ModelURI) -> list[str]:
+    """The folders, relative to the cache root, a download of ``uri`` writes partial files in."""
+    if uri.scheme == "hf":
+        return [f"hf/models--{uri.repo_id.replace('/', '--')}"]
+    base = f"s3/{uri.bucket}" + (f"/{uri.prefix}" if uri.prefix else "")
+    return [base, base + ".d"] if uri.prefix else [base]
+
+
+def _hold(cache: ModelCache, name: str, revision: str, path: Path, model: str) -> Lease | None:
+    """Lease the copy at ``path``, then check that it is still there (an eviction may have removed
+    it between our look and the lease)."""
+    try:
+        held = cache.lease(name, revision, path)
+    except OSError as e:
+        log.warning("model %s: cannot record that this process uses %s (%s); an eviction elsewhere "
+                    "(--max-cache-bytes) may remove it while it is served", model, path, e)
+        return None
+    if not Path(path).exists():
+        held.release()
+        raise ModelSourceError(f"model {model!r}: {path} was evicted from the cache while this process "
+                               "opened it; fetch it again", reason="NotCached")
+    return held
+
+
 def _download(uri: ModelURI, cache_dir: Path, s3_endpoint: str | None, *, offline: bool, cache: ModelCache,
-              name: str) -> tuple[Path, str]:
+              name: str) -> tuple[Path, str, int]:
+    """The path to load, the revision and the bytes of the files the URI selected."""
     if uri.scheme == "hf":
         from .hf_source import fetch_hf
-        return fetch_hf(uri, cache_dir / "hf", offline=offline)
+        path, sha, files = fetch_hf(uri, cache_dir / "hf", offline=offline)
+        return path, sha, files_bytes(files)
     from .s3_source import fetch_s3
     if offline:
         entry = cache.find(name)
@@ -245,31 +367,40 @@ def _download(uri: ModelURI, cache_dir: Path, s3_endpoint: str | None, *, offlin
             raise ModelSourceError(f"model {uri.text!r}: offline, and the cache {cache_dir} holds no complete copy; "
                                    "fetch it once online (slipstream download) or unset HF_HUB_OFFLINE",
                                    reason="NotCached")
-        return Path(entry.path), entry.revision
-    return fetch_s3(uri, cache_dir / "s3", endpoint=s3_endpoint)
+        return Path(entry.path), entry.revision, entry.bytes
+    path, revision, files = fetch_s3(uri, cache_dir / "s3", endpoint=s3_endpoint)
+    return path, revision, files_bytes(files)
 
 
-def _reuse(cache: ModelCache, entry: Entry, start: float, why: str) -> FetchResult:
+def _reuse(cache: ModelCache, entry: Entry, start: float, why: str, lease: bool) -> FetchResult:
+    held = _hold(cache, entry.name, entry.revision, Path(entry.path), entry.model) if lease else None
     cache.touch(entry)
     log.info("using the cached %s at revision %s (%s): %s", entry.model, entry.revision, why, entry.path)
-    return FetchResult(Path(entry.path), entry.revision, entry.bytes, time.perf_counter() - start)
+    return FetchResult(Path(entry.path), entry.revision, entry.bytes, time.perf_counter() - start, held)
 
 
-def _result(path: Path, revision: str, start: float) -> FetchResult:
-    return FetchResult(path, revision, tree_bytes(path), time.perf_counter() - start)
+def files_bytes(files: Iterable[Path]) -> int:
+    """Bytes of ``files`` (symlinks followed, as into huggingface_hub's blobs); missing ones count 0."""
+    total = 0
+    for f in files:
+        with contextlib.suppress(OSError):
+            total += Path(f).stat().st_size
+    return total
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes of the file at ``path`` or of the files under it (symlinks followed, bookkeeping files
-    starting with ``.`` left out)."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+def several_ggufs(what: str, ggufs: list[str], example: str) -> ModelSourceError:
+    """The error for a model that holds several GGUF files and names none of them (reason
+    ``InvalidURI``): ``what`` leads the message (``"model 'x': org/name holds"``), ``example`` shows a
+    URI that names one. The one wording for every source (hf_source, s3_source, local folders)."""
+    return ModelSourceError(f"{what} {len(ggufs)} GGUF files ({', '.join(ggufs[:6])}{', ...' if len(ggufs) > 6 else ''}); "
+                            f"choose one, e.g. {example}", reason="InvalidURI")
 
 
-def weights_path(folder: Path, files: list[str]) -> Path:
-    """What the loader loads from a fetched ``folder`` holding ``files`` (relative paths): the
-    folder, or the GGUF file when that is the only weight file.
+def weights_path(folder: Path, files: list[str], *, model: str | None = None, example: str | None = None) -> Path:
+    """What the loader loads from a ``folder`` holding ``files`` (relative paths): the folder, or the
+    GGUF file when that is the only weight file. Pure: it decides from the names, so a source can
+    call it on a listing before downloading anything. ``model`` and ``example`` word the error
+    (default: the folder, and a file-selector hint).
 
     Raises:
         ModelSourceError: several GGUF files and no safetensors (reason ``InvalidURI``).
@@ -278,8 +409,8 @@ def weights_path(folder: Path, files: list[str]) -> Path:
     if any(f.endswith(".safetensors") for f in files) or not ggufs:
         return folder
     if len(ggufs) > 1:
-        raise ModelSourceError(f"{folder}: {len(ggufs)} GGUF files ({', '.join(ggufs[:4])}); choose one with "
-                               "a file selector (hf://ORG/NAME:*Q4_K_M.gguf) or an s3:// URI naming the one object", reason="InvalidURI")
+        raise several_ggufs(f"model {model!r} holds" if model else f"{folder}:", ggufs, example or
+                            "a file selector (hf://ORG/NAME:*Q4_K_M.gguf) or an s3:// URI naming the one object")
     return folder / ggufs[0]
 
 

@@ -1,0 +1,244 @@
+"""The shared model cache beyond its lock: in-use leases that keep a served revision from eviction,
+partial files of downloads that died, byte counts of what a URI selected, and a download stopped
+by a signal (the lock released, exit 128 + signal). Loopback Hub (hub_server.py) and moto S3 only."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hub_server import HubServer, Repo
+from slipstream.server.models.model_cache import (
+    Entry, LeaseRecord, ModelCache, Partial, evict, files_root, live_leases, orphans, pinned_by)
+from slipstream.server.models.sources import ModelSourceError, fetch, parse_model_uri
+
+BIG = 24 << 20  # bytes: more than two of huggingface_hub's 10 MiB chunks
+
+
+def _entry(cache: ModelCache, root: Path, name: str, nbytes: int = 100) -> Entry:
+    d = root / "s3" / "b" / name
+    d.mkdir(parents=True)
+    (d / "w.safetensors").write_bytes(b"x" * nbytes)
+    entry = cache.record(name, model=f"s3://b/{name}", requested=f"s3://b/{name}", revision="r", path=d,
+                         nbytes=nbytes)
+    time.sleep(0.01)  # distinct last_used
+    return cache.touch(entry)
+
+
+def _hold_lease(root: Path, name: str, path: Path) -> subprocess.Popen:
+    """Another process (a pod's server) that leases ``name`` and then waits."""
+    code = ("import sys, time; from pathlib import Path; from slipstream.server.models.model_cache import ModelCache\n"
+            "ModelCache(Path(sys.argv[1])).lease(sys.argv[2], 'r', Path(sys.argv[3]))\n"
+            "print('leased', flush=True); sys.stdin.readline()")
+    p = subprocess.Popen([sys.executable, "-I", "-c", code, str(root), name, str(path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "leased"
+    return p
+
+
+# --- leases -------------------------------------------------------------------------------------
+
+def test_a_leased_entry_outlives_eviction_until_its_holder_dies_and_the_lease_goes_stale(tmp_path):
+    cache = ModelCache(tmp_path)
+    served, idle = _entry(cache, tmp_path, "served"), _entry(cache, tmp_path, "idle")
+    holder = _hold_lease(tmp_path, "served", Path(served.path))
+    try:
+        done = evict(tmp_path, 0)
+        assert [e.name for e in done.removed] == ["idle"] and [e.name for e in done.in_use] == ["served"]
+        assert Path(served.path).exists() and not Path(idle.path).exists()
+        assert done.total_bytes == 100  # above max_bytes: what is left is in use
+    finally:
+        holder.kill()  # no clean exit: the lease file stays until it is stale
+        holder.wait()
+    assert evict(tmp_path, 0).in_use, "a lease is live for LEASE_STALE_AFTER_S after its last heartbeat"
+    time.sleep(0.3)
+    done = evict(tmp_path, 0, lease_stale_after_s=0.2)
+    assert [e.name for e in done.removed] == ["served"] and not Path(served.path).exists()
+    assert list((tmp_path / ".slipstream" / "leases").iterdir()) == []
+
+
+def test_a_clean_exit_releases_the_lease(tmp_path):
+    cache = ModelCache(tmp_path)
+    entry = _entry(cache, tmp_path, "m")
+    holder = _hold_lease(tmp_path, "m", Path(entry.path))
+    assert len(cache.leases()) == 1 and cache.leases()[0].holder.endswith(f":{holder.pid}")
+    holder.communicate("\n", timeout=30)  # returns from the script: atexit runs
+    assert holder.returncode == 0 and cache.leases() == []
+    assert [e.name for e in evict(tmp_path, 0).removed] == ["m"]
+
+
+def test_leasing_twice_in_one_process_is_one_lease_and_release_ends_it(tmp_path):
+    cache = ModelCache(tmp_path)
+    entry = _entry(cache, tmp_path, "m")
+    first = cache.lease("m", "r", Path(entry.path))
+    assert cache.lease("m", "r", Path(entry.path)) is first and len(cache.leases()) == 1
+    first.release()
+    first.release()
+    assert cache.leases() == [] and evict(tmp_path, 0).removed
+
+
+def test_a_lease_on_one_file_of_a_snapshot_pins_every_entry_that_shares_it():
+    snap = "/c/hf/models--org--q/snapshots/abc"
+    q4 = Entry("q4", "hf://org/q:Q4_0", "org/q:Q4_0", "abc", f"{snap}/q.Q4_0.gguf", 10, 0, 0)
+    q8 = Entry("q8", "hf://org/q:Q8_0", "org/q:Q8_0", "abc", f"{snap}/q.Q8_0.gguf", 10, 0, 0)
+    other = Entry("o", "hf://org/o", "org/o", "def", "/c/hf/models--org--o/snapshots/def", 10, 0, 0)
+    lease = LeaseRecord("pod:1", "q4", "abc", f"{snap}/q.Q4_0.gguf", heartbeat=100.0)
+    assert files_root(q4.path, "abc") == files_root(q8.path, "abc") == "/c/hf/models--org--q@abc"
+    assert files_root("/c/s3/b/m.d/m.gguf", "r") == "/c/s3/b/m.d" and files_root("/c/s3/b/m", "r") == "/c/s3/b/m"
+    assert pinned_by(q8, [lease]) == [lease] and pinned_by(other, [lease]) == []
+    assert live_leases([lease], now=150.0, stale_after=60) == [lease]
+    assert live_leases([lease], now=161.0, stale_after=60) == []
+
+
+# --- partial files ------------------------------------------------------------------------------
+
+def test_orphans_are_old_partial_files_outside_every_live_download():
+    files = [Partial("/c/hf/models--o--a/blobs/x.incomplete", 5, 10.0),
+             Partial("/c/hf/models--o--b/blobs/y.incomplete", 5, 20.0),
+             Partial("/c/s3/b/m/w.1.partial", 5, 5.0),
+             Partial("/c/s3/b/n/w.2.partial", 5, 99.0)]
+    got = orphans(files, "/c", ["hf/models--o--b"], now=100.0, stale_after=30)
+    assert [p.path for p in got] == ["/c/s3/b/m/w.1.partial", "/c/hf/models--o--a/blobs/x.incomplete"]
+    assert orphans(files, "/c", None, now=100.0, stale_after=30) == [], "a lock that names no folders"
+
+
+def test_eviction_removes_orphaned_partial_files_first_and_counts_them(tmp_path):
+    cache = ModelCache(tmp_path, stale_after_s=30)
+    entry = _entry(cache, tmp_path, "m")
+    dead = tmp_path / "hf" / "models--org--dead" / "blobs" / "abc.1234.incomplete"
+    busy = tmp_path / "s3" / "b" / "busy" / "w.safetensors.ab12.partial"
+    fresh = tmp_path / "s3" / "b" / "fresh" / "w.safetensors.cd34.partial"
+    for f in (dead, busy, fresh):
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"p" * 1000)
+    os.utime(dead, (time.time() - 3600,) * 2)
+    os.utime(busy, (time.time() - 3600,) * 2)
+    with cache.lock("busy", "s3://b/busy", writes=["s3/b/busy"]):
+        done = evict(tmp_path, 2100)
+    assert [Path(p.path).name for p in done.orphans] == [dead.name]
+    assert not dead.exists() and busy.exists() and fresh.exists()
+    assert done.removed == [] and done.total_bytes == 2100 and Path(entry.path).exists()
+    done = evict(tmp_path, 1000)  # the lock is gone: `busy` is an orphan now, then the entry goes
+    assert [Path(p.path).name for p in done.orphans] == [busy.name] and [e.name for e in done.removed] == ["m"]
+    assert fresh.exists() and done.total_bytes == 1000
+
+
+# --- byte counts and refusals before downloading -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def hub():
+    server = HubServer()
+    server.add("org/ggufs", Repo({"m.Q4_0.gguf": b"G" * 3000, "m.Q8_0.gguf": b"H" * 5000, "README.md": b"# m"}))
+    server.add("org/big", Repo({"config.json": b'{"model_type": "llama"}',
+                                "model.safetensors": os.urandom(BIG)}))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def env(hub, monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    hub.requests.clear()
+    hub.trickle = None
+    return tmp_path / "models"
+
+
+def test_bytes_count_the_selected_file_not_the_other_quantizations_in_the_same_snapshot(hub, env):
+    q4 = fetch(parse_model_uri("hf://org/ggufs:Q4_0"), env, lease=False)
+    q8 = fetch(parse_model_uri("hf://org/ggufs:Q8_0"), env, lease=False)
+    assert q4.path.parent == q8.path.parent, "one snapshot folder holds both"
+    assert (q4.bytes, q8.bytes) == (3000, 5000)
+    assert sorted(e.bytes for e in ModelCache(env).entries()) == [3000, 5000]
+
+
+def test_an_s3_prefix_of_several_ggufs_is_refused_before_downloading_any(tmp_path, monkeypatch):
+    import boto3
+    from s3_server import start_s3
+
+    server = start_s3()
+    try:
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                     "AWS_ENDPOINT_URL": server.url}.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        s3 = boto3.client("s3", endpoint_url=server.url, region_name="us-east-1")
+        s3.create_bucket(Bucket="ggufs")
+        for key in ("m/m.Q4_0.gguf", "m/m.Q8_0.gguf"):
+            s3.put_object(Bucket="ggufs", Key=key, Body=b"G" * 100)
+        server.seen.clear()
+        with pytest.raises(ModelSourceError, match=r"2 GGUF files .*s3://ggufs/m/m\.Q4_0\.gguf") as e:
+            fetch(parse_model_uri("s3://ggufs/m"), tmp_path / "cache")
+        assert e.value.reason == "InvalidURI"
+        assert [s for s in server.seen if s[0] == "GET" and s[1].endswith(".gguf")] == []
+        one = fetch(parse_model_uri("s3://ggufs/m/m.Q8_0.gguf"), tmp_path / "cache", lease=False)
+        assert one.path.name == "m.Q8_0.gguf" and one.bytes == 100
+    finally:
+        server.shutdown()
+
+
+# --- a download stopped by a signal --------------------------------------------------------------
+
+def _download(env: Path, tmp_path: Path, model: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-I", "-m", "slipstream.server", "download", model,
+                             "--cache-dir", str(env), "--termination-message-path", str(tmp_path / "t")],
+                            env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_bytes(hub: HubServer, at_least: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(hub.sent.values()) < at_least:
+        assert time.monotonic() < deadline, "the download never started"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_a_download_midway_releases_its_lock_and_exits_128_plus_it(hub, env, tmp_path, signum):
+    hub.trickle = (1 << 20, 0.15)  # 1 MiB per write: the whole file would take ~4 s
+    hub.sent.clear()
+    p = _download(env, tmp_path, "hf://org/big")
+    _wait_for_bytes(hub, 1 << 20)
+    stopped = time.monotonic()
+    p.send_signal(signum)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 128 + signum, out
+    assert sum(hub.sent.values()) < BIG, "it stopped before the end of the file"
+    assert time.monotonic() - stopped < 20
+    doc = json.loads((tmp_path / "t").read_text())
+    assert doc["reason"] == "Interrupted" and signal.Signals(signum).name in doc["error"]
+    assert not list((env / ".slipstream" / "locks").glob("*.lock")), "the lock is released"
+    assert ModelCache(env).entries() == [], "nothing is recorded as complete"
+
+    hub.trickle = None  # another pod takes over at once and finishes
+    again = _download(env, tmp_path, "hf://org/big")
+    out = again.communicate(timeout=120)[0]
+    assert again.returncode == 0, out
+    assert json.loads((tmp_path / "t").read_text())["bytes"] == BIG + len(b'{"model_type": "llama"}')
+
+
+def test_a_signal_while_serve_fetches_its_model_stops_the_fetch_and_exits_143(hub, env, tmp_path):
+    hub.trickle = (1 << 20, 0.15)
+    hub.sent.clear()
+    p = subprocess.Popen([sys.executable, "-I", "-m", "slipstream.server", "serve", "--model", "hf://org/big",
+                          "--model-cache-dir", str(env), "--host", "127.0.0.1", "--port", "0"],
+                         env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_bytes(hub, 1 << 20)
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 143, out
+    assert sum(hub.sent.values()) < BIG
+    assert not list((env / ".slipstream" / "locks").glob("*.lock"))
