@@ -74,25 +74,62 @@ async def test_a_full_queue_answers_429_at_once_and_leaving_waiters_free_their_p
         await wait_until(lambda: gateway.endpoints.waiting == 0, what="the queue to empty")
 
 
-async def test_a_full_endpoint_holds_requests_in_the_gateway_in_arrival_order(pods):
-    pod = pods["a"].url
-    async with running_gateway(endpoints=(pod,), max_in_flight=2, policy="least-loaded") as (url, gateway), \
+@contextlib.asynccontextmanager
+async def holding_endpoint():
+    """An in-process 'pod' that answers each chat request only when the test releases it (a
+    real pod may finish a short request before the next one is counted). Yields (url, the
+    prompts in the order they arrived, release(prompt))."""
+    arrived: list[str] = []
+    gates: dict[str, asyncio.Event] = {}
+    metrics_text = ("slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
+                    "slipstream:kv_cache_usage_perc 0\n")
+
+    async def completions(request: web.Request) -> web.Response:
+        prompt = (await request.json())["messages"][0]["content"]
+        arrived.append(prompt)
+        await gates.setdefault(prompt, asyncio.Event()).wait()
+        return web.json_response({
+            "id": f"chatcmpl-{prompt}", "object": "chat.completion", "created": 0, "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    async def metrics_page(request: web.Request) -> web.Response:
+        return web.Response(text=metrics_text)
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/ready", ready)
+    app.router.add_post("/v1/chat/completions", completions)
+    server = TestServer(app, host="127.0.0.43", port=0)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), arrived, lambda p: gates.setdefault(p, asyncio.Event()).set()
+    finally:
+        for gate in gates.values():
+            gate.set()
+        await server.close()
+
+
+async def test_a_full_endpoint_holds_requests_in_the_gateway_and_sends_them_on_in_arrival_order():
+    async with holding_endpoint() as (pod, arrived, release), \
+            running_gateway(endpoints=(pod,), max_in_flight=2, policy="least-loaded") as (url, gateway), \
             aiohttp.ClientSession(headers=AUTH) as session:
-        finished: list[int] = []
-
-        async def one(i: int) -> int:
-            status, _, _ = await post(session, url, chat(f"q{i}", max_tokens=10))
-            finished.append(i)
-            return status
-
         tasks = []
         for i in range(6):
-            tasks.append(asyncio.create_task(one(i)))
+            tasks.append(asyncio.create_task(post(session, url, chat(f"q{i}"))))
             await wait_until(lambda: gateway.endpoints.waiting + gateway.endpoints.get(pod).in_flight == i + 1,
                              what=f"request {i} to arrive")
-        assert gateway.endpoints.get(pod).in_flight == 2 and gateway.endpoints.waiting == 4
-        assert await asyncio.gather(*tasks) == [200] * 6
-        assert finished[:2] == sorted(finished[:2]) and set(finished[:2]) == {0, 1}
+        await wait_until(lambda: len(arrived) == 2, what="two requests at the endpoint")
+        assert arrived == ["q0", "q1"] and gateway.endpoints.waiting == 4
+        for i in range(6):  # each answer frees one place: the oldest waiter takes it
+            release(f"q{i}")
+            await wait_until(lambda: len(arrived) == min(i + 3, 6), what=f"the request after q{i + 1}")
+        assert arrived == [f"q{i}" for i in range(6)]
+        assert [status for status, _, _ in await asyncio.gather(*tasks)] == [200] * 6
+        assert gateway.endpoints.waiting == 0 and gateway.endpoints.get(pod).in_flight == 0
 
 
 @contextlib.asynccontextmanager
