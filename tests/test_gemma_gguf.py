@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 (text) GGUF files, llama.cpp's ``gemma2``/``gemma3`` architectures: greedy
 output equals transformers' reading the same file, token for token, alone and batched, on prompts
-longer than the 16-token sliding window.
+longer than the 16-token sliding window, and the Q8_0 file also chunked, preempted and prefix-cached.
 
 The files are written here with ``gguf.GGUFWriter`` from tiny random Gemma models, in llama.cpp's
 conventions (``convert_hf_to_gguf.py``): norm weights stored with 1 added, q/k rows not permuted,
@@ -19,7 +19,7 @@ import torch
 from slipstream.server.engine import LLM
 
 from test_architectures import VOCAB, _as_stored, _file_type, gguf_tokenizer  # noqa: F401 (fixture)
-from tiny_checkpoints import GREEDY, assert_not_degenerate, greedy, tokens
+from tiny_checkpoints import GREEDY, assert_not_degenerate, check_engine_modes, greedy, tokens
 
 WINDOW = 16
 HEAD_DIM = 32
@@ -117,9 +117,12 @@ def _write_gguf(path: Path, arch: str, model, dtype: str, tokenizer_fields: dict
 
 
 def _prompts() -> list[list[int]]:
-    """Four prompts, three longer than the window (one over three windows), one shorter."""
+    """Four prompts, three longer than the window (one over three windows), one shorter; the last
+    two share their first 34 tokens (two full 16-token blocks and more, for prefix caching)."""
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 40, 57)]
+    ps = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 40, 57)]
+    ps[3][:34] = ps[2][:34]
+    return ps
 
 
 @pytest.mark.parametrize("dtype", ["F32", "F16", "Q8_0"])
@@ -160,6 +163,9 @@ def test_gemma_gguf_greedy_tokens_equal_transformers(tmp_path, monkeypatch, gguf
         assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling) == (1e6, 1e4, ROPE_SCALING)
     assert any(len(p) > 2 * WINDOW for p in ps)
 
+    if dtype == "Q8_0":  # the quantized file in every engine mode: chunked, preempted, prefix-cached too
+        check_engine_modes(gguf_path, ps, expected, no_leaks)
+        return
     alone = LLM(loaded=loaded, max_num_batched_tokens=512, kv_cache_memory_bytes=4 << 20)
     assert [tokens(alone.generate(p, GREEDY))[0] for p in ps] == expected
     no_leaks(alone.engine)
