@@ -252,7 +252,7 @@ def gguf_tokenizer() -> dict:
 
 def _file_type(t: torch.Tensor, dtype: str) -> str:
     """How the test file stores ``t``: norms in F32; Q8_0 only where rows split into 32-wide blocks."""
-    if t.dim() == 1 or (dtype == "Q8_0" and t.shape[-1] % 32):
+    if t.dim() == 1 or (dtype.startswith("Q") and t.shape[-1] % 32):
         return "F32"
     return dtype
 
@@ -264,8 +264,8 @@ def _as_stored(t: torch.Tensor, dtype: str) -> torch.Tensor:
     kind = _file_type(t, dtype)
     if kind == "F16":
         return t.half().float()
-    if kind == "Q8_0":
-        qtype = gguf.GGMLQuantizationType.Q8_0
+    if kind.startswith("Q"):
+        qtype = gguf.GGMLQuantizationType[kind]
         return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.float().numpy(), qtype), qtype))
     return t
 

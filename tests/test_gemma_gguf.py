@@ -1,6 +1,7 @@
 """Gemma 2 and Gemma 3 (text) GGUF files, llama.cpp's ``gemma2``/``gemma3`` architectures: greedy
 output equals transformers' reading the same file, token for token, alone and batched, on prompts
-longer than the 16-token sliding window, and the Q8_0 file also chunked, preempted and prefix-cached.
+longer than the 16-token sliding window; Q8_0 and Q4_0 files served as stored (the quantized
+modules on the file's blocks), the Q8_0 one also chunked, preempted and prefix-cached.
 
 The files are written here with ``gguf.GGUFWriter`` from tiny random Gemma models, in llama.cpp's
 conventions (``convert_hf_to_gguf.py``): norm weights stored with 1 added, q/k rows not permuted,
@@ -96,9 +97,9 @@ def _write_gguf(path: Path, arch: str, model, dtype: str, tokenizer_fields: dict
         array = t.detach().float().numpy()
         if "norm" in name:
             w.add_tensor(name, array + 1)
-        elif _file_type(t, dtype) == "Q8_0":
-            w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif _file_type(t, dtype).startswith("Q"):
+            qtype = gguf.GGMLQuantizationType[dtype]
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, array.astype(np.float16) if dtype == "F16" else array)
 
@@ -125,7 +126,7 @@ def _prompts() -> list[list[int]]:
     return ps
 
 
-@pytest.mark.parametrize("dtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("dtype", ["F32", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_gguf_greedy_tokens_equal_transformers(tmp_path, monkeypatch, gguf_tokenizer, arch,  # noqa: F811
                                                      dtype, no_leaks):
@@ -133,6 +134,8 @@ def test_gemma_gguf_greedy_tokens_equal_transformers(tmp_path, monkeypatch, gguf
 
     from slipstream.server.models.gemma import GemmaModel
     from slipstream.server.models.loader import load_model
+    from slipstream.kernels import ggml_cpu
+    from slipstream.server.models.quant import QuantEmbedding, QuantLinear
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
     eos = int(gguf_tokenizer["tokenizer.ggml.eos_token_id"][0])
@@ -162,6 +165,10 @@ def test_gemma_gguf_greedy_tokens_equal_transformers(tmp_path, monkeypatch, gguf
         assert cfg.architecture == "Gemma3ForCausalLM" and cfg.layer_windows == [WINDOW] * 5 + [None]
         assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling) == (1e6, 1e4, ROPE_SCALING)
     assert any(len(p) > 2 * WINDOW for p in ps)
+    blocks = {type(m).__name__ for m in loaded.model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    # served as the file stores them: the quantized kernels on the file's blocks, not widened to fp32
+    quantized = dtype.startswith("Q") and ggml_cpu.available()  # else dequantized (no C compiler here)
+    assert blocks == ({"QuantLinear", "QuantEmbedding"} if quantized else set()), blocks
 
     if dtype == "Q8_0":  # the quantized file in every engine mode: chunked, preempted, prefix-cached too
         check_engine_modes(gguf_path, ps, expected, no_leaks)

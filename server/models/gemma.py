@@ -32,13 +32,19 @@ from slipstream import kernels
 from slipstream.kernels import AttentionBackend, AttentionMetadata
 
 from .config import ModelConfig
-from .llama import Attention, Linear, rope_inv_freq
+from .llama import MLP, Attention, Linear, load_decoder_weights, rope_inv_freq
+from .quant import GGMLTensor
 
 ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
 
 def is_gemma3(cfg: ModelConfig) -> bool:
     return cfg.architecture.startswith("Gemma3")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation: Gemma's GeGLU gate (Shazeer, 2020)."""
+    return F.gelu(x, approximate="tanh")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -67,24 +73,11 @@ class GemmaAttention(Attention):
         self.softcap = None if is_gemma3(cfg) else cfg.attn_logit_softcap  # Gemma 3 has none
 
 
-class GemmaMLP(nn.Module):
-    """GeGLU feed-forward (Shazeer, 2020) with the tanh approximation of GELU."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = GemmaAttention(cfg, layer)
-        self.mlp = GemmaMLP(cfg)
+        self.mlp = MLP(cfg, activation=gelu_tanh)
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
@@ -140,45 +133,25 @@ class GemmaModel(nn.Module):
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor | GGMLTensor]) -> None:
         """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …;
         a multimodal checkpoint's ``model.language_model.*`` or ``language_model.model.*``,
-        whose vision tower and projector are skipped), fusing q/k/v and gate/up.
+        whose vision tower and projector are skipped) by :func:`.llama.load_decoder_weights`:
+        q/k/v and gate/up fused, GGUF blocks (:class:`~.quant.GGMLTensor`) served as stored, the
+        LM head tied to the embedding unless the checkpoint has its own.
 
         Raises:
-            ValueError: a missing or unexpected tensor, a shape mismatch, or quantized weights.
+            ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
         """
-        cfg = self.cfg
         w = {}
         for name, tensor in weights.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"tensor {name}: quantized weights are not supported for {cfg.architecture}")
             name = _text_name(name)
             if name is not None:
                 w[name] = tensor
-        w.setdefault("lm_head.weight", w.get("embed_tokens.weight"))  # Gemma ties the LM head
-        fused = {}
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            try:
-                kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
-                for kind in kinds:
-                    fused[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([w.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
-                fused[p + "mlp.gate_up_proj.weight"] = torch.cat([w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
-            except KeyError as e:
-                raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
-        w.update(fused)
-        own = self.state_dict()
-        missing, unexpected = sorted(set(own) - set(w)), sorted(set(w) - set(own))
-        if missing or unexpected or w["lm_head.weight"] is None:
-            raise ValueError(f"checkpoint does not match the {cfg.architecture} architecture: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for name, tensor in w.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-        self.load_state_dict(w, strict=True, assign=True)
-        if w["lm_head.weight"] is w["embed_tokens.weight"]:
-            self.lm_head.weight = self.embed_tokens.weight
+        if "embed_tokens.weight" not in w:
+            raise ValueError("checkpoint is missing tensor 'embed_tokens.weight'")
+        w.setdefault("lm_head.weight", w["embed_tokens.weight"])  # Gemma ties the LM head
+        load_decoder_weights(self, w)
 
 
 # model.language_model.X (transformers 5), language_model.model.X (4.x), model.X; None: not text.

@@ -243,9 +243,6 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
 
     t0 = time.perf_counter()
     cfg, tensors = _gguf_index(path)
-    gemma_file = cfg.architecture in _GGUF_GEMMA
-    if gemma_file and as_stored:
-        log.info("%s: Gemma's quantized tensors are served dequantized to fp32 (no quantized Gemma modules yet)", path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict = {}
     dequantized: set[str] = set()
@@ -256,8 +253,7 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
             raise ModelLoadError(f"{path}: tensor {t.name} lies past the end of the file (truncated?)")
         raw = data[t.offset:t.offset + t.nbytes]
         rows = int(np.prod(t.shape[1:], dtype=np.int64))
-        # QuantLinear is 2-D (experts dequantize), and Gemma's modules take plain tensors only
-        keep = as_stored and quant.supported(qtype) and len(t.shape) == 2 and not gemma_file
+        keep = as_stored and quant.supported(qtype) and len(t.shape) == 2  # QuantLinear is 2-D: experts dequantize
         if keep:
             array = np.array(raw.reshape(rows, -1), copy=True)  # [rows, row bytes], the file's blocks
         else:

@@ -140,16 +140,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer, 2020)."""
+    """Gated feed-forward (Shazeer, 2020), ``down(act(gate(x)) * up(x))`` with gate/up fused:
+    SwiGLU with the default SiLU, GeGLU with a GELU (Gemma). ``[..., hidden]`` in and out."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, activation=F.silu):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -214,66 +216,83 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor | GGMLTensor]) -> None:
-        """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …),
-        or one already in this module's fused layout. Per-expert tensors (Qwen3-MoE's names or
-        Mixtral's ``block_sparse_moe.experts.N.w1``) are stacked by :func:`.moe.stack_expert_weights`.
-        A :class:`~.quant.GGMLTensor` weight
-        replaces its ``Linear`` / ``Embedding`` by the quantized module (CPU only).
+        """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …)
+        or one already in this module's fused layout: :func:`load_decoder_weights`. Without an
+        ``lm_head.weight`` the config must tie the word embeddings.
 
         Raises:
             ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
         """
-        cfg = self.cfg
-        w = {hf_expert_name(k.removeprefix("model.")): v for k, v in weights.items()}
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
         if "lm_head.weight" not in w:
-            if not cfg.tie_word_embeddings:
+            if not self.cfg.tie_word_embeddings:
                 raise ValueError("checkpoint has no lm_head.weight and does not tie word embeddings")
             w["lm_head.weight"] = w["embed_tokens.weight"]
-        fused: dict[str, torch.Tensor] = {}
-        already_fused = "layers.0.self_attn.qkv_proj.weight" in w  # e.g. from the weight cache
-        for i in range(0 if already_fused else cfg.num_layers):
-            p = f"layers.{i}."
-            try:
-                for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-                    fused[p + f"self_attn.qkv_proj.{kind}"] = _cat(
-                        [w.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
-                if i in cfg.moe_layers:
-                    stack_expert_weights(w, p + "mlp.", cfg.num_experts)
-                else:
-                    fused[p + "mlp.gate_up_proj.weight"] = _cat(
-                        [w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
-            except KeyError as e:
-                raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
-        w.update(fused)
-        w = {k: v for k, v in w.items() if not k.endswith("rotary_emb.inv_freq")}
-        for name in [k for k, v in w.items() if isinstance(v, GGMLTensor)]:
-            self._use_quantized(name.removesuffix(".weight"), w.pop(name), w)
-        own = self.state_dict()
-        missing = sorted(set(own) - set(w))
-        unexpected = sorted(set(w) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match the {cfg.architecture} architecture: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for name, tensor in w.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-        self.load_state_dict(w, strict=True, assign=True)
-        if cfg.tie_word_embeddings and not isinstance(self.lm_head, QuantLinear):
-            self.lm_head.weight = self.embed_tokens.weight
+        load_decoder_weights(self, w)
 
-    def _use_quantized(self, path: str, weight: GGMLTensor, w: dict) -> None:
-        """Swap the module at ``path`` for its quantized form; its state-dict entries in ``w``
-        become ``path.blocks`` (and the bias, kept as given)."""
-        parent_path, _, attr = path.rpartition(".")
-        parent = self.get_submodule(parent_path) if parent_path else self
-        old = getattr(parent, attr)
-        expected = tuple(old.weight.shape)
-        if weight.shape != expected:
-            raise ValueError(f"tensor {path}.weight has shape {weight.shape}, expected {expected}")
-        if isinstance(old, nn.Embedding):
-            new = QuantEmbedding(weight)
-        else:
-            bias = w.get(path + ".bias")
-            new = QuantLinear(weight, None if bias is None else torch.empty_like(bias, device="cpu"))
-        setattr(parent, attr, new)
-        w[path + ".blocks"] = weight.blocks
+
+def load_decoder_weights(net: nn.Module, weights: dict[str, torch.Tensor | GGMLTensor]) -> None:
+    """Load ``weights`` into a decoder with this module's layout (``embed_tokens``,
+    ``layers.N.self_attn.qkv_proj``, ``layers.N.mlp.gate_up_proj`` or experts, ``norm``,
+    ``lm_head``; ``net.cfg`` its config), names without the ``model.`` prefix: q/k/v and gate/up
+    are fused (unless already), per-expert tensors (Qwen3-MoE's names or Mixtral's
+    ``block_sparse_moe.experts.N.w1``) stacked by :func:`.moe.stack_expert_weights`, and a
+    :class:`~.quant.GGMLTensor` weight replaces its ``Linear`` / ``Embedding`` by the quantized
+    module (CPU only). The LM head is the embedding when the config ties them or ``lm_head.weight``
+    is the embedding's own tensor.
+
+    Raises:
+        ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
+    """
+    cfg = net.cfg
+    w = {hf_expert_name(k): v for k, v in weights.items()}
+    tied = cfg.tie_word_embeddings or w.get("lm_head.weight") is w.get("embed_tokens.weight")
+    fused: dict[str, torch.Tensor] = {}
+    already_fused = "layers.0.self_attn.qkv_proj.weight" in w  # e.g. from the weight cache
+    for i in range(0 if already_fused else cfg.num_layers):
+        p = f"layers.{i}."
+        try:
+            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                fused[p + f"self_attn.qkv_proj.{kind}"] = _cat(
+                    [w.pop(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"])
+            if i in cfg.moe_layers:
+                stack_expert_weights(w, p + "mlp.", cfg.num_experts)
+            else:
+                fused[p + "mlp.gate_up_proj.weight"] = _cat(
+                    [w.pop(p + "mlp.gate_proj.weight"), w.pop(p + "mlp.up_proj.weight")])
+        except KeyError as e:
+            raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
+    w.update(fused)
+    w = {k: v for k, v in w.items() if not k.endswith("rotary_emb.inv_freq")}
+    for name in [k for k, v in w.items() if isinstance(v, GGMLTensor)]:
+        _use_quantized(net, name.removesuffix(".weight"), w.pop(name), w)
+    own = net.state_dict()
+    missing = sorted(set(own) - set(w))
+    unexpected = sorted(set(w) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the {cfg.architecture} architecture: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in w.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+    net.load_state_dict(w, strict=True, assign=True)
+    if tied and not isinstance(net.lm_head, QuantLinear):
+        net.lm_head.weight = net.embed_tokens.weight
+
+
+def _use_quantized(net: nn.Module, path: str, weight: GGMLTensor, w: dict) -> None:
+    """Swap the module at ``path`` of ``net`` for its quantized form; its state-dict entries in
+    ``w`` become ``path.blocks`` (and the bias, kept as given)."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = net.get_submodule(parent_path) if parent_path else net
+    old = getattr(parent, attr)
+    expected = tuple(old.weight.shape)
+    if weight.shape != expected:
+        raise ValueError(f"tensor {path}.weight has shape {weight.shape}, expected {expected}")
+    if isinstance(old, nn.Embedding):
+        new = QuantEmbedding(weight)
+    else:
+        bias = w.get(path + ".bias")
+        new = QuantLinear(weight, None if bias is None else torch.empty_like(bias, device="cpu"))
+    setattr(parent, attr, new)
+    w[path + ".blocks"] = weight.blocks

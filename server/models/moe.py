@@ -19,7 +19,7 @@ class Experts(nn.Module):
 
     ``gate_up_proj``: ``[num_experts, 2 * inter, hidden]`` (gate rows, then up rows);
     ``down_proj``: ``[num_experts, hidden, inter]``. Checkpoints' per-expert tensors are stacked
-    into these at load (:meth:`.llama.LlamaModel.load_weights`).
+    into these at load (:func:`.llama.load_decoder_weights`).
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
