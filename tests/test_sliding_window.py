@@ -261,3 +261,35 @@ def test_only_a_model_whose_every_layer_slides_releases_blocks():
     assert ModelConfig(**shapes, layer_windows=[8, 4]).kv_window == 8
     assert ModelConfig(**shapes, layer_windows=[8, None]).kv_window is None  # Gemma's global layers read it all
     assert ModelConfig(**shapes).kv_window is None
+
+
+@pytest.mark.timeout(120)  # the bug was a livelock: it never returned
+def test_two_choices_of_a_windowed_request_in_a_pool_that_holds_one_request_both_finish(tmp_path, no_leaks):
+    """A fork's waiting choice holds blocks its parent shared with it; once the parent has slid past
+    the blocks before them (and the pool has reused those) it cannot find them again from block 0,
+    so when it preempts itself (nothing else runs) the waiting choice must give them back, or the
+    parent is readmitted into the one block left and preempts itself forever."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tiny_checkpoints import greedy, save_checkpoint
+    from slipstream.server.engine import LLM, SamplingParams
+    from slipstream.server.models.loader import load_tokenizer
+
+    eos = load_tokenizer("builtin").eos_token_id
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                           max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=eos, pad_token_id=eos)
+    path = save_checkpoint(MistralForCausalLM, config, tmp_path / "w5")
+    prompt = torch.randint(200, 49000, (100,), generator=torch.Generator().manual_seed(6100)).tolist()
+    [want] = greedy(MistralForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval(),
+                    [prompt], eos, 60)
+    probe = LLM(model=str(path), max_num_batched_tokens=5)
+    assert probe.engine.kv.max_blocks_held(len(prompt) + 60, 5) == 2
+    llm = LLM(model=str(path), max_num_batched_tokens=5,
+              kv_cache_memory_bytes=2 * 16 * probe.engine.model_config.kv_bytes_per_token(4))
+    assert llm.engine.kv.num_blocks == 2, "one choice at a time, no block spare"
+    two = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=60, n=2))
+    assert [c.token_ids for c in two[0].outputs] == [want] * 2
+    assert llm.engine.scheduler.num_preemptions > 0
+    no_leaks(llm.engine)

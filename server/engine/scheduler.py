@@ -5,7 +5,8 @@ then waiting requests FCFS while the token budget, the seat limit and free block
 running request needs a block and none is free, the newest running request is preempted: its
 blocks are freed and it waits at the head of the queue to be recomputed (vLLM's recompute
 preemption, Kwon et al. SOSP '23, §4.5). If nothing runs and the head of the queue still does not
-fit, waiting requests give back the blocks they hold, so the queue always moves. Finished
+fit, or the last running request had to preempt itself, waiting requests give back the blocks
+they hold, so the queue always moves. Finished
 requests leave at once, so a freed seat is filled on the very next step. Before a request's
 blocks are allocated, those behind every layer's sliding window are released
 (:meth:`KVCacheManager.free_out_of_window`).
@@ -94,6 +95,10 @@ class Scheduler:
                 budget -= n
                 i += 1
         if out.preempted:
+            if not self.running:
+                # A lone request preempted itself: blocks that waiting choices hold (a fork's,
+                # possibly past a sliding window its parent cannot find again) are all that is left.
+                self._release_waiting()
             return out  # blocks are short: admitting now would only preempt again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
