@@ -144,6 +144,8 @@ def hub():
 
 @pytest.fixture
 def env(hub, monkeypatch, tmp_path):
+    """Online (other modules' conftest sets HF_HUB_OFFLINE in the environment), against the
+    loopback hub; returns the model cache folder."""
     import huggingface_hub.constants
 
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
@@ -165,7 +167,7 @@ def test_bytes_count_the_selected_file_not_the_other_quantizations_in_the_same_s
     assert sorted(e.bytes for e in ModelCache(env).entries()) == [3000, 5000]
 
 
-def test_an_s3_prefix_of_several_ggufs_is_refused_before_downloading_any(tmp_path, monkeypatch):
+def test_an_s3_prefix_of_several_ggufs_is_refused_before_downloading_any(env, tmp_path, monkeypatch):
     import boto3
     from s3_server import start_s3
 
