@@ -146,6 +146,8 @@ def server_args(spec: InferenceServiceSpec, name: str,
         args += ["--quantization", engine.quantization]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.max_waiting is not None:
+        args += ["--max-waiting", str(engine.max_waiting)]
     return args
 
 

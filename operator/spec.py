@@ -38,7 +38,9 @@ class EngineSpec:
     the fraction in (0, 1] of the GPU's memory it may use, engine default 0.9 when None; on CPU
     :data:`CPU_KV_CACHE_BYTES`). ``enforce_eager``: no CUDA graphs for decode. ``max_model_len``
     None leaves the model's own context length. ``quantization``: ``"auto"`` / ``"none"``
-    (``slipstream serve --quantization``), None leaves the server's default (auto)."""
+    (``slipstream serve --quantization``), None leaves the server's default (auto).
+    ``max_waiting``: most requests a pod queues beyond its running batch before it answers 429
+    (``--max-waiting``); None leaves the server's default (128)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -48,6 +50,7 @@ class EngineSpec:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     quantization: str | None = None
+    max_waiting: int | None = None
 
     @property
     def kv_cache_memory_bytes(self) -> int | None:
@@ -194,7 +197,8 @@ _FIELDS: dict[type, dict[str, str]] = {
     EngineSpec: {"maxNumSeqs": "max_num_seqs", "maxNumBatchedTokens": "max_num_batched_tokens",
                  "kvCacheMemory": "kv_cache_memory", "maxModelLen": "max_model_len",
                  "blockSize": "block_size", "gpuMemoryUtilization": "gpu_memory_utilization",
-                 "enforceEager": "enforce_eager", "quantization": "quantization"},
+                 "enforceEager": "enforce_eager", "quantization": "quantization",
+                 "maxWaiting": "max_waiting"},
     ResourcesSpec: {"cpu": "cpu", "memory": "memory", "gpus": "gpus"},
     InferenceServiceSpec: {
         "model": "model", "image": "image", "replicas": "replicas", "autoscaling": "autoscaling",
@@ -298,6 +302,8 @@ def parse_spec(raw: Mapping[str, Any] | None, *, name: str | None = None) -> Inf
 
     _check_int(engine.max_num_seqs, "spec.engine.maxNumSeqs", 1)
     _check_int(engine.max_num_batched_tokens, "spec.engine.maxNumBatchedTokens", 1)
+    if engine.max_waiting is not None:
+        _check_int(engine.max_waiting, "spec.engine.maxWaiting", 0)
     if engine.max_num_batched_tokens < engine.max_num_seqs:
         # Every running sequence needs one token of the step's budget (vLLM's rule too).
         raise SpecError("InvalidSpec", f"spec.engine.maxNumBatchedTokens "

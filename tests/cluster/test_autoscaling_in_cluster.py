@@ -53,8 +53,10 @@ def service(name: str = NAME, autoscaling: dict | None = None, replicas: int = 1
             "autoscaling": autoscaling or {"enabled": False},
             "routing": {"enabled": False},
             # 12 blocks of 16 tokens at 8 KiB a token: a request holds 2 blocks.
+            # maxWaiting: the first pod queues the overload until the new ones are ready (~25 s
+            # on a 2-core machine, where each sim pod spends ~6 s of CPU starting), not 429s.
             "engine": {"maxNumSeqs": 4, "maxNumBatchedTokens": 512, "kvCacheMemory": 12 * 16 * 8192,
-                       "blockSize": 16},
+                       "blockSize": 16, "maxWaiting": 1024},
             "resources": {"cpu": "250m", "memory": "1Gi"},
             "startupTimeoutSeconds": 120, "shutdownTimeoutSeconds": 30,
         },
@@ -99,10 +101,13 @@ class SliceLoad(LoadGenerator):
     EndpointSlices; it also records the Deployment's replicas as they change."""
     api: object = None
     replicas_seen: list[tuple[float, int]] = field(default_factory=list)
+    ready_seen: list[tuple[float, int]] = field(default_factory=list)  # (time, ready endpoints) as it changes
 
     async def watch(self, cluster) -> None:
         while True:
             self.endpoints = await asyncio.to_thread(ready_endpoints, self.api, self.model)
+            if not self.ready_seen or self.ready_seen[-1][1] != len(self.endpoints):
+                self.ready_seen.append((time.monotonic(), len(self.endpoints)))
             replicas = await asyncio.to_thread(deployment_replicas, cluster, self.model)
             if replicas and (not self.replicas_seen or self.replicas_seen[-1][1] != replicas):
                 self.replicas_seen.append((time.monotonic(), replicas))
@@ -163,7 +168,9 @@ async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_dela
             killer.cancel()
     zero = spans["baseline"][0]
     seen = [(round(t - zero, 1), n) for t, n in load.replicas_seen]
-    report = (f"replicas {seen}; phases {[(k, round(a - zero, 1)) for k, (a, _) in spans.items()]}; "
+    ready = [(round(t - zero, 1), n) for t, n in load.ready_seen]
+    report = (f"replicas {seen}; ready endpoints {ready}; "
+              f"phases {[(k, round(a - zero, 1)) for k, (a, _) in spans.items()]}; "
               f"operator killed at {killed_at - zero:.1f}")
     print(f"{len(load.results)} requests; {report}")
 

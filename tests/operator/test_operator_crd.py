@@ -177,6 +177,7 @@ PROBES = (-1, 0, 0.05, 0.5, 1, 1.0, 1.5, 2, 7, 99.5, 1000, True, "5", [])
 ENGINE_PROBES = [("engine", "gpuMemoryUtilization", v) for v in PROBES + (1e-9, None)] + [
     ("engine", "enforceEager", v) for v in (True, False, 0, 1, "true", None)] + [
     ("engine", "quantization", v) for v in ("auto", "none", "int4", 4, None)] + [
+    ("engine", "maxWaiting", v) for v in (-1, 0, 1, 512, 1.5, True, "8", None)] + [
     ("engine", "kvCacheMemory", v) for v in ("512Mi", 2 ** 20, "lots", None)] + [
     ("resources", "gpus", v) for v in (-1, 0, 1, 2, 8, 1.5, True, "1")]
 

@@ -37,6 +37,7 @@ SPECS = {
     "gpu-profiled": {"resources": {"memory": "1Gi", "gpus": 1},
                      "engine": {"gpuMemoryUtilization": 0.85, "enforceEager": True}},
     "dequantized": {"engine": {"quantization": "none"}},
+    "deep-queue": {"engine": {"maxWaiting": 1024}},
     "pvc": {"model": {"source": "pvc", "claimName": "weights", "path": "llama/1b"}},
     "image": {"model": {"source": "image", "path": "/models/m.gguf", "servedModelName": "m"}},
     "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}},
@@ -114,6 +115,12 @@ def test_gpu_memory_utilization_and_enforce_eager_are_passed_only_when_set():
     assert container(render_deployment(isvc(resources=gpu, engine={
         "gpuMemoryUtilization": 1, "enforceEager": False})))["args"] == \
         COMMON_ARGS + ["--gpu-memory-utilization", "1"]
+
+
+def test_max_waiting_is_passed_only_when_set_and_checked():
+    assert container(render_deployment(isvc(engine={"maxWaiting": 0})))["args"] == COMMON_ARGS + ["--max-waiting", "0"]
+    with pytest.raises(SpecError, match="maxWaiting must be an integer ≥ 0"):
+        parse_spec(isvc(engine={"maxWaiting": -1})["spec"], name="x")
 
 
 def test_quantization_is_passed_only_when_set_and_checked():
@@ -307,6 +314,7 @@ def test_server_accepts_the_rendered_arguments(body):
         assert args.gpu_memory_utilization == spec.engine.gpu_memory_utilization
     assert args.enforce_eager is spec.engine.enforce_eager
     assert args.quantization == (spec.engine.quantization or "auto")
+    assert args.max_waiting == (128 if spec.engine.max_waiting is None else spec.engine.max_waiting)
 
 
 def test_sim_source_runs_the_server_with_a_simulated_model():
