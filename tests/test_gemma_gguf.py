@@ -180,3 +180,55 @@ def test_gemma_gguf_greedy_tokens_equal_transformers(tmp_path, monkeypatch, gguf
     assert tokens(batched.generate(ps, GREEDY)) == expected
     assert len(batched.engine.trace[0].scheduled) == len(ps), "all prompts should share the first step"
     no_leaks(batched.engine)
+
+
+def test_a_sentencepiece_tokenizer_in_a_gemma_gguf_encodes_as_sentencepiece_does(tmp_path, monkeypatch):
+    """Real Gemma GGUFs carry a SentencePiece vocabulary (``tokenizer.ggml.model = llama``: pieces,
+    scores, token types; no merges), not byte-level BPE. A small SentencePiece BPE model with
+    Gemma's options (byte fallback, split digits, no dummy prefix, whitespace kept, chat-turn
+    markers), written as llama.cpp's converter writes it, must encode every text as
+    SentencePiece itself does, BOS first, markers whole."""
+    import gguf
+    import numpy as np
+    import sentencepiece as spm
+
+    from slipstream.server.models.loader import load_tokenizer
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(("The lighthouse keeper wrote in the log every night: wind from the west, three ships.\n"
+                       "Item 12 costs 84 coins and weighs 14 pounds. Übermäßig große Häuser, café, naïve, 東京.\n"
+                       "def f(x):\n    return x * 2  # tabs\tand  double  spaces\n") * 30)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "spm"), vocab_size=400, model_type="bpe", byte_fallback=True,
+        split_digits=True, add_dummy_prefix=False, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        normalization_rule_name="identity", character_coverage=1.0, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    kinds = [gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL
+             if sp.is_control(i) or pieces[i].endswith("_of_turn>") else gguf.TokenType.BYTE if sp.is_byte(i)
+             else gguf.TokenType.NORMAL for i in range(len(pieces))]
+    path = tmp_path / "gemma-spm.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
+    w.add_token_types([int(k) for k in kinds])
+    for add, value in ((w.add_bos_token_id, 2), (w.add_eos_token_id, 1), (w.add_unk_token_id, 3),
+                       (w.add_pad_token_id, 0), (w.add_add_bos_token, True), (w.add_add_eos_token, False),
+                       (w.add_add_space_prefix, False)):
+        add(value)
+    w.add_tensor("token_embd.weight", np.zeros((len(pieces), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    tok = load_tokenizer(str(path))
+    texts = ["The lighthouse keeper", "  two spaces and\ttab", "Item 1234 costs 5 coins.", "café naïve 東京 ☃ 🙂",
+             "<start_of_turn>user\nhi<end_of_turn>", "\n\nnewlines\n", " leading space", "x"]
+    for text in texts:
+        assert tok.encode(text) == [sp.bos_id()] + sp.encode(text), text
+    assert tok.decode(tok.encode("café 🙂 1234"), skip_special_tokens=True) == "café 🙂 1234"
+    assert len(tok.encode("🙂", add_special_tokens=False)) == 4, "an unseen character falls back to its bytes"
