@@ -621,3 +621,28 @@ def test_an_unwritable_termination_message_path_is_reported_not_raised(tmp_path,
 
     download_cli._write(tmp_path / "no" / "such" / "dir", {"model": "m", "error": "e", "reason": "r", "status": None})
     assert "cannot write the termination message" in capsys.readouterr().err
+
+
+def test_a_split_gguf_model_is_refused_naming_its_shards_and_the_merge_before_downloading(hub, env, tmp_path):
+    import gguf
+    import numpy as np
+
+    from slipstream.server.models.errors import ModelLoadError
+    from slipstream.server.models.loader import load_model
+
+    hub.add("org/split", Repo({"m-Q4_K_M-00001-of-00002.gguf": b"GGUF 1" * 10,
+                               "m-Q4_K_M-00002-of-00002.gguf": b"GGUF 2" * 10, "m-Q8_0.gguf": b"GGUF 3" * 10}))
+    with pytest.raises(ModelSourceError, match=r"split into 2 shards .*llama-gguf-split --merge") as e:
+        fetch(parse_model_uri("hf://org/split:Q4_K_M"), env)
+    assert e.value.reason == "InvalidURI" and hub.count(contains="/lfs/") == 0
+    # one shard on disk: the loader reads split.count and says the same
+    shard = tmp_path / "m-00001-of-00002.gguf"
+    w = gguf.GGUFWriter(str(shard), "llama")
+    w.add_uint16("split.count", 2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="one of 2 shards of a split GGUF model.*llama-gguf-split --merge"):
+        load_model(str(shard), torch.device("cpu"), torch.float32)

@@ -124,6 +124,11 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # a truncated or foreign file
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+    split = reader.fields.get("split.count")
+    if split is not None and int(split.contents()) > 1:
+        raise ModelLoadError(f"{path}: one of {int(split.contents())} shards of a split GGUF model, which is not "
+                             "supported yet; merge them into one file (llama.cpp: llama-gguf-split --merge FIRST-SHARD "
+                             "OUT.gguf) and serve that")
     cfg = _gguf_config(reader, path)
     tensors = [_TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset),
                            int(t.n_bytes)) for t in reader.tensors]

@@ -388,10 +388,19 @@ def files_bytes(files: Iterable[Path]) -> int:
     return total
 
 
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+
+
 def several_ggufs(what: str, ggufs: list[str], example: str) -> ModelSourceError:
     """The error for a model that holds several GGUF files and names none of them (reason
     ``InvalidURI``): ``what`` leads the message (``"model 'x': org/name holds"``), ``example`` shows a
-    URI that names one. The one wording for every source (hf_source, s3_source, local folders)."""
+    URI that names one. The one wording for every source (hf_source, s3_source, local folders).
+    Shards of one split model (``NAME-00001-of-00003.gguf``) get their own message: not supported."""
+    if all(_SHARD.search(g) for g in ggufs) and len({_SHARD.sub("", g) for g in ggufs}) == 1:
+        return ModelSourceError(f"{what} a GGUF model split into {len(ggufs)} shards ({', '.join(ggufs[:3])}"
+                                f"{', ...' if len(ggufs) > 3 else ''}), which is not supported yet; merge them into one "
+                                "file (llama.cpp: llama-gguf-split --merge) and serve that, or choose a quantization "
+                                "stored as one file", reason="InvalidURI")
     return ModelSourceError(f"{what} {len(ggufs)} GGUF files ({', '.join(ggufs[:6])}{', ...' if len(ggufs) > 6 else ''}); "
                             f"choose one, e.g. {example}", reason="InvalidURI")
 
