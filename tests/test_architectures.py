@@ -32,7 +32,7 @@ ARCHS = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(attention_bias=False)),
     # layer 1 dense (mlp_only_layers); Qwen3-MoE's default: top-k weights not renormalized
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1],
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1],
                        norm_topk_prob=False)),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
@@ -180,7 +180,7 @@ def test_sparse_moe_matches_transformers_block(arch, renormalize):
     _randomize(hf, seed=7)
     block = hf.model.layers[0].mlp
     cfg = ModelConfig("x", VOCAB, 64, 96, 1, 4, 2, 32, 1e-6, 1e4, 512, False, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=48 if arch == "qwen3_moe" else 96, norm_topk_prob=renormalize,
+                      moe_intermediate_size=64 if arch == "qwen3_moe" else 96, norm_topk_prob=renormalize,
                       moe_layers=[0])
     ours = moe.SparseMoE(cfg)
     state = {k.removeprefix("model.layers.0.mlp."): v for k, v in hf.state_dict().items() if ".mlp." in k}
@@ -355,6 +355,11 @@ def test_gguf_matches_transformers_on_the_same_weights(tmp_path, tokenizer, gguf
     prompts = PROMPTS[:4]
     expected = _generate(hf, prompts, tokenizer.eos_token_id)
     assert len(loaded.tokenizer) == VOCAB and loaded.tokenizer.decode(prompts[0])
+    from slipstream.kernels import ggml_cpu
+    from slipstream.server.models.moe import QuantExperts
+    quant_experts = [m for m in loaded.model.modules() if isinstance(m, QuantExperts)]
+    # the experts' stacked blocks are served as stored too (one quantized matmul pair per expert)
+    assert len(quant_experts) == (len(cfg.moe_layers) if dtype == "Q8_0" and ggml_cpu.available() else 0)
     llm = LLM(loaded=loaded, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
     no_leaks(llm.engine)

@@ -251,16 +251,16 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict = {}
     dequantized: set[str] = set()
-    stacked: set[str] = set()  # supported types in 3-D expert tensors, which QuantLinear cannot hold
     for t in tensors:
         qtype = t.qtype
         if t.offset + t.nbytes > data.size:
             raise ModelLoadError(f"{path}: tensor {t.name} lies past the end of the file (truncated?)")
         raw = data[t.offset:t.offset + t.nbytes]
         rows = int(np.prod(t.shape[1:], dtype=np.int64))
-        keep = as_stored and quant.supported(qtype) and len(t.shape) == 2  # QuantLinear is 2-D: experts dequantize
+        keep = as_stored and quant.supported(qtype) and len(t.shape) in (2, 3)  # 3-D: stacked experts
         if keep:
-            array = np.array(raw.reshape(rows, -1), copy=True)  # [rows, row bytes], the file's blocks
+            # [rows, row bytes] (experts: [experts, rows, row bytes]), the file's blocks
+            array = np.array(raw.reshape(*reversed(t.shape[1:]), -1), copy=True)
         else:
             if qtype in ("F32", "F16"):
                 stored = raw.view(np.float32 if qtype == "F32" else np.float16).reshape(*reversed(t.shape))
@@ -273,7 +273,7 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
                                      "which the gguf package cannot dequantize") from None
             array = np.array(array, dtype=np.float32, copy=True).reshape(*reversed(t.shape))
             if as_stored and qtype not in ("F32", "F16", "BF16"):
-                (stacked if quant.supported(qtype) else dequantized).add(qtype)
+                dequantized.add(qtype)
         name = _hf_name(t.name, _GEMMA_NAMES if cfg.architecture in _GGUF_GEMMA else GGUF_NAMES)
         if cfg.architecture in _GGUF_GEMMA and name.endswith("norm.weight"):
             array = array - 1  # llama.cpp's converter stores Gemma's zero-centred norm weights + 1
@@ -281,12 +281,9 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
             array = _unpermute_rope(array, heads)  # permutes whole rows: blocks stay intact
         tensor = torch.from_numpy(array)
-        weights[name] = quant.GGMLTensor(tensor, qtype, (rows, t.shape[0])) if keep else tensor
+        weights[name] = quant.GGMLTensor(tensor, qtype, tuple(reversed(t.shape))) if keep else tensor
     if dequantized:
         log.info("no CPU kernel for %s: those tensors are served dequantized to fp32", ", ".join(sorted(dequantized)))
-    if stacked:
-        log.info("stacked expert tensors in %s are served dequantized to fp32 (the quantized kernel is 2-D)",
-                 ", ".join(sorted(stacked)))
     kept = sorted({w.qtype for w in weights.values() if isinstance(w, quant.GGMLTensor)})
     log.info("read %d GGUF tensors in %.1f s (%s)", len(weights), time.perf_counter() - t0,
              f"{', '.join(kept)} kept as stored" if kept else "dequantized to fp32")

@@ -16,7 +16,7 @@ from slipstream import kernels
 from slipstream.kernels import AttentionBackend, AttentionMetadata
 
 from .config import ModelConfig
-from .moe import SparseMoE, hf_expert_name, stack_expert_weights
+from .moe import QuantExperts, SparseMoE, hf_expert_name, stack_expert_weights
 from .quant import GGMLTensor, QuantEmbedding, QuantLinear
 
 
@@ -264,6 +264,8 @@ def load_decoder_weights(net: nn.Module, weights: dict[str, torch.Tensor | GGMLT
             raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
     w.update(fused)
     w = {k: v for k, v in w.items() if not k.endswith("rotary_emb.inv_freq")}
+    for name in [k for k in w if k.endswith("experts.gate_up_proj")]:
+        _use_quantized_experts(net, name.removesuffix("gate_up_proj"), w)
     for name in [k for k, v in w.items() if isinstance(v, GGMLTensor)]:
         _use_quantized(net, name.removesuffix(".weight"), w.pop(name), w)
     own = net.state_dict()
@@ -278,6 +280,27 @@ def load_decoder_weights(net: nn.Module, weights: dict[str, torch.Tensor | GGMLT
     net.load_state_dict(w, strict=True, assign=True)
     if tied and not isinstance(net.lm_head, QuantLinear):
         net.lm_head.weight = net.embed_tokens.weight
+
+
+def _use_quantized_experts(net: nn.Module, prefix: str, w: dict) -> None:
+    """Swap the :class:`.moe.Experts` at ``prefix`` (``layers.N.mlp.experts.``) for
+    :class:`.moe.QuantExperts` when both its stacked projections in ``w`` are GGML blocks;
+    a projection in blocks beside a dense one is dequantized."""
+    gate_up, down = w[prefix + "gate_up_proj"], w[prefix + "down_proj"]
+    if not (isinstance(gate_up, GGMLTensor) and isinstance(down, GGMLTensor)):
+        for name in (prefix + "gate_up_proj", prefix + "down_proj"):
+            if isinstance(w[name], GGMLTensor):
+                w[name] = w[name].dequantize()
+        return
+    path = prefix.removesuffix(".")
+    old = net.get_submodule(path)
+    for got, want in ((gate_up.shape, old.gate_up_proj.shape), (down.shape, old.down_proj.shape)):
+        if tuple(got) != tuple(want):
+            raise ValueError(f"tensors {path}.*: shape {tuple(got)}, expected {tuple(want)}")
+    parent_path, _, attr = path.rpartition(".")
+    setattr(net.get_submodule(parent_path), attr, QuantExperts(gate_up, down))
+    del w[prefix + "gate_up_proj"], w[prefix + "down_proj"]
+    w[prefix + "gate_up_blocks"], w[prefix + "down_blocks"] = gate_up.blocks, down.blocks
 
 
 def _use_quantized(net: nn.Module, path: str, weight: GGMLTensor, w: dict) -> None:

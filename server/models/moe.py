@@ -12,6 +12,38 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .quant import GGMLTensor, quant_linear
+
+
+def run_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                ffn) -> torch.Tensor:
+    """Weighted sum of each token's chosen experts, grouped by expert.
+
+    Args:
+        x: ``[num_tokens, hidden]`` in the model's dtype.
+        experts: ``[num_tokens, top_k]`` int64 expert indices.
+        weights: ``[num_tokens, top_k]`` fp32 routing weights.
+        ffn: ``ffn(rows, e)``, expert ``e``'s SwiGLU on ``[n, hidden]`` rows → ``[n, hidden]``.
+
+    Returns:
+        ``[num_tokens, hidden]`` in ``x``'s dtype; the weighting and the sum over ``top_k``
+        are done in fp32.
+    """
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+    # One host sync per layer: each expert's slice bounds set its matmul's shape.
+    ends = torch.bincount(flat, minlength=num_experts).cumsum(0).tolist()
+    rows = x[order // top_k]
+    out = torch.empty_like(rows)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[start:end] = ffn(rows[start:end], e)
+        start = end
+    weighted = torch.empty(flat.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+    weighted[order] = out.float() * weights.reshape(-1)[order, None]  # back to (token, slot) order
+    return weighted.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
 
 
 class Experts(nn.Module):
@@ -28,33 +60,40 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each token's chosen experts.
+        """``[num_tokens, hidden]``: :func:`run_experts` with these experts' weights."""
+        def ffn(rows: torch.Tensor, e: int) -> torch.Tensor:
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down_proj[e])
 
-        Args:
-            x: ``[num_tokens, hidden]`` in the model's dtype.
-            experts: ``[num_tokens, top_k]`` int64 expert indices.
-            weights: ``[num_tokens, top_k]`` fp32 routing weights.
+        return run_experts(x, experts, weights, self.gate_up_proj.shape[0], ffn)
 
-        Returns:
-            ``[num_tokens, hidden]`` in ``x``'s dtype; the weighting and the sum over ``top_k``
-            are done in fp32.
-        """
-        num_tokens, top_k = experts.shape
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        # One host sync per layer: each expert's slice bounds set its matmul's shape.
-        ends = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).tolist()
-        rows = x[order // top_k]
-        out = torch.empty_like(rows)
-        start = 0
-        for e, end in enumerate(ends):
-            if end > start:
-                gate, up = F.linear(rows[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-                out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
-            start = end
-        weighted = torch.empty(flat.numel(), x.shape[1], dtype=torch.float32, device=x.device)
-        weighted[order] = out.float() * weights.reshape(-1)[order, None]  # back to (token, slot) order
-        return weighted.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
+
+class QuantExperts(nn.Module):
+    """:class:`Experts` whose stacked projections stay in a GGUF's blocks (Q4_0/Q4_1/Q8_0
+    ``ffn_*_exps``), multiplied by :func:`.quant.quant_linear`; CPU only, fp32 activations.
+
+    ``gate_up_blocks``: ``[num_experts, 2 * inter, row bytes]`` uint8; ``down_blocks``:
+    ``[num_experts, hidden, row bytes]`` uint8.
+    """
+
+    def __init__(self, gate_up: GGMLTensor, down: GGMLTensor):
+        super().__init__()
+        self.num_experts, _, self.hidden = gate_up.shape
+        self.inter = down.shape[2]
+        self.qtypes = (gate_up.qtype, down.qtype)
+        self.register_buffer("gate_up_blocks", gate_up.blocks)
+        self.register_buffer("down_blocks", down.blocks)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As :meth:`Experts.forward`."""
+        def ffn(rows: torch.Tensor, e: int) -> torch.Tensor:
+            gate, up = quant_linear(rows, self.gate_up_blocks[e], self.qtypes[0], self.hidden).chunk(2, dim=-1)
+            return quant_linear(F.silu(gate) * up, self.down_blocks[e], self.qtypes[1], self.inter)
+
+        return run_experts(x, experts, weights, self.num_experts, ffn)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, qtypes={self.qtypes}"
 
 
 class SparseMoE(nn.Module):
@@ -121,13 +160,28 @@ def stack_expert_weights(w: dict[str, torch.Tensor], prefix: str, num_experts: i
         return
     try:
         if e + "gate_proj" in w:
-            w[e + "gate_up_proj"] = torch.cat([w.pop(e + "gate_proj"), w.pop(e + "up_proj")], dim=1)
+            w[e + "gate_up_proj"] = _cat_rows([w.pop(e + "gate_proj"), w.pop(e + "up_proj")])
             return
         gate_up, down = [], []
         for i in range(num_experts):
-            gate_up.append(torch.cat([w.pop(f"{e}{i}.gate_proj.weight"), w.pop(f"{e}{i}.up_proj.weight")]))
-            down.append(w.pop(f"{e}{i}.down_proj.weight"))
+            gate_up.append(_dense(torch.cat([_dense(w.pop(f"{e}{i}.gate_proj.weight")),
+                                             _dense(w.pop(f"{e}{i}.up_proj.weight"))])))
+            down.append(_dense(w.pop(f"{e}{i}.down_proj.weight")))
     except KeyError as err:
         raise ValueError(f"checkpoint is missing tensor {err.args[0]!r}") from None
     w[e + "gate_up_proj"] = torch.stack(gate_up)
     w[e + "down_proj"] = torch.stack(down)
+
+
+def _dense(t: torch.Tensor | GGMLTensor) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, GGMLTensor) else t
+
+
+def _cat_rows(parts: list) -> torch.Tensor | GGMLTensor:
+    """Stacked experts' rows joined per expert (``[E, rows, cols]`` along rows); blocks stay
+    blocks when every part has the same type and width, else fp32."""
+    if all(isinstance(p, GGMLTensor) for p in parts) and len({(p.qtype, p.shape[0], p.shape[2]) for p in parts}) == 1:
+        first = parts[0]
+        return GGMLTensor(torch.cat([p.blocks for p in parts], dim=1), first.qtype,
+                          (first.shape[0], sum(p.shape[1] for p in parts), first.shape[2]))
+    return torch.cat([_dense(p) for p in parts], dim=1)

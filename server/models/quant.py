@@ -26,18 +26,20 @@ KERNEL_MAX_ROWS = 16
 class GGMLTensor:
     """One GGUF tensor as stored.
 
-    blocks: ``[rows, cols / 32 * block_bytes]`` uint8, the file's bytes, row-major.
+    blocks: ``[rows, cols / 32 * block_bytes]`` uint8, the file's bytes, row-major; a stack of
+        experts' matrices (GGUF's ``ffn_*_exps``) is ``[experts, rows, cols / 32 * block_bytes]``.
     qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"`` (:data:`ggml_cpu.BLOCK_BYTES`).
-    shape: ``(rows, cols)`` of the dequantized matrix.
+    shape: ``(rows, cols)`` of the dequantized matrix, or ``(experts, rows, cols)``.
     """
 
     blocks: torch.Tensor
     qtype: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
     def dequantize(self) -> torch.Tensor:
-        """``[rows, cols]`` fp32."""
-        return ggml_cpu.dequantize(self.blocks, self.qtype, self.shape[1])
+        """``shape`` fp32."""
+        flat = self.blocks.reshape(-1, self.blocks.shape[-1])
+        return ggml_cpu.dequantize(flat, self.qtype, self.shape[-1]).reshape(self.shape)
 
     @staticmethod
     def cat(parts: list["GGMLTensor"]) -> "GGMLTensor | torch.Tensor":
@@ -46,6 +48,17 @@ class GGMLTensor:
             return torch.cat([p.dequantize() for p in parts])
         return GGMLTensor(torch.cat([p.blocks for p in parts]), parts[0].qtype,
                           (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)``: ``x`` ``[M, in_features]`` fp32, ``blocks`` ``W``'s GGML blocks
+    ``[N, row bytes]`` → ``[M, N]`` fp32. Up to :data:`KERNEL_MAX_ROWS` rows read the blocks
+    directly; more dequantize ``W`` to a temporary fp32 copy for the dense GEMM."""
+    if x.shape[0] <= KERNEL_MAX_ROWS:
+        y = ggml_cpu.matmul(x, blocks, qtype, in_features)
+        return y if bias is None else y + bias
+    return F.linear(x, ggml_cpu.dequantize(blocks, qtype, in_features), bias)
 
 
 def supported(qtype: str) -> bool:
@@ -73,12 +86,7 @@ class QuantLinear(nn.Module):
         return GGMLTensor(self.blocks, self.qtype, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= KERNEL_MAX_ROWS:
-            y = ggml_cpu.matmul(flat, self.blocks, self.qtype, self.in_features)
-            y = y if self.bias is None else y + self.bias
-        else:
-            y = F.linear(flat, self.weight.dequantize(), self.bias)
+        y = quant_linear(x.reshape(-1, self.in_features), self.blocks, self.qtype, self.in_features, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
