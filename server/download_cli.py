@@ -6,8 +6,8 @@ On success the termination message (``--termination-message-path``, Kubernetes'
 code 0; on failure ``{"model", "error", "reason", "status"}``, the message on stderr, exit code 1.
 Network errors are tried again a few times with backoff; 401/403/404 fail at once.
 
-SIGINT and SIGTERM (a pod being deleted) stop the download within a chunk (10 MiB from the Hub,
-8 MiB from S3): the lock is released so that another process takes over at once, the
+SIGINT and SIGTERM (a pod being deleted) stop the download within a chunk (1 MiB, from
+the Hub or S3): the lock is released so that another process takes over at once, the
 termination message says ``"reason": "Interrupted"``, and the exit code is 130 (SIGINT) or 143
 (SIGTERM). A second signal exits at once, leaving the lock for the stale-lock takeover.
 """

@@ -73,6 +73,39 @@ def test_a_clean_exit_releases_the_lease(tmp_path):
     assert [e.name for e in evict(tmp_path, 0).removed] == ["m"]
 
 
+def test_a_lease_taken_while_eviction_decides_keeps_the_entry(tmp_path):
+    """A server leases the entry just after eviction looked at the leases' folder once: eviction
+    reads the leases again after removing the marker, sees it and puts the marker back."""
+    cache = ModelCache(tmp_path)
+    entry = _entry(cache, tmp_path, "m")
+    unmark, taken = cache.unmark, []
+
+    def unmark_then_a_server_leases(e):
+        unmark(e)
+        taken.append(ModelCache(tmp_path).lease(e.name, e.revision, Path(e.path)))
+
+    cache.unmark = unmark_then_a_server_leases
+    done = evict(tmp_path, 0, cache=cache)
+    assert [e.name for e in done.in_use] == ["m"] and done.removed == []
+    assert Path(entry.path).exists() and cache.marked("m", "r") and cache.find("m", "r")
+    taken[0].release()
+
+
+def test_a_lease_on_an_entry_eviction_has_unmarked_fails_instead_of_serving_vanishing_files(tmp_path, monkeypatch):
+    from slipstream.server.models import sources
+
+    monkeypatch.setattr(sources, "LEASE_CONFIRM_S", 0.2)
+    cache = ModelCache(tmp_path)
+    entry = _entry(cache, tmp_path, "m")
+    held = sources._hold(cache, "m", "r", Path(entry.path), "s3://b/m")
+    assert held is not None and len(cache.leases()) == 1
+    held.release()
+    cache.unmark(entry)  # an eviction that saw no lease: the files go next
+    with pytest.raises(ModelSourceError, match="evicted") as e:
+        sources._hold(cache, "m", "r", Path(entry.path), "s3://b/m")
+    assert e.value.reason == "NotCached" and cache.leases() == []
+
+
 def test_leasing_twice_in_one_process_is_one_lease_and_release_ends_it(tmp_path):
     cache = ModelCache(tmp_path)
     entry = _entry(cache, tmp_path, "m")
@@ -210,16 +243,16 @@ def _wait_for_bytes(hub: HubServer, at_least: int, timeout: float = 120) -> None
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_a_download_midway_releases_its_lock_and_exits_128_plus_it(hub, env, tmp_path, signum):
-    hub.trickle = (1 << 20, 0.15)  # 1 MiB per write: the whole file would take ~4 s
+    hub.trickle = (256 << 10, 0.1)  # 2.5 MiB/s: the whole file would take ~10 s
     hub.sent.clear()
     p = _download(env, tmp_path, "hf://org/big")
     _wait_for_bytes(hub, 1 << 20)
-    stopped = time.monotonic()
+    at_signal = sum(hub.sent.values())
     p.send_signal(signum)
     out = p.communicate(timeout=60)[0]
     assert p.returncode == 128 + signum, out
-    assert sum(hub.sent.values()) < BIG, "it stopped before the end of the file"
-    assert time.monotonic() - stopped < 20
+    # within a chunk or two (1 MiB each), not huggingface_hub's 10 MiB: seconds on a slow link
+    assert sum(hub.sent.values()) - at_signal < 3 << 20, "it read on long after the signal"
     doc = json.loads((tmp_path / "t").read_text())
     assert doc["reason"] == "Interrupted" and signal.Signals(signum).name in doc["error"]
     assert not list((env / ".slipstream" / "locks").glob("*.lock")), "the lock is released"

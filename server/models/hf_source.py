@@ -3,9 +3,11 @@
 Only what the loader reads comes down: ``*.safetensors`` or the chosen ``*.gguf``, the config
 and generation config, tokenizer files and chat templates; pickles (``*.bin``, ``*.pt``, …) never.
 
-A download stops at its next 10 MiB chunk once :func:`.sources.cancel_fetches` is called: the
-check rides on the progress bar class huggingface_hub lets a caller pass (``tqdm_class``), whose
-``update`` every download thread calls per chunk. huggingface_hub 1.18 and later write each try
+A download stops at its next chunk once :func:`.sources.cancel_fetches` is called: the check
+rides on the progress bar class huggingface_hub lets a caller pass (``tqdm_class``), whose
+``update`` every download thread calls per chunk. huggingface_hub reads 10 MiB chunks (80 s on a
+1 Mbit/s link, past a pod's 30 s grace period), so this module lowers its
+``constants.DOWNLOAD_CHUNK_SIZE`` (read at each request) to :data:`CHUNK_BYTES`. huggingface_hub 1.18 and later write each try
 to a file of its own (``blobs/<etag>.<nonce>.incomplete``) and never resume one, so a download
 that is killed leaves that file behind and the next one starts the file over; the cache's
 eviction removes such files (:func:`.model_cache.evict`).
@@ -22,6 +24,8 @@ from pathlib import Path
 from .sources import ModelSourceError, ModelURI, check_cancelled, several_ggufs, weights_path
 
 log = logging.getLogger("slipstream.sources")
+
+CHUNK_BYTES = 1 << 20  # bytes between cancellation checks (and progress updates) of a Hub download
 
 METADATA_PATTERNS = [
     "config.json", "generation_config.json", "special_tokens_map.json",
@@ -84,6 +88,7 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
         ModelSourceError: see :func:`map_error`.
         Interrupted: :func:`.sources.cancel_fetches` was called.
     """
+    import huggingface_hub.constants
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
@@ -99,6 +104,7 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
             sha, files = info.sha, [s.rfilename for s in info.siblings or []]
         selected = select_files(uri, files)
         log.info("%s: revision %s, %d files: %s", uri.text, sha, len(selected), ", ".join(selected))
+        huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE = min(huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)
         folder = snapshot_download(uri.repo_id, revision=sha, cache_dir=hf_cache, allow_patterns=selected,
                                    token=token, endpoint=endpoint, local_files_only=offline,
                                    tqdm_class=_stoppable_tqdm())

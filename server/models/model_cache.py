@@ -324,6 +324,25 @@ class ModelCache:
                           json.dumps({**asdict(used), "path": self._relative(used.path)}))
         return used
 
+    def unmark(self, entry: Entry) -> None:
+        """Delete ``entry``'s completion marker: from now on :meth:`find` does not return it."""
+        self._entry_path(entry.name, entry.revision).unlink(missing_ok=True)
+
+    def mark(self, entry: Entry) -> None:
+        """Write ``entry``'s completion marker back as it was (an eviction that found a lease)."""
+        _write_atomic(self._entry_path(entry.name, entry.revision),
+                      json.dumps({**asdict(entry), "path": self._relative(entry.path)}))
+
+    def marked(self, name: str, revision: str, wait_s: float = 0.0) -> bool:
+        """Whether the entry ``name`` at ``revision`` has its marker, waiting up to ``wait_s``
+        seconds for one that an eviction is deciding about (see :func:`evict`)."""
+        deadline = time.monotonic() + wait_s
+        while not self._entry_path(name, revision).exists():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(self.poll_s, 0.05))
+        return True
+
     def remove(self, entry: Entry) -> None:
         """Delete the marker (first, so nobody reuses a half-deleted copy), then the files. A Hugging
         Face snapshot is removed with huggingface_hub's own cache tools, which keep blobs that other
@@ -492,8 +511,7 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
     now = time.time()
     root = str(cache.root.resolve())
     every_lease = cache.leases()
-    leases = live_leases(every_lease, now, lease_stale_after_s)
-    for stale in set(every_lease) - set(leases):
+    for stale in set(every_lease) - set(live_leases(every_lease, now, lease_stale_after_s)):
         log.info("removing the stale lease of %s on %s (no heartbeat for %.0f s)", stale.holder, stale.name,
                  now - stale.heartbeat)
         with contextlib.suppress(OSError):
@@ -517,7 +535,13 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
             break
         if e.name in keep or e.path in kept or cache.is_locked(e.name):
             continue
-        if holders := pinned_by(e, leases):
+        # Marker first, then the leases as they are now: a process that leases the entry after this
+        # read finds no marker and waits for it (ModelCache.marked), so either we see its lease and
+        # put the marker back, or it sees the entry gone; never a copy deleted under a new lease.
+        cache.unmark(e)
+        holders = pinned_by(e, live_leases(cache.leases(), time.time(), lease_stale_after_s))
+        if holders:
+            cache.mark(e)
             log.info("not evicting %s at %s (%d bytes): in use by %s", e.model, e.revision, e.bytes,
                      ", ".join(sorted({h.holder for h in holders})))
             in_use.append(e)

@@ -6,7 +6,7 @@ credentials as boto3 finds them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
 ``.partial`` file named after its ETag, resumed with a ranged GET if one is there, and renamed
 into place when its size is right; ``.slipstream-s3.json`` records each file's ETag and size, so
 a file whose object has not changed is never downloaded again. A download that is killed or
-interrupted (:func:`.sources.cancel_fetches`, checked every 8 MiB chunk) keeps its ``.partial``
+interrupted (:func:`.sources.cancel_fetches`, checked every 1 MiB chunk) keeps its ``.partial``
 file, which the next fetch of the same object resumes.
 
 What to load is decided from the listing, before anything is downloaded, by the rule the loader
@@ -28,7 +28,7 @@ log = logging.getLogger("slipstream.sources")
 
 MANIFEST = ".slipstream-s3.json"
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20
 
 
 def client(endpoint: str | None = None):

@@ -29,7 +29,7 @@ Cache layout (``--model-cache-dir``, default ``$SLIPSTREAM_MODEL_CACHE`` else
     s3/BUCKET/PREFIX/        the objects, with .slipstream-s3.json (ETag and size of each file)
     .slipstream/             locks, completion markers and in-use leases (:mod:`.model_cache`)
 
-A fetch stops at its next chunk (10 MiB from the Hub, 8 MiB from S3) once :func:`cancel_fetches`
+A fetch stops at its next chunk (1 MiB, from the Hub or S3) once :func:`cancel_fetches`
 is called (``slipstream download`` and ``serve`` do on SIGINT/SIGTERM), raising
 :class:`Interrupted` and releasing its lock on the way out.
 """
@@ -295,7 +295,8 @@ def _fetch(uri: ModelURI, cache_dir: Path, offline: bool, s3_endpoint: str | Non
         return _reuse(cache, entry, start, "pinned revision already complete", lease)
     if offline:
         path, revision, nbytes = _download(uri, cache_dir, s3_endpoint, offline=True, cache=cache, name=name)
-        held = _hold(cache, name, revision, path, uri.text) if lease else None
+        # a copy without our marker (an HF cache filled by other tools) is never evicted by us
+        held = _hold(cache, name, revision, path, uri.text, marked=cache.marked(name, revision)) if lease else None
         return FetchResult(path, revision, nbytes, time.perf_counter() - start, held)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with cache.lock(name, uri.text, writes=_writes(uri), check=check_cancelled) as lock:
@@ -337,16 +338,21 @@ def _writes(uri: ModelURI) -> list[str]:
     return [base, base + ".d"] if uri.prefix else [base]
 
 
-def _hold(cache: ModelCache, name: str, revision: str, path: Path, model: str) -> Lease | None:
-    """Lease the copy at ``path``, then check that it is still there (an eviction may have removed
-    it between our look and the lease)."""
+LEASE_CONFIRM_S = 2.0  # seconds to wait for an eviction that found our lease to put the marker back
+
+
+def _hold(cache: ModelCache, name: str, revision: str, path: Path, model: str, marked: bool = True) -> Lease | None:
+    """Lease the copy at ``path``, then check that it is still complete: an eviction may have
+    chosen it between our look and the lease. ``marked``: the entry has a completion marker,
+    which :func:`.model_cache.evict` removes before it reads the leases and puts back when it
+    finds one, so the marker (waited for briefly) is the check; else the files' presence."""
     try:
         held = cache.lease(name, revision, path)
     except OSError as e:
         log.warning("model %s: cannot record that this process uses %s (%s); an eviction elsewhere "
                     "(--max-cache-bytes) may remove it while it is served", model, path, e)
         return None
-    if not Path(path).exists():
+    if not (cache.marked(name, revision, wait_s=LEASE_CONFIRM_S) if marked else Path(path).exists()):
         held.release()
         raise ModelSourceError(f"model {model!r}: {path} was evicted from the cache while this process "
                                "opened it; fetch it again", reason="NotCached")
