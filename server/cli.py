@@ -36,6 +36,20 @@ def byte_size(text: str) -> int:
     return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# one line per HTTP request (the Hub client, S3): shown only at DEBUG
+_HTTP_LOGGERS = ("httpx", "httpx2", "botocore", "urllib3")
+
+
+def configure_logging(level: str) -> None:
+    """The commands' log format at ``level`` (a logging level name); HTTP clients' per-request
+    lines only at DEBUG."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    if level != "DEBUG":
+        for name in _HTTP_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -167,7 +181,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def run_serve(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if args.max_waiting < 0:
         raise SystemExit("slipstream serve: --max-waiting must be >= 0")
     if args.model_cache_dir:  # read by the loader (models/sources.py) when it fetches the model

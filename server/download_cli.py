@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
@@ -85,10 +84,9 @@ def _stop_on_signals() -> None:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.log_level != "DEBUG":  # one line per HTTP request: only when debugging
-        for noisy in ("httpx", "httpx2", "botocore", "urllib3"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
+    from slipstream.server.cli import configure_logging
+
+    configure_logging(args.log_level)
     from slipstream.server.models import model_cache, sources
 
     cache_dir = args.cache_dir or sources.default_cache_dir()

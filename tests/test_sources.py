@@ -61,7 +61,7 @@ def test_operator_side_schemes_say_they_belong_in_inference_service_specs(text):
     assert info.value.reason == "InvalidURI"
 
 
-@pytest.mark.parametrize("text", ["ftp://x/y", "hf://not-a-repo", "hf://a/b@", "s3://X_Bad/p", ""])
+@pytest.mark.parametrize("text", ["ftp://x/y", "hf://not-a-repo", "hf://a/b@", "hf://a/b:", "hf://a/b@v1:", "a/b:", "s3://X_Bad/p", ""])
 def test_invalid_uris_name_the_accepted_forms(text):
     with pytest.raises(ModelSourceError, match="accepted forms") as info:
         parse_model_uri(text)
@@ -235,7 +235,15 @@ def test_offline_resolves_from_the_cache_and_says_so_when_it_is_not_there(hub, e
     assert hub.requests == []
     with pytest.raises(ModelSourceError, match="offline") as info:
         fetch(parse_model_uri("hf://org/gated"), env)
-    assert info.value.reason == "NotCached"
+    assert info.value.reason == "NotCached" and "unset HF_HUB_OFFLINE" in str(info.value)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(ModelSourceError, match="unset TRANSFORMERS_OFFLINE"):
+        fetch(parse_model_uri("hf://org/gated"), env)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE")
+    with pytest.raises(ModelSourceError, match="drop --offline") as info:  # what `slipstream download --offline` is told
+        fetch(parse_model_uri("hf://org/gated"), env, offline=True)
+    assert "HF_HUB_OFFLINE" not in str(info.value) and hub.requests == []
 
 
 def test_a_gguf_selector_picks_one_file_among_decoys_and_it_loads(hub, env):
@@ -287,6 +295,17 @@ def test_download_writes_the_error_reason_and_status_on_failure(hub, env, tmp_pa
     assert "HF_TOKEN" in doc["error"] and "HF_TOKEN" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model, says", [
+    ("./no-such-dir", "no such local file or directory, and not a remote model: name one as hf://"),
+    (".", "a local path: nothing to download"),
+    ("sim:a100", "a sim model has no weights to download")])
+def test_download_of_what_is_not_remote_says_what_it_is(env, capsys, model, says):
+    from slipstream.server import cli
+
+    assert cli.main(["download", model, "--cache-dir", str(env)]) == 1
+    assert says in capsys.readouterr().err
+
+
 def test_download_into_a_cache_it_cannot_write_says_so_naming_the_model(hub, env, tmp_path):
     """A cache volume the step cannot write (a hostPath not writable by the pod's user; here, as
     root, a file where the directory should be): a message, not a traceback."""
@@ -313,6 +332,21 @@ def test_serve_passes_the_model_cache_dir_to_the_loader(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIPSTREAM_MODEL_CACHE", "/elsewhere")
     assert cli.main(["serve", "--model", "hf://org/tiny@v1", "--model-cache-dir", str(tmp_path)]) == 0
     assert seen == {"model": "hf://org/tiny@v1", "cache": str(tmp_path)}
+
+
+@pytest.mark.parametrize("level, http_level", [("INFO", logging.WARNING), ("DEBUG", logging.NOTSET)])
+def test_serve_logs_the_hub_clients_requests_only_at_debug(monkeypatch, tmp_path, level, http_level):
+    """huggingface_hub's httpx logs every request at INFO: a page of lines per download in a pod's log."""
+    from slipstream.server import cli
+
+    async def fake_serve(engine, options, host, port):
+        return 0
+
+    monkeypatch.setattr("slipstream.server.api.server.serve", fake_serve)
+    for name in ("httpx", "httpx2", "botocore", "urllib3"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    assert cli.main(["serve", "--model", "hf://org/tiny", "--model-cache-dir", str(tmp_path), "--log-level", level]) == 0
+    assert logging.getLogger("httpx").level == logging.getLogger("botocore").level == http_level
 
 
 def test_download_help_names_its_options(capsys):

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 from pathlib import Path
 
-from ..cli import HelpFormatter, byte_size
+from ..cli import HelpFormatter, byte_size, configure_logging
 from .config import GatewayConfig
 from .routing import DEFAULT_POLICY, POLICIES, Weights
 
@@ -148,6 +147,6 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     from .app import serve
     return asyncio.run(serve(config, args.host, args.port))

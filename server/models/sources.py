@@ -216,12 +216,14 @@ def parse_model_uri(text: str) -> ModelURI:
 
 
 def _parse_hf(text: str, rest: str) -> ModelURI:
-    name_rev, _, selector = rest.partition(":")
+    name_rev, colon, selector = rest.partition(":")
     repo_id, at, revision = name_rev.partition("@")
     if not _REPO_ID.match(repo_id) or ".." in repo_id or repo_id.startswith(("datasets/", "spaces/")):
         raise _invalid(text, f"{repo_id!r} is not a Hugging Face model id (ORG/NAME)")
     if at and not revision:
         raise _invalid(text, "empty revision after '@'")
+    if colon and not selector:
+        raise _invalid(text, "empty file selector after ':' (e.g. :Q4_K_M or :*q8_0.gguf)")
     if "@" in revision or ":" in selector or any(c.isspace() for c in rest):
         raise _invalid(text, "one '@REVISION' and one ':FILE' at most, without spaces")
     return ModelURI("hf", text, repo_id=repo_id, revision=revision or "main", filename=_glob(selector) if selector else None)
@@ -249,10 +251,23 @@ def served_name(model: str) -> str | None:
     return uri.repo_id if uri.scheme == "hf" else None
 
 
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # huggingface_hub's own rule: either counts
+
+
+def _offline_var() -> str | None:
+    """The environment variable that turns offline mode on, if one does."""
+    return next((n for n in _OFFLINE_VARS if os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on")),
+                None)
+
+
 def _offline_env() -> bool:
-    # huggingface_hub's own rule: TRANSFORMERS_OFFLINE counts too
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return _offline_var() is not None
+
+
+def offline_hint() -> str:
+    """How to go online again: unset the variable that made this process offline, else drop ``--offline``."""
+    var = _offline_var()
+    return f"unset {var}" if var else "drop --offline"
 
 
 def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint: str | None = None,
@@ -277,13 +292,21 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
         Interrupted: :func:`cancel_fetches` was called; the lock is released.
     """
     if uri.scheme not in ("hf", "s3"):
-        raise ModelSourceError(f"model {uri.text!r}: nothing to fetch ({uri.scheme} models are local)",
-                               reason="InvalidURI")
+        raise ModelSourceError(f"model {uri.text!r}: {_not_fetchable(uri)}", reason="InvalidURI")
     cache_dir = Path(cache_dir).expanduser()
     with _fetching():
         result = _fetch(uri, cache_dir, offline or _offline_env(), s3_endpoint, retries, backoff_s, stale_after_s,
                         lease)
     return result
+
+
+def _not_fetchable(uri: ModelURI) -> str:
+    if uri.scheme == "local" and not Path(uri.path).expanduser().exists():
+        return ("no such local file or directory, and not a remote model: name one as hf://ORG/NAME[@REVISION] "
+                "or s3://BUCKET/PREFIX")
+    if uri.scheme == "local":
+        return "a local path: nothing to download (serve it as it is with --model)"
+    return f"a {uri.scheme} model has no weights to download"
 
 
 def _fetch(uri: ModelURI, cache_dir: Path, offline: bool, s3_endpoint: str | None, retries: int, backoff_s: float,
@@ -371,7 +394,7 @@ def _download(uri: ModelURI, cache_dir: Path, s3_endpoint: str | None, *, offlin
         entry = cache.find(name)
         if entry is None:
             raise ModelSourceError(f"model {uri.text!r}: offline, and the cache {cache_dir} holds no complete copy; "
-                                   "fetch it once online (slipstream download) or unset HF_HUB_OFFLINE",
+                                   f"fetch it once online (slipstream download) or {offline_hint()}",
                                    reason="NotCached")
         return Path(entry.path), entry.revision, entry.bytes
     path, revision, files = fetch_s3(uri, cache_dir / "s3", endpoint=s3_endpoint)
