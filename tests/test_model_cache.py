@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from hub_server import HubServer, Repo
+from slipstream.server.models import model_cache
 from slipstream.server.models.model_cache import (
-    Entry, LeaseRecord, ModelCache, Partial, evict, files_root, live_leases, orphans, pinned_by)
+    Entry, LeaseRecord, ModelCache, Partial, evict, files_root, gone, lease_holder, live_leases, orphans, pinned_by)
 from slipstream.server.models.sources import ModelSourceError, fetch, parse_model_uri
 
 BIG = 24 << 20  # bytes: more than two of huggingface_hub's 10 MiB chunks
@@ -31,20 +32,21 @@ def _entry(cache: ModelCache, root: Path, name: str, nbytes: int = 100) -> Entry
     return cache.touch(entry)
 
 
-def _hold_lease(root: Path, name: str, path: Path) -> subprocess.Popen:
-    """Another process (a pod's server) that leases ``name`` and then waits."""
+def _hold_lease(root: Path, name: str, path: Path, hostname: str | None = None) -> subprocess.Popen:
+    """Another process (a pod's server, named ``hostname`` if given) that leases ``name`` and then waits."""
     code = ("import sys, time; from pathlib import Path; from slipstream.server.models.model_cache import ModelCache\n"
             "ModelCache(Path(sys.argv[1])).lease(sys.argv[2], 'r', Path(sys.argv[3]))\n"
             "print('leased', flush=True); sys.stdin.readline()")
+    env = {**os.environ, "HOSTNAME": hostname} if hostname else None
     p = subprocess.Popen([sys.executable, "-I", "-c", code, str(root), name, str(path)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True, env=env)
     assert p.stdout.readline().strip() == "leased"
     return p
 
 
 # --- leases -------------------------------------------------------------------------------------
 
-def test_a_leased_entry_outlives_eviction_until_its_holder_dies_and_the_lease_goes_stale(tmp_path):
+def test_a_leased_entry_outlives_eviction_until_its_holder_on_this_host_dies(tmp_path):
     cache = ModelCache(tmp_path)
     served, idle = _entry(cache, tmp_path, "served"), _entry(cache, tmp_path, "idle")
     holder = _hold_lease(tmp_path, "served", Path(served.path))
@@ -54,13 +56,38 @@ def test_a_leased_entry_outlives_eviction_until_its_holder_dies_and_the_lease_go
         assert Path(served.path).exists() and not Path(idle.path).exists()
         assert done.total_bytes == 100  # above max_bytes: what is left is in use
     finally:
-        holder.kill()  # no clean exit: the lease file stays until it is stale
+        holder.kill()  # no clean exit: the lease file stays
         holder.wait()
+    done = evict(tmp_path, 0)  # its host and pid namespace are ours and the pid is gone: swept at once
+    assert [e.name for e in done.removed] == ["served"] and not Path(served.path).exists()
+    assert list((tmp_path / ".slipstream" / "leases").iterdir()) == []
+
+
+def test_a_lease_of_another_pod_that_died_pins_its_entry_until_it_goes_stale(tmp_path):
+    """Another host name (a pod): its pid means nothing here, so only the heartbeat's age ends it."""
+    cache = ModelCache(tmp_path)
+    served = _entry(cache, tmp_path, "served")
+    holder = _hold_lease(tmp_path, "served", Path(served.path), hostname="other-pod")
+    holder.kill()
+    holder.wait()
+    assert cache.leases()[0].holder == f"other-pod:{holder.pid}"
     assert evict(tmp_path, 0).in_use, "a lease is live for LEASE_STALE_AFTER_S after its last heartbeat"
     time.sleep(0.3)
     done = evict(tmp_path, 0, lease_stale_after_s=0.2)
     assert [e.name for e in done.removed] == ["served"] and not Path(served.path).exists()
     assert list((tmp_path / ".slipstream" / "leases").iterdir()) == []
+
+
+def test_a_holder_is_gone_only_when_its_host_and_pid_namespace_are_ours_and_its_pid_is_free():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    here, ns = lease_holder().rpartition(":")[0], model_cache._PIDNS
+    assert ns.startswith("pid:")
+    assert gone(f"{here}:{p.pid}", ns)
+    assert not gone(f"{here}:{os.getpid()}", ns)  # alive
+    assert not gone(f"{here}:{p.pid}", "pid:[1]")  # another namespace (hostNetwork pods share the node's name)
+    assert not gone(f"{here}:{p.pid}", "")  # written by an older version: unknown
+    assert not gone(f"other-pod:{p.pid}", ns)
 
 
 def test_a_clean_exit_releases_the_lease(tmp_path):

@@ -3,24 +3,27 @@ heartbeat per model, completion markers per fetched revision, in-use leases, and
 
 Layout under the cache directory (the fetched files themselves live in ``hf/`` and ``s3/``)::
 
-    .slipstream/locks/<name>.lock           {"holder": "host:pid", "token", "started", "heartbeat",
+    .slipstream/locks/<name>.lock           {"holder": "host:pid", "pidns", "token", "started", "heartbeat",
                                              "model", "writes": [folders the download writes, relative]}
     .slipstream/entries/<name>/<rev>.json   {"model", "requested", "revision", "path", "bytes",
                                              "completed", "last_used"}   (a complete copy)
-    .slipstream/leases/<key>.<holder>.json  {"holder", "name", "revision", "path", "started", "heartbeat"}
+    .slipstream/leases/<key>.<holder>.json  {"holder", "pidns", "name", "revision", "path", "started",
+                                             "heartbeat"}
                                              (a process serving that copy)
 
 The lock is a file created with ``O_CREAT | O_EXCL`` (atomic on local disks and NFSv3+; ``flock``
 is not reliable on every network filesystem). Its holder rewrites the heartbeat every
 ``heartbeat_s`` seconds from a thread. A waiter takes the lock over when it has seen the heartbeat
 unchanged for ``stale_after_s`` seconds of its own clock, so clock skew between nodes does not
-matter; a holder on the same host whose process is gone is stale at once.
+matter; a holder on the same host whose process is gone is stale at once (same host name and
+pid namespace, ``pidns``: pods with ``hostNetwork`` share the node's name, not its pids).
 
 A lease is held for the life of a process that serves from an entry (:meth:`ModelCache.lease`,
 taken by :func:`.sources.fetch`): a daemon thread rewrites it every ``LEASE_HEARTBEAT_S`` seconds
 and it is removed at a clean exit. :func:`evict` never removes an entry with a live lease, one
-rewritten within ``LEASE_STALE_AFTER_S`` seconds (a pod that died without cleanup stops
-pinning its entry after that long). A server restarted in place, which does not rerun its init
+rewritten within ``LEASE_STALE_AFTER_S`` seconds whose holder is not known to be gone (a pod
+that died without cleanup stops pinning its entry after that long; a process on this host and
+pid namespace, at once). A server restarted in place, which does not rerun its init
 container, so finds its revision still there.
 """
 from __future__ import annotations
@@ -98,7 +101,7 @@ class ModelCache:
             raise ValueError(f"heartbeat_s ({heartbeat_s}) must be less than stale_after_s ({stale_after_s})")
         self.root = Path(root)
         self.stale_after_s, self.heartbeat_s, self.poll_s = stale_after_s, heartbeat_s, poll_s
-        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.holder = lease_holder()
 
     # --- locks --------------------------------------------------------------------------
 
@@ -138,7 +141,7 @@ class ModelCache:
         last_log = 0.0
         while True:
             now = time.time()
-            record = {"holder": self.holder, "token": token, "started": now, "heartbeat": now, "model": what,
+            record = {"holder": self.holder, "pidns": _PIDNS, "token": token, "started": now, "heartbeat": now, "model": what,
                       "writes": writes}
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -157,8 +160,8 @@ class ModelCache:
                 seen = (content, time.monotonic())
             other = _parse(content)
             unchanged = time.monotonic() - seen[1]
-            if unchanged >= self.stale_after_s or _dead_on_this_host(other.get("holder", "")):
-                log.warning("taking over the lock of %s from %s (no heartbeat for %.0f s)", what,
+            if unchanged >= self.stale_after_s or gone(str(other.get("holder", "")), str(other.get("pidns", ""))):
+                log.warning("taking over the lock of %s from %s (no heartbeat for %.0f s, or no such process)", what,
                             other.get("holder", "?"), unchanged)
                 self._break(path, content)
                 seen = None
@@ -251,7 +254,7 @@ class ModelCache:
             if held is not None:
                 return held
             now = time.time()
-            held = Lease(file, {"holder": holder, "name": name, "revision": revision,
+            held = Lease(file, {"holder": holder, "pidns": _PIDNS, "name": name, "revision": revision,
                                 "path": self._relative(str(Path(path).resolve())), "started": now, "heartbeat": now})
             file.parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(file, json.dumps(held.record))
@@ -269,7 +272,8 @@ class ModelCache:
                 mtime = f.stat().st_mtime
                 doc = json.loads(f.read_text())
                 out.append(LeaseRecord(str(doc["holder"]), str(doc["name"]), str(doc["revision"]),
-                                       str(root / doc["path"]), max(float(doc.get("heartbeat", 0)), mtime), str(f)))
+                                       str(root / doc["path"]), max(float(doc.get("heartbeat", 0)), mtime), str(f),
+                                       str(doc.get("pidns", ""))))
             except (OSError, ValueError, TypeError, KeyError):
                 continue  # removed meanwhile, or being written
         return out
@@ -368,13 +372,15 @@ class ModelCache:
 
 @dataclass(frozen=True)
 class LeaseRecord:
-    """A lease as read back: ``path`` absolute; ``heartbeat`` epoch seconds; ``file`` its lease file."""
+    """A lease as read back: ``path`` absolute; ``heartbeat`` epoch seconds; ``file`` its lease
+    file; ``pidns`` the holder's pid namespace ("" if unknown)."""
     holder: str
     name: str
     revision: str
     path: str
     heartbeat: float
     file: str = ""
+    pidns: str = ""
 
 
 class Lease:
@@ -438,10 +444,12 @@ def release_leases() -> None:
         lease.release()
 
 
-def live_leases(leases: Iterable[LeaseRecord], now: float, stale_after: float) -> list[LeaseRecord]:
+def live_leases(leases: Iterable[LeaseRecord], now: float, stale_after: float,
+                is_gone: Callable[[str, str], bool] = lambda holder, pidns: False) -> list[LeaseRecord]:
     """The leases whose heartbeat (epoch seconds) is less than ``stale_after`` seconds before
-    ``now``; the others belong to processes that died without cleaning up."""
-    return [lease for lease in leases if now - lease.heartbeat < stale_after]
+    ``now`` and whose holder is not ``is_gone(holder, pidns)`` (:func:`gone` for this host); the
+    others belong to processes that died without cleaning up."""
+    return [lease for lease in leases if now - lease.heartbeat < stale_after and not is_gone(lease.holder, lease.pidns)]
 
 
 def files_root(path: str, revision: str) -> str:
@@ -511,9 +519,9 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
     now = time.time()
     root = str(cache.root.resolve())
     every_lease = cache.leases()
-    for stale in set(every_lease) - set(live_leases(every_lease, now, lease_stale_after_s)):
-        log.info("removing the stale lease of %s on %s (no heartbeat for %.0f s)", stale.holder, stale.name,
-                 now - stale.heartbeat)
+    for stale in set(every_lease) - set(live_leases(every_lease, now, lease_stale_after_s, gone)):
+        log.info("removing the stale lease of %s on %s (no heartbeat for %.0f s, or no such process)", stale.holder,
+                 stale.name, now - stale.heartbeat)
         with contextlib.suppress(OSError):
             Path(stale.file).unlink()
     kept = {str(Path(k).resolve()) for k in keep}
@@ -539,7 +547,7 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
         # read finds no marker and waits for it (ModelCache.marked), so either we see its lease and
         # put the marker back, or it sees the entry gone; never a copy deleted under a new lease.
         cache.unmark(e)
-        holders = pinned_by(e, live_leases(cache.leases(), time.time(), lease_stale_after_s))
+        holders = pinned_by(e, live_leases(cache.leases(), time.time(), lease_stale_after_s, gone))
         if holders:
             cache.mark(e)
             log.info("not evicting %s at %s (%d bytes): in use by %s", e.model, e.revision, e.bytes,
@@ -598,9 +606,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _dead_on_this_host(holder: str) -> bool:
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return ""
+
+
+_PIDNS = _pid_namespace()
+
+
+def gone(holder: str, pidns: str) -> bool:
+    """Whether the process ``holder`` ("host:pid") is known to have exited: it ran on this host
+    and in this pid namespace (``pidns`` as recorded) and no process has its pid now. Unknown
+    (another host, another namespace, a record without ``pidns``): False."""
     host, _, pid = holder.rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
+    if host != lease_holder().rpartition(":")[0] or not pid.isdigit() or not pidns or pidns != _PIDNS:
         return False
     try:
         os.kill(int(pid), 0)
