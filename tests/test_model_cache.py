@@ -227,6 +227,23 @@ def test_bytes_count_the_selected_file_not_the_other_quantizations_in_the_same_s
     assert sorted(e.bytes for e in ModelCache(env).entries()) == [3000, 5000]
 
 
+def test_revisions_that_share_a_blob_count_it_once_and_eviction_keeps_it_for_the_other(hub, env):
+    weights = b"W" * 6000
+    hub.add("org/revs", Repo({"config.json": b'{"v": 1}', "model.safetensors": weights}))
+    old = fetch(parse_model_uri("hf://org/revs"), env, lease=False)
+    hub.add("org/revs", Repo({"config.json": b'{"v": 2}', "model.safetensors": weights}))  # a new commit on main
+    new = fetch(parse_model_uri("hf://org/revs"), env, lease=False)
+    assert old.revision != new.revision and old.bytes == new.bytes == 6008
+    assert (old.path / "model.safetensors").resolve() == (new.path / "model.safetensors").resolve(), "one blob"
+    done = evict(env, 6016)  # both fit: one blob and two configs
+    assert done.removed == [] and done.total_bytes == 6016
+    done = evict(env, 6010)  # the older revision goes; the weights stay, the newer one links them
+    assert [e.revision for e in done.removed] == [old.revision] and done.total_bytes == 6008
+    assert (new.path / "model.safetensors").read_bytes() == weights and not old.path.exists()
+    done = evict(env, 0)
+    assert [e.revision for e in done.removed] == [new.revision] and done.total_bytes == 0
+
+
 def test_an_s3_prefix_of_several_ggufs_is_refused_before_downloading_any(env, tmp_path, monkeypatch):
     import boto3
     from s3_server import start_s3

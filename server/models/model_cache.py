@@ -496,7 +496,8 @@ def orphans(partials: Iterable[Partial], root: str, writing: list[str] | None, n
 class Eviction:
     """What :func:`evict` did. ``removed``: entries removed, least recently used first; ``in_use``:
     entries it would have removed but that a live lease pins; ``orphans``: partial files removed;
-    ``total_bytes``: the entries' and partial files' bytes left."""
+    ``total_bytes``: the bytes left of the entries' files (a blob shared by revisions once) and
+    partial files."""
     removed: list[Entry]
     in_use: list[Entry]
     orphans: list[Partial]
@@ -527,7 +528,10 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
     kept = {str(Path(k).resolve()) for k in keep}
     entries = sorted(cache.entries(), key=lambda e: e.last_used)
     partials = _partials(cache.root)
-    total = sum(e.bytes for e in entries) + sum(p.bytes for p in partials)
+    files = {e: _entry_files(e) for e in entries}
+    # Each file once: revisions of one Hub repo link the blobs they share (huggingface_hub's layout).
+    on_disk = {f: size for e in entries for f, size in files[e].items()}
+    total = sum(on_disk.values()) + sum(p.bytes for p in partials)
     removed_orphans = []
     for p in orphans(partials, root, cache.writing(now), now, cache.stale_after_s):
         if total <= max_bytes:
@@ -557,9 +561,24 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
         log.info("evicting %s at %s (%d bytes, last used %s)", e.model, e.revision, e.bytes,
                  time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used)))
         cache.remove(e)
-        total -= e.bytes
+        # what left the disk: a blob that another revision links to stays, and so do the files
+        # of a snapshot that another file selector's entry still uses
+        total -= sum(on_disk.pop(f) for f in files[e] if f in on_disk and not os.path.exists(f))
         removed.append(e)
     return Eviction(removed, in_use, removed_orphans, total)
+
+
+def _entry_files(entry: Entry) -> dict[str, int]:
+    """The files of ``entry`` on disk: real path (links into huggingface_hub's blobs followed) ->
+    bytes; empty if its path is gone."""
+    path = Path(entry.path)
+    out = {}
+    for f in [path] if path.is_file() else path.rglob("*"):
+        with contextlib.suppress(OSError):
+            real = os.path.realpath(f)
+            if os.path.isfile(real):
+                out[real] = os.stat(real).st_size
+    return out
 
 
 def _partials(root: Path) -> list[Partial]:
