@@ -137,3 +137,27 @@ def test_a_changed_gguf_replaces_its_cached_weights_and_tokenizer(tmp_path, monk
     for kind, before in first.items():
         after = sorted(p.name for p in (tmp_path / "cache" / kind).iterdir())
         assert len(before) == len(after) == 1 and after != before, kind
+
+
+@pytest.mark.slow
+def test_a_first_gguf_load_parses_the_header_once_and_its_tokenizer_is_transformers_conversion(tmp_path, monkeypatch):
+    """The index and the tokenizer's conversion share one parse (seconds each for a 49k vocabulary)."""
+    import gguf
+    from transformers import AutoTokenizer
+    from slipstream.server.models.loader import builtin_model_path
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
+    real, opened = gguf.GGUFReader, []
+
+    def counting(path, *args, **kwargs):
+        opened.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    loaded = load_model("builtin", torch.device("cpu"), torch.float32)
+    assert opened == [str(builtin_model_path())] and gguf.GGUFReader is counting
+    path = builtin_model_path()
+    oracle = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = "Hello, world! Ünïcode <|im_start|>user\n 12345"
+    assert loaded.tokenizer(text)["input_ids"] == oracle(text)["input_ids"]
+    assert loaded.tokenizer.get_vocab() == oracle.get_vocab()

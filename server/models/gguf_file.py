@@ -7,6 +7,7 @@ table, the dequantized fp32 weights and the converted tokenizer are each cached 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -124,6 +125,7 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # a truncated or foreign file
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+    _PARSED[path.resolve()] = reader  # for the tokenizer's conversion, next in the same load
     split = reader.fields.get("split.count")
     if split is not None and int(split.contents()) > 1:
         raise ModelLoadError(f"{path}: one of {int(split.contents())} shards of a split GGUF model, which is not "
@@ -305,10 +307,38 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# A header parsed for the index (seconds for a large vocabulary), kept for the tokenizer's
+# conversion, which would parse it again; dropped once that has run.
+_PARSED: dict[Path, object] = {}
+
+
+@contextlib.contextmanager
+def _reader_reused(path: Path, reader: object | None):
+    """While transformers converts the tokenizer of ``path``, ``gguf.GGUFReader(path)`` (which
+    transformers calls) returns ``reader``, the one :func:`_gguf_index` built, if not None."""
+    import gguf
+
+    if reader is None:
+        yield
+        return
+    real = gguf.GGUFReader
+
+    def reuse(file, *args, **kwargs):
+        same = not args and not kwargs and Path(file).resolve() == path.resolve()
+        return reader if same else real(file, *args, **kwargs)
+
+    gguf.GGUFReader = reuse
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def gguf_tokenizer(path: Path):
     """transformers tokenizer converted from the GGUF, cached under ``$SLIPSTREAM_CACHE_DIR``."""
     from transformers import AutoTokenizer
 
+    reader = _PARSED.pop(path.resolve(), None)
     cached = disk_cache.cache_entry(path, "tokenizers")
     if (cached / "tokenizer_config.json").is_file():
         try:
@@ -317,7 +347,8 @@ def gguf_tokenizer(path: Path):
             log.warning("tokenizer cache %s unreadable (%s); rebuilding", cached, e)
     t0 = time.perf_counter()
     log.info("converting the GGUF tokenizer (once; cached in %s)", cached)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _reader_reused(path, reader):
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     disk_cache.fill_cache(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)), path)
     log.info("tokenizer converted in %.1f s", time.perf_counter() - t0)
     return tokenizer
