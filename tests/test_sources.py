@@ -240,7 +240,12 @@ def test_offline_resolves_from_the_cache_and_says_so_when_it_is_not_there(hub, e
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     with pytest.raises(ModelSourceError, match="unset TRANSFORMERS_OFFLINE"):
         fetch(parse_model_uri("hf://org/gated"), env)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # set, it decides (huggingface_hub's rule): an image's
+    hub.requests.clear()  # TRANSFORMERS_OFFLINE=1 does not turn a pod with HF_HUB_OFFLINE=0 offline
+    assert fetch(parse_model_uri("hf://org/tiny"), env).path == online.path and hub.requests
+    monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE")
+    hub.requests.clear()
     with pytest.raises(ModelSourceError, match="drop --offline") as info:  # what `slipstream download --offline` is told
         fetch(parse_model_uri("hf://org/gated"), env, offline=True)
     assert "HF_HUB_OFFLINE" not in str(info.value) and hub.requests == []

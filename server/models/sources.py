@@ -251,13 +251,16 @@ def served_name(model: str) -> str | None:
     return uri.repo_id if uri.scheme == "hf" else None
 
 
-_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # huggingface_hub's own rule: either counts
+# huggingface_hub's own rule: HF_HUB_OFFLINE when set (an image's HF_HUB_OFFLINE=0 overrides its
+# TRANSFORMERS_OFFLINE=1), else TRANSFORMERS_OFFLINE
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def _offline_var() -> str | None:
     """The environment variable that turns offline mode on, if one does."""
-    return next((n for n in _OFFLINE_VARS if os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on")),
-                None)
+    name = next((n for n in _OFFLINE_VARS if os.environ.get(n)), None)
+    on = name is not None and os.environ[name].strip().lower() in ("1", "true", "yes", "on")
+    return name if on else None
 
 
 def _offline_env() -> bool:
