@@ -2,12 +2,18 @@
 and a leak check after every test that built one."""
 from __future__ import annotations
 
+import os
+
 import kernel_device  # noqa: F401 - first: TRITON_INTERPRET is set before anything (transformers' MoE models too) imports triton
 import pytest
 import torch
 
 from slipstream.server.engine import LLM
 from slipstream.server.models.loader import load_model
+
+# The default CPU crossovers (models/crossover.py), not this machine's: which method a batch takes
+# must not depend on where the tests run. tests/test_crossover.py measures with it unset.
+os.environ.setdefault("SLIPSTREAM_CALIBRATE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from ..models import crossover
 from ..models.loader import LoadedModel, load_model
 from .config import CPU_KV_CACHE_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
@@ -64,6 +65,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.apply_threads()
         loaded = loaded or load_model(config.model, self.device, self.dtype, config.quantization)
+        if self.device.type == "cpu" and runner is None and loaded.model is not None:
+            crossover.apply(crossover.calibrate(loaded.model, self.num_threads))
         self.model_name = loaded.name
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer

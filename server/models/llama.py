@@ -69,11 +69,22 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 # 1-4 rows re-streams the weight per row or two (one core, SmolLM2 shapes: 57 ms for the 30
 # layers at 2 rows, 24 ms as ``W @ x.T``; the LM head 25 ms vs 6 ms), and small batches are
 # the long tail of every decode workload. One row is padded to two: MKL's GEMV path is slower.
+# The default; :mod:`.crossover` measures this machine's at start-up.
 SMALL_BATCH_ROWS = 4
 
 
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as ``W @ x.T``: ``x`` ``[M, K]`` (M ≥ 1), ``weight``
+    ``[N, K]`` → ``[M, N]``, equal up to summation order."""
+    rows = x.shape[0]
+    padded = x if rows > 1 else torch.cat((x, x))
+    y = torch.mm(weight, padded.t()).t()[:rows].contiguous()
+    return y if bias is None else y + bias
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` whose small CPU batches stream the weight once (see ``SMALL_BATCH_ROWS``).
+    """``nn.Linear`` whose small CPU batches stream the weight once (see ``SMALL_BATCH_ROWS``,
+    which :mod:`.crossover` sets for this machine at start-up).
 
     ``x`` ``[..., in_features]`` → ``[..., out_features]``, same parameters and result as
     ``nn.Linear`` up to summation order. Only 2-D CPU inputs of 1 to ``SMALL_BATCH_ROWS`` rows
@@ -84,9 +95,7 @@ class Linear(nn.Linear):
         rows = x.shape[0]
         if x.device.type != "cpu" or x.dim() != 2 or rows > SMALL_BATCH_ROWS or rows == 0:
             return F.linear(x, self.weight, self.bias)
-        padded = x if rows > 1 else torch.cat((x, x))
-        y = torch.mm(self.weight, padded.t()).t()[:rows].contiguous()
-        return y if self.bias is None else y + self.bias
+        return small_batch_linear(x, self.weight, self.bias)
 
 
 def _cat(parts: list) -> torch.Tensor | GGMLTensor:

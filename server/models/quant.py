@@ -18,7 +18,8 @@ from slipstream.kernels import ggml_cpu
 
 # Batches of more rows dequantize the weight once into fp32 and call the dense GEMM: the kernel
 # dequantizes every weight once per eight rows, and from ~16 rows MKL's GEMM on a dequantized
-# copy is faster (SmolLM2 shapes, one core).
+# copy is faster (SmolLM2 shapes, one core). The default; :mod:`.crossover` measures this
+# machine's at start-up.
 KERNEL_MAX_ROWS = 16
 
 
