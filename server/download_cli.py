@@ -38,12 +38,14 @@ def parser() -> argparse.ArgumentParser:
                    help="write the result as JSON here (a pod's /dev/termination-log); default: nowhere")
     p.add_argument("--max-cache-bytes", type=byte_size, default=None,
                    help="after fetching, evict least recently used models until the cache holds at most this much "
-                        "(e.g. 200GiB); the model just fetched and models being fetched are kept")
+                        "(e.g. 200GiB); the model just fetched, models being fetched and models a server holds a lease on "
+                        "are kept")
     p.add_argument("--offline", action="store_true", help="use the cache only (as HF_HUB_OFFLINE=1)")
     p.add_argument("--retries", type=int, default=3, help="tries again after network errors")
     p.add_argument("--stale-lock-seconds", type=float, default=30.0,
                    help="take over another process's download lock after this long without its heartbeat")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level; HTTP clients' per-request lines only at DEBUG")
     return p
 
 
@@ -83,7 +85,15 @@ def _stop_on_signals() -> None:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    from slipstream.server.models.model_cache import HEARTBEAT_S
+
+    p = parser()
+    args = p.parse_args(argv)
+    if args.retries < 0:
+        p.error(f"--retries must be >= 0, got {args.retries}")
+    if not args.stale_lock_seconds > HEARTBEAT_S:  # the holder rewrites its lock every HEARTBEAT_S
+        p.error(f"--stale-lock-seconds must be more than the lock's {HEARTBEAT_S:g} s heartbeat, "
+                f"got {args.stale_lock_seconds:g}")
     from slipstream.server.cli import configure_logging
 
     configure_logging(args.log_level)

@@ -88,6 +88,8 @@ def test_a_holder_is_gone_only_when_its_host_and_pid_namespace_are_ours_and_its_
     assert not gone(f"{here}:{p.pid}", "pid:[1]")  # another namespace (hostNetwork pods share the node's name)
     assert not gone(f"{here}:{p.pid}", "")  # written by an older version: unknown
     assert not gone(f"other-pod:{p.pid}", ns)
+    assert not gone(f"{here}:99999999999999999999", ns), "no such pid can exist: unknown, not a crash"
+    assert not gone(f"{here}:\u00b2", ns), "a digit to str.isdigit, not to int()"
 
 
 def test_a_clean_exit_releases_the_lease(tmp_path):

@@ -364,6 +364,18 @@ def test_download_help_names_its_options(capsys):
         assert option in text, option
 
 
+@pytest.mark.parametrize("option, says", [(["--retries", "-1"], "--retries must be >= 0"),
+                                          (["--stale-lock-seconds", "5"], "more than the lock's 5 s heartbeat"),
+                                          (["--stale-lock-seconds", "-5"], "more than the lock's 5 s heartbeat")])
+def test_download_refuses_settings_that_cannot_work_as_a_usage_error(env, capsys, option, says):
+    """Not a traceback from deep inside the fetch (a negative --retries never tried at all)."""
+    from slipstream.server import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["download", "hf://org/tiny", "--cache-dir", str(env), *option])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_download_evicts_down_to_max_cache_bytes_but_keeps_what_it_fetched(hub, env, tmp_path):
     from slipstream.server import cli
 

@@ -640,12 +640,14 @@ def gone(holder: str, pidns: str) -> bool:
     and in this pid namespace (``pidns`` as recorded) and no process has its pid now. Unknown
     (another host, another namespace, a record without ``pidns``): False."""
     host, _, pid = holder.rpartition(":")
-    if host != lease_holder().rpartition(":")[0] or not pid.isdigit() or not pidns or pidns != _PIDNS:
+    # isascii: str.isdigit accepts "²", which int() refuses
+    if host != lease_holder().rpartition(":")[0] or not (pid.isascii() and pid.isdigit()) or not pidns \
+            or pidns != _PIDNS:
         return False
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except PermissionError:  # alive, owned by someone else
+    except (PermissionError, OverflowError):  # alive, owned by someone else; or no pid at all
         return False
     return False
