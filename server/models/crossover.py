@@ -98,9 +98,7 @@ def calibrate(model: nn.Module, threads: int) -> Crossovers:
              time.perf_counter() - t0, path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(found)))
-        os.replace(tmp, path)
+        disk_cache.write_atomic(path, json.dumps(asdict(found)))
     except OSError as e:
         log.warning("cannot cache the crossovers in %s: %s", path, e)
     return found

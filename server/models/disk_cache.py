@@ -16,6 +16,7 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger("slipstream.loader")
@@ -23,6 +24,14 @@ log = logging.getLogger("slipstream.loader")
 SOURCE_FILE = "source.json"
 UNLABELLED_MAX_AGE_S = 30 * 86400
 _KEY = re.compile(r"[0-9a-f]{16}")  # entry names; mkdtemp's "tmp…" folders being written never match
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half of
+    it (a temporary file beside it, then a rename; unique per call, so threads do not collide)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def cache_dir() -> Path:

@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from .disk_cache import write_atomic
 from .sources import ModelSourceError, ModelURI, check_cancelled, offline_hint, several_ggufs, weights_path
 
 log = logging.getLogger("slipstream.sources")
@@ -140,9 +141,7 @@ def _write_ref(hf_cache: Path, repo_id: str, revision: str, sha: str) -> None:
         if ref.is_file() and ref.read_text() == sha:
             return
         ref.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
-        tmp.write_text(sha)
-        os.replace(tmp, ref)
+        write_atomic(ref, sha)
     except OSError as e:
         log.warning("could not record %s -> %s in %s: %s", revision, sha, ref, e)
 

@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from .disk_cache import write_atomic
+
 log = logging.getLogger("slipstream.model_cache")
 
 META_DIR = ".slipstream"
@@ -201,7 +203,7 @@ class ModelCache:
             if current.get("token") != lock.token:
                 log.warning("lost the lock %s to %s (heartbeat too late); going on", lock.name, current.get("holder"))
                 return
-            _write_atomic(path, json.dumps({**current, "heartbeat": time.time()}))
+            write_atomic(path, json.dumps({**current, "heartbeat": time.time()}))
 
     def _release(self, lock: Lock) -> None:
         path = self.lock_path(lock.name)
@@ -257,7 +259,7 @@ class ModelCache:
             held = Lease(file, {"holder": holder, "pidns": _PIDNS, "name": name, "revision": revision,
                                 "path": self._relative(str(Path(path).resolve())), "started": now, "heartbeat": now})
             file.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(file, json.dumps(held.record))
+            write_atomic(file, json.dumps(held.record))
             _LEASES[str(file)] = held
             _start_lease_heartbeat()
         return held
@@ -290,7 +292,7 @@ class ModelCache:
         target = self._entry_path(name, revision)
         target.parent.mkdir(parents=True, exist_ok=True)
         # stored relative to the cache root: a cache copied, mounted elsewhere or named relatively still resolves
-        _write_atomic(target, json.dumps({**asdict(entry), "path": self._relative(entry.path)}))
+        write_atomic(target, json.dumps({**asdict(entry), "path": self._relative(entry.path)}))
         return entry
 
     def _relative(self, path: str) -> str:
@@ -324,7 +326,7 @@ class ModelCache:
         """Record a use of ``entry`` now (eviction removes the least recently used first)."""
         used = Entry(**{**asdict(entry), "last_used": time.time()})
         with contextlib.suppress(OSError):
-            _write_atomic(self._entry_path(entry.name, entry.revision),
+            write_atomic(self._entry_path(entry.name, entry.revision),
                           json.dumps({**asdict(used), "path": self._relative(used.path)}))
         return used
 
@@ -334,7 +336,7 @@ class ModelCache:
 
     def mark(self, entry: Entry) -> None:
         """Write ``entry``'s completion marker back as it was (an eviction that found a lease)."""
-        _write_atomic(self._entry_path(entry.name, entry.revision),
+        write_atomic(self._entry_path(entry.name, entry.revision),
                       json.dumps({**asdict(entry), "path": self._relative(entry.path)}))
 
     def marked(self, name: str, revision: str, wait_s: float = 0.0) -> bool:
@@ -396,7 +398,7 @@ class Lease:
             return
         self.record = {**self.record, "heartbeat": time.time()}
         try:
-            _write_atomic(self.file, json.dumps(self.record))
+            write_atomic(self.file, json.dumps(self.record))
         except OSError as e:  # the next beat tries again; a lease only goes stale after many misses
             log.debug("lease heartbeat %s: %s", self.file, e)
 
@@ -617,12 +619,6 @@ def _parse(content: str) -> dict:
     except ValueError:  # a lock being written: treat as a live holder we know nothing about
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _pid_namespace() -> str:

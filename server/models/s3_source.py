@@ -22,6 +22,7 @@ import logging
 import os
 from pathlib import Path
 
+from .disk_cache import write_atomic
 from .sources import ModelSourceError, ModelURI, check_cancelled, weights_path
 
 log = logging.getLogger("slipstream.sources")
@@ -166,9 +167,7 @@ def _read_manifest(dest: Path) -> dict:
 
 
 def _write_manifest(dest: Path, manifest: dict) -> None:
-    tmp = dest / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, dest / MANIFEST)
+    write_atomic(dest / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def map_error(uri: ModelURI, e: Exception, endpoint: str | None = None) -> ModelSourceError:
