@@ -286,7 +286,9 @@ def modelcar_container(location: ModelLocation) -> dict[str, Any]:
         "name": MODELCAR_CONTAINER,
         "image": location.reference,
         "restartPolicy": "Always",
-        "command": ["sh", "-c", f"ln -sfn /proc/$$/root{MODEL_IMAGE_DIR} {link} && exec sleep 2147483647"],
+        # "$$$$": the kubelet expands $(VAR) in commands and turns "$$" into "$", so the shell
+        # gets "$$", its own pid (which exec keeps for sleep)
+        "command": ["sh", "-c", f"ln -sfn /proc/$$$$/root{MODEL_IMAGE_DIR} {link} && exec sleep 2147483647"],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
         "startupProbe": {"exec": {"command": ["test", "-e", f"{link}/"]},
                          "periodSeconds": 1, "failureThreshold": 600},
