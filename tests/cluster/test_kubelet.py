@@ -392,6 +392,67 @@ def test_a_gpu_pod_on_a_node_without_gpus_stays_pending_as_the_scheduler_says(co
     delete(core, "gpu")
 
 
+def test_a_sidecar_starts_before_the_app_restarts_when_it_exits_and_stops_after_the_app(cluster, core):
+    record = Path(tempfile.mkdtemp(prefix="kubelet-sidecar-"))
+    record.chmod(0o777)
+    # First run: ready after 2 s, exits 3 after 3 more; later runs: ready at once, log SIGTERM.
+    side = textwrap.dedent("""
+        if [ ! -f /shared/ran ]; then
+            touch /shared/ran; sleep 2; touch /shared/ready; sleep 3; exit 3
+        fi
+        trap 'echo "side-term $(date +%s.%N)" >> /record/log; exit 0' TERM
+        touch /shared/ready
+        while true; do sleep 0.1; done
+    """)
+    app = textwrap.dedent("""
+        test -f /shared/ready || { echo "app-before-sidecar" >> /record/log; exit 1; }
+        echo "app-start" >> /record/log
+        trap 'echo "app-term $(date +%s.%N)" >> /record/log; sleep 1; echo "app-exit $(date +%s.%N)" >> /record/log; exit 0' TERM
+        while true; do sleep 0.1; done
+    """)
+    mounts = [{"name": "shared", "mountPath": "/shared"}, {"name": "record", "mountPath": "/record"}]
+    sidecar = {"name": "side", "image": SHELL_IMAGE, "restartPolicy": "Always", "command": ["sh", "-c", side],
+               "startupProbe": {"exec": {"command": ["test", "-f", "/shared/ready"]}, "periodSeconds": 1,
+                                "failureThreshold": 30},
+               "volumeMounts": mounts}
+    create(core, pod_manifest("sidecar", [{"name": "app", "image": SHELL_IMAGE, "command": ["sh", "-c", app],
+                                           "volumeMounts": mounts}],
+                              initContainers=[sidecar], terminationGracePeriodSeconds=5,
+                              volumes=[{"name": "shared", "emptyDir": {}},
+                                       {"name": "record", "hostPath": {"path": str(record)}}]))
+    pod = wait_pod(core, "sidecar", lambda p: condition(p, "Initialized")["status"] == "True", "Initialized")
+    [side_status] = pod["status"]["initContainerStatuses"]
+    assert side_status["started"] is True and "running" in side_status["state"], side_status
+    pod = wait_pod(core, "sidecar", lambda p: p["status"]["initContainerStatuses"][0]["restartCount"] >= 1
+                   and p["status"]["initContainerStatuses"][0]["started"] and condition(p, "Ready")["status"] == "True",
+                   "the sidecar restarted and Ready", timeout=30)
+    [side_status] = pod["status"]["initContainerStatuses"]
+    assert side_status["lastState"]["terminated"]["exitCode"] == 3
+    assert "running" in side_status["state"] and side_status["ready"] is True
+    assert container_status(pod, "app")["restartCount"] == 0 and "running" in container_status(pod, "app")["state"]
+    assert pod["status"]["phase"] == "Running"
+    assert (record / "log").read_text() == "app-start\n"  # the app found the sidecar's file
+
+    began = time.time()
+    core.delete_namespaced_pod("sidecar", NS)
+    wait_for(lambda: read(core, "sidecar") is None, 20, "the pod to be removed", 0.2)
+    lines = dict(line.split() for line in (record / "log").read_text().splitlines()[1:])
+    assert set(lines) == {"app-term", "app-exit", "side-term"}, lines
+    assert began < float(lines["app-term"]) < float(lines["app-exit"]) < float(lines["side-term"]) < began + 5
+
+
+def test_a_pod_completes_when_its_app_container_does_and_its_sidecar_is_stopped(core):
+    sidecar = {"name": "side", "image": SHELL_IMAGE, "restartPolicy": "Always", "command": ["sleep", "3600"]}
+    create(core, pod_manifest("sidecar-done", [{"name": "app", "image": SHELL_IMAGE, "command": ["sleep", "1"]}],
+                              initContainers=[sidecar], restartPolicy="Never"))
+    pod = wait_pod(core, "sidecar-done", phase_is("Succeeded", "Failed"), "finished", timeout=30)
+    assert pod["status"]["phase"] == "Succeeded"
+    [side_status] = pod["status"]["initContainerStatuses"]
+    assert side_status["state"]["terminated"]["exitCode"] == 143, side_status  # SIGTERM
+    assert container_status(pod, "app")["state"]["terminated"]["exitCode"] == 0
+    delete(core, "sidecar-done")
+
+
 # ---- the kubelet's pure parts (no cluster needed) ----------------------------------------------
 
 def test_dollar_paren_expansion_follows_kubernetes():
@@ -420,3 +481,56 @@ def test_a_container_waiting_to_restart_keeps_its_pod_running_as_getphase_says()
     assert phase("Never", [], [done, failed], False) == "Failed"
     assert phase("OnFailure", [], [failed], False) == "Running"
     assert phase("Always", [failed], [creating], False) == "Pending"
+
+
+def test_a_sidecar_not_yet_started_keeps_the_pod_pending_and_uninitialized():
+    from kubelet.status import ContainerView, conditions, phase
+    pod = {"spec": {}, "status": {}}
+    side = ContainerView("side", "i", state={"running": {}}, sidecar=True)
+    app = ContainerView("app", "i", state={"waiting": {"reason": "PodInitializing"}})
+    assert phase("Always", [side], [app], False) == "Pending"
+    initialized = {c["type"]: c for c in conditions(pod, "Pending", True, [side], [app])}["Initialized"]
+    assert initialized["status"] == "False"
+    assert initialized["message"] == "containers with incomplete status: [side]"
+    side.started = True
+    assert {c["type"]: c for c in conditions(pod, "Pending", True, [side], [app])}["Initialized"]["status"] == "True"
+
+
+def test_a_sidecars_readiness_counts_toward_containers_ready():
+    from kubelet.status import ContainerView, conditions
+    side = ContainerView("side", "i", state={"running": {}}, started=True, sidecar=True)
+    app = ContainerView("app", "i", state={"running": {}}, started=True, ready=True)
+    done = ContainerView("init", "i", state={"terminated": {"exitCode": 0}})
+    ready = {c["type"]: c for c in conditions({"spec": {}}, "Running", True, [done, side], [app])}
+    assert ready["ContainersReady"]["status"] == "False"
+    assert ready["ContainersReady"]["message"] == "containers with unready status: [side]"
+    side.ready = True
+    ready = {c["type"]: c for c in conditions({"spec": {}}, "Running", True, [done, side], [app])}
+    assert ready["ContainersReady"]["status"] == ready["Ready"]["status"] == "True"
+
+
+def test_a_running_sidecar_keeps_the_pod_running_and_a_stopped_one_counts_for_nothing():
+    from kubelet.status import ContainerView, phase
+    done = ContainerView("app", "i", state={"terminated": {"exitCode": 0}})
+    running = ContainerView("side", "i", state={"running": {}}, started=True, sidecar=True)
+    stopped = ContainerView("side", "i", state={"terminated": {"exitCode": 143}}, sidecar=True)
+    restarting = ContainerView("side", "i", state={"waiting": {"reason": "CrashLoopBackOff"}},
+                               last_state={"terminated": {"exitCode": 1}}, sidecar=True)
+    assert phase("Never", [running], [done], False) == "Running"
+    assert phase("Never", [stopped], [done], False) == "Succeeded"
+    assert phase("OnFailure", [restarting], [done], False) == "Succeeded"
+    # Once an app container ran, a sidecar restarting (not yet started again) leaves the pod Running.
+    app = ContainerView("app", "i", state={"running": {}})
+    assert phase("Always", [ContainerView("side", "i", state={"running": {}}, sidecar=True)], [app], False) == "Running"
+
+
+def test_a_pulled_images_top_level_directories_that_the_host_lacks_are_bound(tmp_path):
+    from kubelet.container import image_dirs
+    from kubelet.images import Image
+    missing = f"slipstream-test-{tmp_path.name}"
+    for name in (missing, "usr", "etc"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "file").write_text("not a directory")
+    image = Image("127.0.0.1:5000/m:1", "127.0.0.1:5000/m@sha256:0", [], ["sh"], files=tmp_path)
+    assert image_dirs(image) == [tmp_path / missing]
+    assert image_dirs(Image("docker.io/library/busybox:1", "x", [], ["sh"])) == []

@@ -4,12 +4,14 @@ shared ReadWriteMany cache for two pods, a third pod starts from the cache, a ne
 downloads again, and a bad token or a missing model gives Ready=False naming the model and the
 status code without a retry storm; an S3 model (moto's server, tests/s3_server.py) downloads
 with the credentials of a Secret; a model image from a registry on loopback
-(go-containerregistry's ``registry``) is served through an image volume.
+(go-containerregistry's ``registry``) is served through an image volume, and through a modelcar
+sidecar (a native sidecar linking its image's /models through /proc/PID/root) before them.
 
 The tests in this module run in order on one installation.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import subprocess
@@ -17,6 +19,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -183,7 +186,10 @@ def test_an_s3_model_downloads_with_the_secrets_credentials_and_serves(installed
         s3.shutdown()
 
 
-def test_a_model_image_from_a_registry_serves_through_an_image_volume(installed, hub, gguf, tmp_path):
+@contextlib.contextmanager
+def model_image(tmp_path: Path) -> Iterator[str]:
+    """A registry on loopback (a free port) holding the built-in model as ``/models/<file>`` in
+    a one-layer image; yields the image's reference, stops the registry after."""
     port = free_port()
     registry = subprocess.Popen([str(BIN / "registry"), "-port", str(port)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
@@ -194,6 +200,14 @@ def test_a_model_image_from_a_registry_serves_through_an_image_volume(installed,
         ref = f"127.0.0.1:{port}/models/smollm2:q4_1"
         wait_for(lambda: subprocess.run([str(BIN / "crane"), "append", "-f", str(layer), "-t", ref],
                                         capture_output=True).returncode == 0, 30, "the image pushed")
+        yield ref
+    finally:
+        registry.terminate()
+        registry.wait(10)
+
+
+def test_a_model_image_from_a_registry_serves_through_an_image_volume(installed, hub, gguf, tmp_path):
+    with model_image(tmp_path) as ref:
         apply(installed, service("image", {"uri": f"oci://{ref}"}, hub))
         wait_for(lambda: ready(installed, "image", 1), MODEL_READY_TIMEOUT, "the model image's pod Ready")
         [pod] = pods_of(installed, "image", NS)
@@ -201,21 +215,34 @@ def test_a_model_image_from_a_registry_serves_through_an_image_volume(installed,
         assert any(v.get("image", {}).get("reference") == ref for v in pod["spec"]["volumes"]), pod["spec"]["volumes"]
         reply = chat(ready_pod_ips(installed, "image", NS)[0], "image")
         assert reply["choices"][0]["message"]["content"]
-    finally:
-        registry.terminate()
-        registry.wait(10)
 
 
-def test_before_image_volumes_the_api_server_admits_the_modelcar_pod(installed, hub):
-    """oci.mount modelcar (what auto picks before Kubernetes 1.35): a native sidecar with the model
-    image and a shared process namespace, as the API server keeps it. (The process kubelet runs
-    only its own images, so the sidecar does not start here.)"""
-    apply(installed, service("modelcar", {"uri": "oci://127.0.0.1:5000/models/smollm2:q4_1",
-                                          "oci": {"mount": "modelcar"}}, hub))
-    dep = wait_for(lambda: get(installed, "deploy", "modelcar", "-n", NS), 60, "the modelcar Deployment")
-    pod = dep["spec"]["template"]["spec"]
-    assert pod["shareProcessNamespace"] is True
-    [car] = pod["initContainers"]
-    assert car["restartPolicy"] == "Always" and car["image"] == "127.0.0.1:5000/models/smollm2:q4_1"
-    installed.kubectl("delete", "infsvc", "modelcar", "-n", NS, "--wait=false")
-    print(json.dumps(car["command"]))
+def test_before_image_volumes_a_modelcar_sidecar_serves_the_model_image_and_stops_with_its_pod(
+        installed, hub, tmp_path):
+    """oci.mount modelcar (what auto picks before Kubernetes 1.35): the model image runs as a
+    native sidecar in a shared process namespace; the server reads its /models through the link
+    the sidecar made, and the sidecar stops when the pod is deleted."""
+    with model_image(tmp_path) as ref:
+        apply(installed, service("modelcar", {"uri": f"oci://{ref}", "oci": {"mount": "modelcar"}}, hub))
+        dep = wait_for(lambda: get(installed, "deploy", "modelcar", "-n", NS), 60, "the modelcar Deployment")
+        template = dep["spec"]["template"]["spec"]
+        assert template["shareProcessNamespace"] is True
+        [car] = template["initContainers"]
+        assert car["restartPolicy"] == "Always" and car["image"] == ref
+        print(json.dumps(car["command"]))
+        wait_for(lambda: ready(installed, "modelcar", 1), MODEL_READY_TIMEOUT, "the modelcar pod Ready")
+        [pod] = pods_of(installed, "modelcar", NS)
+        assert pod["spec"]["shareProcessNamespace"] is True
+        [car] = pod["spec"]["initContainers"]
+        assert car["restartPolicy"] == "Always" and car["image"] == ref
+        [car_status] = pod["status"]["initContainerStatuses"]
+        assert car_status["started"] is True and "running" in car_status["state"], car_status
+        assert car_status["imageID"].startswith(f"{ref.rsplit(':', 1)[0]}@sha256:"), car_status
+        reply = chat(ready_pod_ips(installed, "modelcar", NS)[0], "modelcar")
+        assert reply["choices"][0]["message"]["content"]
+        installed.kubectl("delete", "infsvc", "modelcar", "-n", NS, "--wait=false")
+        name = pod["metadata"]["name"]
+        wait_for(lambda: get(installed, "pod", name, "-n", NS) is None, 120, "the modelcar pod gone")
+        events = get(installed, "events", "-n", NS, "--field-selector", f"involvedObject.name={name}")["items"]
+        stopped = [e["message"] for e in events if e["reason"] == "Killing"]
+        assert "Stopping container modelcar" in stopped, stopped

@@ -6,13 +6,13 @@ Run it with ``e2e/cluster/kubelet.py`` (see ``main.py`` for the flags).
 | --- | --- |
 | ``main`` | CLI, start-up and shutdown, the pod watch, one worker per pod |
 | ``node`` | the Node, its Ready condition and its Lease |
-| ``worker`` | one pod's life: sandbox, init and app containers, restarts, probes, status, deletion |
-| ``container`` | one container's process, user, exec sessions |
+| ``worker`` | one pod's life: sandbox, init containers and native sidecars, app containers, restarts, probes, status, deletion (sidecars last) |
+| ``container`` | one container's process, user, mounts (a pulled image's own directories too), exec sessions |
 | ``launcher`` | the program that enters the pod's namespaces, mounts volumes and execs a container |
-| ``status`` | phase, conditions and container statuses (pure) |
+| ``status`` | phase, conditions and container statuses, sidecars included (pure) |
 | ``env`` | environment, downward API and ``$(VAR)`` expansion (pure) |
-| ``images`` | the image table (this repository's images, busybox/python) |
-| ``volumes`` | emptyDir, configMap, secret, downwardAPI, projected, PVC, hostPath |
+| ``images`` | the image table (this repository's images, busybox/python) and images pulled from loopback registries (model images) |
+| ``volumes`` | emptyDir, configMap, secret, downwardAPI, projected, PVC, hostPath, image; the pulled-image cache |
 | ``network`` | bridge, network namespaces, addresses, the API server relay |
 | ``probes`` | startup/readiness/liveness probes and lifecycle handlers |
 | ``events`` | Events, aggregated as the kubelet's recorder does |

@@ -90,12 +90,17 @@ class Container:
 
     def __post_init__(self) -> None:
         if self.view is None:
-            self.view = ContainerView(self.spec["name"], self.spec.get("image", ""))
+            self.view = ContainerView(self.spec["name"], self.spec.get("image", ""), sidecar=self.sidecar)
         self.dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def name(self) -> str:
         return self.spec["name"]
+
+    @property
+    def sidecar(self) -> bool:
+        """A native sidecar (KEP-753): an init container with ``restartPolicy: Always``."""
+        return self.init and self.spec.get("restartPolicy") == "Always"
 
     def log_path(self) -> Path:
         return self.dir / f"{self.view.restart_count}.log"
@@ -116,9 +121,10 @@ class Container:
     def launch_spec(self, argv: list[str], restart: int, volumes: dict[str, HostVolume], home: Path,
                     netns: str | None, image_paths: list[Path], exposed: list[dict]) -> dict:
         """The launcher's input for run ``restart``: namespaces, mounts (volumes, the image's
-        HOME, the termination log), the paths the image runs from (``keep``: bound again inside
-        any mount that covers them, e.g. a checkout under /tmp), user, working directory, env
-        and argv. Raises ConfigError when a mountPath is exactly such a path."""
+        HOME, a pulled image's own top-level directories, the termination log), the paths the
+        image runs from (``keep``: bound again inside any mount that covers them, e.g. a checkout
+        under /tmp), user, working directory, env and argv. Raises ConfigError when a mountPath
+        is exactly such a path."""
         mounts = []
         for vm in self.spec.get("volumeMounts") or []:
             vol = volumes[vm["name"]]
@@ -139,6 +145,9 @@ class Container:
             home.mkdir(exist_ok=True)
             os.chown(home, self.user.uid, self.user.gid)
             mounts.append({"source": str(home), "target": self.image.home})
+        for source in image_dirs(self.image):
+            if f"/{source.name}" not in targets:
+                mounts.append({"source": str(source), "target": f"/{source.name}", "read_only": True})
         if TOKEN_FALLBACK in volumes:
             mounts.append({"source": str(volumes[TOKEN_FALLBACK].path), "target": TOKEN_DIR, "read_only": True})
         term_log = self.termination_log(restart)
@@ -192,6 +201,21 @@ class Container:
         except subprocess.TimeoutExpired:
             return None, ""
         return done.returncode, (done.stdout + done.stderr).decode(errors="replace")
+
+
+def image_dirs(image: Image) -> list[Path]:
+    """The top-level directories of a pulled image's files (``image.files``) that the host lacks
+    (absent, or an empty directory such as an earlier container's mount point): each is bound
+    read-only at ``/<name>`` in the container, beside the host's tools. [] for table images."""
+    if image.files is None:
+        return []
+    out = []
+    for entry in sorted(image.files.iterdir()):
+        host = Path("/") / entry.name
+        host_lacks = not os.path.lexists(host) or (host.is_dir() and not host.is_symlink() and not any(host.iterdir()))
+        if entry.is_dir() and not entry.is_symlink() and host_lacks:
+            out.append(entry)
+    return out
 
 
 def process_start_time(pid: int) -> str:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from kubernetes.utils import parse_quantity
 
-from .images import Image
+if TYPE_CHECKING:  # images imports volumes, which imports this module
+    from .images import Image
 
 NODE_ALLOCATABLE = {"cpu": "16", "memory": "64Gi", "ephemeral-storage": "100Gi"}
 

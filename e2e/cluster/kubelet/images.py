@@ -3,7 +3,11 @@
 An image here is not a filesystem: it is an entrypoint, a default command, an environment and a
 user, as the image's Dockerfile sets them, run on the host's filesystem. This project's images
 (docker/*.Dockerfile) map to the repository's virtualenv; a busybox/python image maps to the
-host's tools, for small test pods. Any other reference fails as a registry's "not found" does.
+host's tools, for small test pods. An image on a registry on loopback (a model image, as a
+modelcar sidecar runs it) is really pulled: it runs the host's tools as busybox does, and its own
+top-level directories that the host lacks (``/models``) are bound read-only into its container
+(``files``: the image volumes' export cache, volumes.pull_image). Any other reference fails as a
+registry's "not found" does.
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import volumes
 
 HOST_PATH = "/usr/local/bin:/usr/bin:/bin"
 SLIPSTREAM_UID = 10001  # docker/*.Dockerfile: USER 10001:10001
@@ -27,6 +33,7 @@ class Image:
     gid: int = 0
     workdir: str = "/"
     home: str | None = None        # a private writable directory per pod is mounted here
+    files: Path | None = None      # a pulled image's files (see container.image_dirs)
 
 
 class ImagePullError(Exception):
@@ -48,14 +55,27 @@ def normalize(ref: str) -> str:
     return name
 
 
+def _repository(ref: str) -> str:
+    """A normalized reference without its tag or digest: ``registry/repository``."""
+    return ref.rsplit(":", 1)[0] if "@" not in ref else ref.split("@", 1)[0]
+
+
 def _image_id(ref: str) -> str:
-    repo = ref.rsplit(":", 1)[0] if "@" not in ref else ref.split("@", 1)[0]
-    return f"{repo}@sha256:{hashlib.sha256(ref.encode()).hexdigest()}"
+    return f"{_repository(ref)}@sha256:{hashlib.sha256(ref.encode()).hexdigest()}"
 
 
-def resolve(ref: str, repo: Path) -> Image:
-    """The Image for ``ref``; raises ImagePullError for a reference outside the table."""
+def resolve(ref: str, repo: Path, state_dir: Path | None = None, policy: str = "IfNotPresent") -> Image:
+    """The Image for ``ref``: from the table, or pulled (``policy`` Always, IfNotPresent or
+    Never) into ``state_dir`` when it is on a registry on loopback; raises ImagePullError for a
+    reference outside the table, or with the registry's message when the pull fails."""
     full = normalize(ref)
+    if state_dir is not None and volumes.on_local_registry(full):
+        try:
+            digest, files = volumes.pull_image(full, policy, state_dir)
+        except volumes.MountError as err:
+            raise ImagePullError(f"rpc error: code = Unknown desc = {err}") from None
+        return Image(full, f"{_repository(full)}@{digest}", [], ["sh"], {"PATH": HOST_PATH, "HOME": "/root"},
+                     files=files)
     venv_path = f"{repo / '.venv' / 'bin'}:{HOST_PATH}"
     if re.fullmatch(r"ghcr\.io/slipstream-dev/slipstream(:[^@]+|@sha256:[0-9a-f]+)", full):
         cuda = "-cuda" in full.rsplit(":", 1)[-1]

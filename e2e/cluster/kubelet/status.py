@@ -3,6 +3,9 @@
 Pure functions; the phase follows the kubelet's ``getPhase`` (a container waiting to restart
 counts as stopped, not waiting), the conditions its status generator (PodReadyToStartContainers,
 Initialized, ContainersReady, Ready; PodScheduled is the scheduler's and is kept as it is).
+Native sidecars (init containers with ``restartPolicy: Always``, KEP-753) count as the kubelet
+counts them: started, not completed, for Initialized; ready for ContainersReady and Ready; running
+for the phase, and not at all once they stopped.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class ContainerView:
     ready: bool = False
     started: bool = False
     restart_count: int = 0
+    sidecar: bool = False          # an init container with restartPolicy Always (not reported)
 
     def api(self) -> dict:
         out = {"name": self.name, "image": self.image, "imageID": self.image_id,
@@ -42,13 +46,32 @@ def _exit(view: ContainerView) -> int | None:
     return None if term is None else term["exitCode"]
 
 
+def app_started(app: list[ContainerView]) -> bool:
+    """Whether an app container runs or ran (the kubelet's HasAnyRegularContainerStarted): the
+    pod has been initialized, whatever its sidecars do since."""
+    return any("running" in v.state or "terminated" in v.state for v in app)
+
+
 def phase(restart_policy: str, init: list[ContainerView], app: list[ContainerView], init_failed: bool) -> str:
-    """The pod phase (Pending, Running, Succeeded, Failed) as the kubelet's getPhase computes it."""
+    """The pod phase (Pending, Running, Succeeded, Failed) as the kubelet's getPhase computes it:
+    a sidecar not yet started keeps an uninitialized pod Pending, a running sidecar counts as a
+    running container, a stopped (or restarting) one is left out."""
     if init_failed:
         return "Failed"
-    if any(_exit(v) != 0 for v in init):
+    if any(_exit(v) != 0 for v in init if not v.sidecar):
         return "Pending"
-    running = waiting = stopped = succeeded = 0
+    running = waiting = stopped = succeeded = pending_sidecars = 0
+    for v in init:
+        if not v.sidecar:
+            continue
+        if "running" in v.state:
+            running += 1
+            pending_sidecars += not v.started
+        elif "terminated" not in v.state and not v.last_state.get("terminated"):
+            pending_sidecars += 1
+            waiting += 1
+    if pending_sidecars and not app_started(app):
+        return "Pending"
     for v in app:
         if "running" in v.state:
             running += 1
@@ -86,10 +109,13 @@ def _condition(type_: str, ok: bool, previous: dict[str, dict], reason: str = ""
 
 def conditions(pod: dict, pod_phase: str, sandbox_ready: bool, init: list[ContainerView],
                app: list[ContainerView]) -> list[dict]:
-    """The kubelet's pod conditions, keeping each lastTransitionTime while its status holds."""
+    """The kubelet's pod conditions, keeping each lastTransitionTime while its status holds:
+    Initialized once the regular init containers completed and the sidecars started (or an app
+    container ran), ContainersReady and Ready once the sidecars and app containers are ready."""
     previous = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
-    incomplete = [v.name for v in init if _exit(v) != 0]
-    unready = [v.name for v in app if not v.ready]
+    incomplete = [] if app_started(app) else [
+        v.name for v in init if (not v.started if v.sidecar else _exit(v) != 0)]
+    unready = [v.name for v in init if v.sidecar and not v.ready] + [v.name for v in app if not v.ready]
     done = pod_phase in ("Succeeded", "Failed")
     ready_reason = "PodCompleted" if done else "ContainersNotReady"
     ready_message = "" if done else f"containers with unready status: [{' '.join(unready)}]"

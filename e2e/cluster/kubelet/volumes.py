@@ -5,7 +5,8 @@ emptyDir, configMap, secret, downwardAPI and projected volumes live under the po
 PersistentVolumeClaim is its PersistentVolume's hostPath/local path when it has one, else a
 directory per claim under ``<state dir>/pvc/``; hostPath is the host path itself; an image volume
 is the image's files, flattened by go-containerregistry's ``crane export`` once per digest under
-``<state dir>/image-volumes/`` (registries on loopback speak plain HTTP).
+``<state dir>/image-volumes/`` (registries on loopback speak plain HTTP; images.py runs container
+images from the same cache).
 A volume that cannot be set up raises MountError (the kubelet's FailedMount event text).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,7 +187,7 @@ def _crane(command: str, ref: str, *args: str, stdout=subprocess.PIPE) -> subpro
         return subprocess.run([crane, command, ref, *args], stdout=stdout, stderr=subprocess.PIPE,
                               check=True, timeout=600)
     except FileNotFoundError:
-        raise MountError("image volumes need crane: run `make cluster`") from None
+        raise MountError("pulling images needs crane: run `make cluster`") from None
     except subprocess.CalledProcessError as err:
         raise MountError(f'failed to pull image "{ref}": {err.stderr.decode(errors="replace").strip()}') from None
 
@@ -193,23 +195,36 @@ def _crane(command: str, ref: str, *args: str, stdout=subprocess.PIPE) -> subpro
 def _image_volume(src: dict, state_dir: Path) -> Path:
     """The files of image ``src["reference"]`` as a read-only directory (pullPolicy Always,
     IfNotPresent — the default — and Never as for container images)."""
-    ref, policy = src.get("reference") or "", src.get("pullPolicy") or "IfNotPresent"
+    ref = src.get("reference") or ""
     if not ref:
         raise MountError("image volume without a reference")
-    if ref.split("/", 1)[0].split(":", 1)[0] not in LOCAL_REGISTRIES:
+    return pull_image(ref, src.get("pullPolicy") or "IfNotPresent", state_dir)[1]
+
+
+def on_local_registry(ref: str) -> bool:
+    """Whether ``ref`` names an image on a registry on loopback (or the pod network's gateway)."""
+    return ref.split("/", 1)[0].split(":", 1)[0] in LOCAL_REGISTRIES
+
+
+def pull_image(ref: str, policy: str, state_dir: Path) -> tuple[str, Path]:
+    """(digest, directory of the image's files) for ``ref`` under pull ``policy`` (Always,
+    IfNotPresent, Never): exported with crane once per digest under ``<state dir>/image-volumes/``,
+    shared by image volumes and container images. Raises MountError with the registry's message."""
+    if not on_local_registry(ref):
         # Tests reach nothing off this machine: only the tests' own registries are pulled from.
         raise MountError(f'failed to pull image "{ref}": not found (the process kubelet pulls '
-                         f'image volumes from registries on {", ".join(LOCAL_REGISTRIES)} only)')
+                         f'images from registries on {", ".join(LOCAL_REGISTRIES)} only)')
     root = state_dir / "image-volumes"
     pulled = root / "by-reference" / hashlib.sha256(ref.encode()).hexdigest()
     if policy != "Always" and pulled.is_symlink() and pulled.exists():
-        return pulled.resolve()
+        target = pulled.resolve()
+        return target.name.replace("-", ":", 1), target
     if policy == "Never":
         raise MountError(f'image "{ref}" is not present with pull policy of Never')
     digest = _crane("digest", ref).stdout.decode().strip()
     target = root / digest.replace(":", "-")
     if not target.is_dir():
-        tmp = root / f".{target.name}.{os.getpid()}"
+        tmp = root / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         tar = tmp.with_suffix(".tar")
@@ -218,11 +233,16 @@ def _image_volume(src: dict, state_dir: Path) -> Path:
         subprocess.run(["tar", "-x", "-f", str(tar), "-C", str(tmp), "--no-same-owner"], check=True)
         tar.unlink()
         os.chmod(tmp, 0o755)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:  # another pod's worker exported the same digest meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
     pulled.parent.mkdir(parents=True, exist_ok=True)
-    pulled.unlink(missing_ok=True)
-    pulled.symlink_to(target)
-    return target
+    link = pulled.with_name(f".{pulled.name}.{threading.get_ident()}")
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
+    link.replace(pulled)
+    return digest, target
 
 
 def _host_path(src: dict) -> Path:

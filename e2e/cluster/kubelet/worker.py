@@ -2,6 +2,11 @@
 containers in order, app containers with restarts and back-off, probes, status, and deletion
 (preStop, SIGTERM, grace period, SIGKILL, removal of the pod object).
 
+Native sidecars (init containers with ``restartPolicy: Always``, KEP-753) start in their place in
+the init order and the next container waits until they have *started*; they are restarted
+whenever they exit, whatever the pod's restartPolicy; at deletion, and when no app container will
+run again, they are stopped after the app containers, in reverse order.
+
 The worker reads ``self.pod`` (the latest object from the watch) and writes only the pod's
 status (when it changed), its Events, and finally its deletion.
 """
@@ -60,6 +65,8 @@ class PodWorker(threading.Thread):
         self.sandbox_ready = False
         self.finished = False
         self.init_failed = False
+        self.initialized = False   # the init sequence is through: app containers may start
+        self.apps_done = False     # no app container will run again: sidecars are not restarted
         self.volumes: dict[str, volumes.HostVolume] = {}
         self.last_status: dict | None = None
         self.init = [Container(c, True, self.dir / c["name"]) for c in pod["spec"].get("initContainers") or []]
@@ -147,28 +154,66 @@ class PodWorker(threading.Thread):
 
     # ---- containers -------------------------------------------------------------------------
     def _sync_containers(self) -> None:
+        """Init containers in order (the next one starts once this one completed or, a sidecar,
+        started), then the app containers; sidecars are restarted beside them; when no app
+        container will run again (or initialization failed for good), the sidecars stop."""
+        blocked = False
         for c in self.init:
-            if c.proc is None and c.view.state.get("terminated", {}).get("exitCode") == 0:
+            if self.init_failed or self.apps_done or (not c.sidecar and (self.initialized or self._completed(c))):
                 continue
-            return self._step(c)  # one init container at a time, in order
-        for c in self.app:
+            if blocked:  # behind a sidecar that (re)starts: only an exit is noticed, nothing starts
+                self._poll(c)
+                continue
             self._step(c)
+            blocked = not self.initialized and not (c.view.started if c.sidecar else self._completed(c))
+        if not blocked and not self.init_failed:
+            self.initialized = True
+            for c in self.app:
+                self._step(c)
+        if self.init_failed or (self.initialized and all("terminated" in c.view.state for c in self.app)):
+            self._stop_sidecars()
+
+    @staticmethod
+    def _completed(c: Container) -> bool:
+        return c.proc is None and c.view.state.get("terminated", {}).get("exitCode") == 0
+
+    def _stop_sidecars(self) -> None:
+        """Stops the running sidecars once the pod's other containers are done (the kubelet's
+        KillPod): reverse order, within the pod's grace period, and records their exits."""
+        self.apps_done = True
+        sidecars = [c for c in self.init if c.sidecar and c.proc is not None]
+        if not sidecars:
+            return
+        began = time.monotonic()
+        self._stop_all(self._grace_seconds(), run_prestop=True, only=sidecars)
+        for c in sidecars:
+            self._on_exit(c, c.proc.wait())
+        log.info("pod %s: sidecars stopped in %.1f s", self.key, time.monotonic() - began)
 
     def _restart_policy(self) -> str:
         return self.pod["spec"].get("restartPolicy", "Always")
 
     def _should_restart(self, c: Container, exit_code: int) -> bool:
         policy = self._restart_policy()
+        if c.sidecar:
+            return not self.apps_done
         if c.init:
             return exit_code != 0 and policy != "Never"
         return policy == "Always" or (policy == "OnFailure" and exit_code != 0)
 
+    def _poll(self, c: Container) -> bool:
+        """True while ``c`` runs; records its exit when it has just exited."""
+        if c.proc is None:
+            return False
+        code = c.proc.poll()
+        if code is None:
+            return True
+        self._on_exit(c, code)
+        return False
+
     def _step(self, c: Container) -> None:
-        if c.proc is not None:
-            code = c.proc.poll()
-            if code is None:
-                return
-            self._on_exit(c, code)
+        if self._poll(c):
+            return
         if "terminated" in c.view.state:
             return
         if time.monotonic() < c.next_start:
@@ -192,7 +237,7 @@ class PodWorker(threading.Thread):
         c.proc, c.stopping = None, False
         c.view.ready = c.view.started = False
         log.info("pod %s: container %s exited with %s", self.key, c.name, exit_code)
-        if c.init and exit_code != 0 and self._restart_policy() == "Never":
+        if c.init and not c.sidecar and exit_code != 0 and self._restart_policy() == "Never":
             self.init_failed = True
         if not self._should_restart(c, exit_code):
             c.view.state = {"terminated": term}
@@ -234,7 +279,8 @@ class PodWorker(threading.Thread):
     def _start(self, c: Container) -> None:
         image_ref = c.spec["image"]
         try:
-            image = resolve(image_ref, self.k.repo)
+            image = resolve(image_ref, self.k.repo, self.k.state_dir,
+                            c.spec.get("imagePullPolicy") or "IfNotPresent")
         except ImagePullError as err:
             c.pull_failures += 1
             c.backoff = min(self.k.backoff_base * 2 ** (c.pull_failures - 1), self.k.backoff_max)
@@ -357,7 +403,11 @@ class PodWorker(threading.Thread):
             if err.status not in (404, 409):
                 log.warning("pod %s: not deleted: %s", self.key, err.reason)
 
-    def _stop_all(self, grace: float, run_prestop: bool) -> None:
+    def _stop_all(self, grace: float, run_prestop: bool, only: list[Container] | None = None) -> None:
+        """Stops the running containers (``only`` these) at once, each within the grace period
+        (seconds; the pod's, which may change, when ``run_prestop``), except that a sidecar gets
+        its SIGTERM only once the app containers and the sidecars after it have exited (the
+        kubelet's terminationOrdering)."""
         began = time.monotonic()
 
         def deadline() -> float:
@@ -365,24 +415,31 @@ class PodWorker(threading.Thread):
                 return time.monotonic()
             return began + (self._grace_seconds() if run_prestop else grace)
 
+        sidecars = [c for c in self.init if c.sidecar]
         threads = []
-        for c in self.init + self.app:
+        for c in only if only is not None else self.init + self.app:
             if c.proc is None or c.proc.poll() is not None:
                 continue
-            t = threading.Thread(target=self._stop_one, args=(c, deadline, run_prestop), daemon=True)
+            later = sidecars[next(i for i, s in enumerate(sidecars) if s is c) + 1:] if c.sidecar else []
+            after = self.app + later if c.sidecar else []
+            t = threading.Thread(target=self._stop_one, args=(c, deadline, run_prestop, after), daemon=True)
             t.start()
             threads.append(t)
         for t in threads:
             t.join()
 
-    def _stop_one(self, c: Container, deadline, run_prestop: bool) -> None:
+    def _stop_one(self, c: Container, deadline, run_prestop: bool, after: list[Container]) -> None:
+        """preStop hook, then (once every container of ``after`` has exited, or at the deadline)
+        SIGTERM, then SIGKILL at the deadline but never under MIN_GRACE_S after the SIGTERM."""
         c.probe_stop.set()
         self._emit("Normal", "Killing", f"Stopping container {c.name}", c)
-        hook = ((c.spec.get("lifecycle") or {}).get("preStop")) if run_prestop and not c.init else None
+        hook = ((c.spec.get("lifecycle") or {}).get("preStop")) if run_prestop and (not c.init or c.sidecar) else None
         if hook:
             ok, message = run_handler(hook, self.pod_ip, c.spec, c.exec, max(deadline() - time.monotonic(), 0.1))
             if not ok:
                 self._emit("Warning", "FailedPreStopHook", f"PreStopHook failed: {message}", c)
+        while time.monotonic() < deadline() and any(o.proc is not None and o.proc.poll() is None for o in after):
+            time.sleep(0.1)
         term_at = time.monotonic()
         c.stop(max(deadline() - term_at, MIN_GRACE_S), deadline_fn=lambda: max(deadline(), term_at + MIN_GRACE_S))
 
