@@ -3,7 +3,11 @@
 Fake cgroup trees in tmp_path stand in for /sys/fs/cgroup."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,3 +115,44 @@ def test_engine_applies_the_cpu_limit_and_logs_it_once(make_llm, monkeypatch, ca
         assert len(logged) == 1 and logged[0].startswith("torch threads: 1 (the CPU limit")
     finally:
         torch.set_num_threads(before)
+
+
+_TEAM_SCRIPT = r"""
+import concurrent.futures, json, os, torch
+torch.set_num_threads(2)
+from slipstream.server.engine import engine as engine_mod
+from slipstream.server.engine.config import EngineConfig
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+loader = concurrent.futures.ThreadPoolExecutor(1)  # like the server's: it outlives the load
+loader.submit(tasks).result()
+seen = {"base": tasks()}
+loader.submit(lambda: torch.ones(1 << 22).add_(1)).result()  # a parallel region: a team of 2
+seen["with_team"] = tasks()
+seen["released"] = loader.submit(engine_mod.release_openmp_team).result()
+seen["after_release"] = tasks()
+loader.submit(lambda: torch.ones(1 << 22).add_(1)).result()
+seen["team_again"] = tasks()
+engine = loader.submit(engine_mod.LLMEngine, EngineConfig(num_threads=2, kv_cache_memory_bytes=1 << 24)).result()
+seen["after_engine"] = tasks()
+loader.submit(engine_mod.release_openmp_team).result()  # nothing left to give back
+seen["engine_then_release"] = tasks()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_thread_done_with_torch_gives_its_openmp_workers_back():
+    """A team left on the loading thread makes libgomp stop spinning at the stepping thread's
+    barriers (threads.release_openmp_team): the engine gives its loading team back."""
+    done = subprocess.run([sys.executable, "-c", _TEAM_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["with_team"] == seen["base"] + 1  # one worker beside the submitting thread
+    assert seen["released"] is True
+    assert seen["after_release"] == seen["base"]
+    assert seen["team_again"] == seen["base"] + 1  # the next region builds a new team
+    # LLMEngine gave back the team its load built (it may start threads of its own).
+    assert seen["engine_then_release"] == seen["after_engine"]

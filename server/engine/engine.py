@@ -24,7 +24,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_outputs import GrammarCompiler, GrammarMatcher
-from .threads import choose_threads, cpu_limit
+from .threads import choose_threads, cpu_limit, release_openmp_team
 from .trace import EngineStats, StepRecord
 
 log = logging.getLogger("slipstream.engine")
@@ -109,6 +109,7 @@ class LLMEngine:
         self.step_listeners: list = []
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB), max_model_len %d", num_blocks, config.block_size,
                  num_blocks * block_bytes / 2**20, self.max_model_len)
+        release_openmp_team()  # the loading thread's workers; the stepping thread starts its own
 
     def _request_capacity(self) -> int:
         """Tokens one request can reach alone in the pool: every slot, or ``max_model_len`` when

@@ -4,9 +4,16 @@
 CPUs on a 64-core node would run 64 OpenMP threads that spin and get throttled. The real budget
 is the cgroup CPU quota (a pod's ``resources.limits.cpu``) and the scheduler affinity mask
 (``taskset``, cpusets), whichever is smaller.
+
+The other half is where the threads live. GNU OpenMP (``libgomp``, torch's on PyPI) keeps a team
+of worker threads for every thread that ever ran a parallel region, and once the process holds
+more such workers than CPUs it stops spinning at its barriers: every parallel region then pays a
+futex wake-up. The engine loads on one thread and steps on another, so :func:`release_openmp_team`
+lets the loading thread give its team back.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from pathlib import Path
@@ -70,3 +77,26 @@ def choose_threads(configured: int | None, torch_default: int, limit: int | None
     if limit is not None and limit < torch_default:
         return limit, f"the CPU limit (cgroup quota, affinity mask) is {limit}; torch's default was {torch_default}"
     return torch_default, f"torch's default; the CPU limit is {limit if limit is not None else 'unknown'}"
+
+
+def release_openmp_team() -> bool:
+    """Release the calling thread's idle OpenMP worker threads (``omp_pause_resource_all``,
+    OpenMP 5.0); its next parallel region starts a new team. Call it on a thread that is done
+    with torch work, e.g. after loading a model that another thread will run.
+
+    Why: libgomp throttles its barrier spin to ~100 iterations while it manages more threads
+    than there are CPUs, so with a team left on the loading thread every parallel region of the
+    stepping thread sleeps and wakes (measured here at 2 threads: a one-row Q4_1 product of
+    576 x 3072 took 85 µs instead of 42, a one-row decode step 26 ms instead of 18).
+
+    Returns True when a team was released or there was none; False where the process has no
+    libgomp loaded (another OpenMP runtime, or none) or it refused (called inside a parallel
+    region). Never raises.
+    """
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+        pause = gomp.omp_pause_resource_all
+    except (OSError, AttributeError):  # not loaded here, or older than OpenMP 5.0
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(1) == 0  # omp_pause_soft; libgomp treats soft and hard alike
