@@ -78,6 +78,32 @@ def test_a_lease_of_another_pod_that_died_pins_its_entry_until_it_goes_stale(tmp
     assert list((tmp_path / ".slipstream" / "leases").iterdir()) == []
 
 
+def test_a_heartbeat_that_is_no_time_never_pins_and_an_unreadable_lease_is_swept_when_old(tmp_path):
+    cache = ModelCache(tmp_path)
+    served = _entry(cache, tmp_path, "served")
+    leases = tmp_path / ".slipstream" / "leases"
+    leases.mkdir(parents=True)
+    record = {"holder": "other-pod:7", "name": "served", "revision": "r", "path": "s3/b/served", "started": 0}
+    for beat in ("Infinity", "NaN", str(time.time() + 10 ** 9)):  # json.loads reads the first two as floats
+        (leases / "bogus.json").write_text(json.dumps(record)[:-1] + f', "heartbeat": {beat}}}')
+        [lease] = cache.leases()
+        assert live_leases([lease], time.time(), 60.0) == [], beat
+    now = time.time()
+    skewed = LeaseRecord("other-pod:7", "served", "r", served.path, now + 5)  # another node's clock, a little ahead
+    assert live_leases([skewed], now, 60.0) == [skewed]
+    (leases / "bogus.json").unlink()
+    corrupt = leases / "corrupt.json"
+    corrupt.write_text("{not json")
+    [lease] = cache.leases()
+    assert (lease.holder, lease.name, lease.file) == ("unknown", "", str(corrupt))
+    assert [e.name for e in evict(tmp_path, 0).removed] == ["served"], "it pins nothing"
+    assert corrupt.exists(), "fresh: perhaps a newer version's, left until stale"
+    old = time.time() - 3600
+    os.utime(corrupt, (old, old))
+    evict(tmp_path, 0, lease_stale_after_s=60.0)
+    assert not corrupt.exists()
+
+
 def test_a_holder_is_gone_only_when_its_host_and_pid_namespace_are_ours_and_its_pid_is_free():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()

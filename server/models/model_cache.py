@@ -272,12 +272,18 @@ class ModelCache:
         for f in (self.root / META_DIR / "leases").glob("*.json"):
             try:
                 mtime = f.stat().st_mtime
-                doc = json.loads(f.read_text())
+                text = f.read_text()
+            except OSError:
+                continue  # removed meanwhile
+            try:
+                doc = json.loads(text)
                 out.append(LeaseRecord(str(doc["holder"]), str(doc["name"]), str(doc["revision"]),
                                        str(root / doc["path"]), max(float(doc.get("heartbeat", 0)), mtime), str(f),
                                        str(doc.get("pidns", ""))))
-            except (OSError, ValueError, TypeError, KeyError):
-                continue  # removed meanwhile, or being written
+            except (ValueError, TypeError, KeyError, AttributeError):
+                # not a lease we can read (written whole, by write_atomic): it pins nothing and is
+                # swept like a stale lease once its mtime is old
+                out.append(LeaseRecord("unknown", "", "", "", mtime, str(f)))
         return out
 
     # --- completion markers -------------------------------------------------------------
@@ -448,10 +454,12 @@ def release_leases() -> None:
 
 def live_leases(leases: Iterable[LeaseRecord], now: float, stale_after: float,
                 is_gone: Callable[[str, str], bool] = lambda holder, pidns: False) -> list[LeaseRecord]:
-    """The leases whose heartbeat (epoch seconds) is less than ``stale_after`` seconds before
+    """The leases whose heartbeat (epoch seconds) is less than ``stale_after`` seconds from
     ``now`` and whose holder is not ``is_gone(holder, pidns)`` (:func:`gone` for this host); the
-    others belong to processes that died without cleaning up."""
-    return [lease for lease in leases if now - lease.heartbeat < stale_after and not is_gone(lease.holder, lease.pidns)]
+    others belong to processes that died without cleaning up. A heartbeat further ahead than
+    ``stale_after`` (no clock is that far off) or not finite is no heartbeat: it never pins."""
+    return [lease for lease in leases
+            if abs(now - lease.heartbeat) < stale_after and not is_gone(lease.holder, lease.pidns)]
 
 
 def files_root(path: str, revision: str) -> str:
