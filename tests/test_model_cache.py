@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hub_server import HubServer, Repo
-from slipstream.server.models import model_cache
+from slipstream.server.models import disk_cache, model_cache
 from slipstream.server.models.model_cache import (
     Entry, LeaseRecord, ModelCache, Partial, evict, files_root, gone, lease_holder, live_leases, orphans, pinned_by)
 from slipstream.server.models.sources import ModelSourceError, fetch, parse_model_uri
@@ -102,6 +102,31 @@ def test_a_heartbeat_that_is_no_time_never_pins_and_an_unreadable_lease_is_swept
     os.utime(corrupt, (old, old))
     evict(tmp_path, 0, lease_stale_after_s=60.0)
     assert not corrupt.exists()
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_and_eviction_sweeps_old_ones_of_killed_writers(tmp_path):
+    target = tmp_path / "entry.json"
+    with pytest.raises(OSError):  # the rename fails: a directory stands at the target
+        target.mkdir()
+        disk_cache.write_atomic(target, "{}")
+    assert [f.name for f in tmp_path.iterdir()] == ["entry.json"]
+    target.rmdir()
+    # What a process killed between the write and the rename leaves: one in the metadata, one
+    # beside a Hub ref; a fresh one may be a write in progress, and a look-alike is not ours.
+    meta = tmp_path / ".slipstream" / "entries" / "m"
+    meta.mkdir(parents=True)
+    ref = tmp_path / "hf" / "models--o--n" / "refs"
+    ref.mkdir(parents=True)
+    old_meta, old_ref = meta / ".r.json.0123abcd.tmp", ref / ".main.89abcdef.tmp"
+    fresh, other = meta / ".q.json.fedcba98.tmp", meta / ".notes.tmp"
+    for f in (old_meta, old_ref, fresh, other):
+        f.write_text("{")
+    old = time.time() - 3600
+    for f in (old_meta, old_ref, other):
+        os.utime(f, (old, old))
+    evict(tmp_path, 1 << 30, lease_stale_after_s=60.0)
+    assert not old_meta.exists() and not old_ref.exists()
+    assert fresh.exists() and other.exists()
 
 
 def test_a_holder_is_gone_only_when_its_host_and_pid_namespace_are_ours_and_its_pid_is_free():

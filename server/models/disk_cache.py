@@ -26,12 +26,37 @@ UNLABELLED_MAX_AGE_S = 30 * 86400
 _KEY = re.compile(r"[0-9a-f]{16}")  # entry names; mkdtemp's "tmp…" folders being written never match
 
 
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")  # write_atomic's temporary files
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the new one, never half of
-    it (a temporary file beside it, then a rename; unique per call, so threads do not collide)."""
+    it (a temporary file beside it, then a rename; unique per call, so threads do not collide).
+    A failed write removes its temporary file; one left by a killed process is found by
+    :func:`stray_temporaries`. Raises OSError as the write or the rename does."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def stray_temporaries(root: Path, older_than_s: float, now: float | None = None) -> list[Path]:
+    """:func:`write_atomic`'s temporary files under ``root`` last modified more than
+    ``older_than_s`` seconds before ``now`` (default: the clock): a write renames its file within
+    milliseconds, so an old one is what a process killed mid-write left behind."""
+    now = time.time() if now is None else now
+    found = []
+    for f in root.rglob(".*.tmp"):
+        try:
+            if _TEMPORARY.fullmatch(f.name) and f.is_file() and not f.is_symlink() \
+                    and now - f.stat().st_mtime > older_than_s:
+                found.append(f)
+        except OSError:
+            continue  # removed meanwhile
+    return found
 
 
 def cache_dir() -> Path:

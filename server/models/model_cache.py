@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from .disk_cache import write_atomic
+from .disk_cache import stray_temporaries, write_atomic
 
 log = logging.getLogger("slipstream.model_cache")
 
@@ -521,8 +521,9 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
     see :func:`orphans`), then least-recently-used entries. Never removed: entries whose model is
     locked (being fetched), entries with a live lease (a process serves them; the log line names
     the holders), and those whose name or path is in ``keep``. Lease files staler than
-    ``lease_stale_after_s`` seconds are swept. The cache may stay above ``max_bytes`` when what
-    is left is in use.
+    ``lease_stale_after_s`` seconds are swept, and so are temporary files as old of writes that
+    never finished (:func:`~.disk_cache.stray_temporaries`). The cache may stay above
+    ``max_bytes`` when what is left is in use.
 
     A serving process keeps no file open once its weights are loaded, but one restarted in place
     (its init container does not run again) reads its revision again: the lease keeps it."""
@@ -535,6 +536,10 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
                  stale.name, now - stale.heartbeat)
         with contextlib.suppress(OSError):
             Path(stale.file).unlink()
+    for stray in stray_temporaries(cache.root, lease_stale_after_s, now):
+        log.info("removing %s: a temporary file left by a write that never finished", stray)
+        with contextlib.suppress(OSError):
+            stray.unlink()
     kept = {str(Path(k).resolve()) for k in keep}
     entries = sorted(cache.entries(), key=lambda e: e.last_used)
     partials = _partials(cache.root)
