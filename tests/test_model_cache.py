@@ -119,14 +119,16 @@ def test_a_failed_atomic_write_leaves_no_temporary_and_eviction_sweeps_old_ones_
     ref.mkdir(parents=True)
     old_meta, old_ref = meta / ".r.json.0123abcd.tmp", ref / ".main.89abcdef.tmp"
     fresh, other = meta / ".q.json.fedcba98.tmp", meta / ".notes.tmp"
-    for f in (old_meta, old_ref, fresh, other):
+    model_file = tmp_path / "s3" / "b" / "m" / ".notes.txt.cafebabe.tmp"  # an object of the model's
+    model_file.parent.mkdir(parents=True)
+    for f in (old_meta, old_ref, fresh, other, model_file):
         f.write_text("{")
     old = time.time() - 3600
-    for f in (old_meta, old_ref, other):
+    for f in (old_meta, old_ref, other, model_file):
         os.utime(f, (old, old))
     evict(tmp_path, 1 << 30, lease_stale_after_s=60.0)
     assert not old_meta.exists() and not old_ref.exists()
-    assert fresh.exists() and other.exists()
+    assert fresh.exists() and other.exists() and model_file.exists()
 
 
 def test_a_holder_is_gone_only_when_its_host_and_pid_namespace_are_ours_and_its_pid_is_free():

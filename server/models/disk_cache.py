@@ -49,7 +49,11 @@ def stray_temporaries(root: Path, older_than_s: float, now: float | None = None)
     milliseconds, so an old one is what a process killed mid-write left behind."""
     now = time.time() if now is None else now
     found = []
-    for f in root.rglob(".*.tmp"):
+    try:
+        candidates = list(root.rglob(".*.tmp"))
+    except OSError:  # a folder removed while walking (another process evicting): next time
+        return found
+    for f in candidates:
         try:
             if _TEMPORARY.fullmatch(f.name) and f.is_file() and not f.is_symlink() \
                     and now - f.stat().st_mtime > older_than_s:

@@ -536,7 +536,10 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
                  stale.name, now - stale.heartbeat)
         with contextlib.suppress(OSError):
             Path(stale.file).unlink()
-    for stray in stray_temporaries(cache.root, lease_stale_after_s, now):
+    # Only where write_atomic writes: the metadata and the Hub's refs (a model's own files may
+    # have any name).
+    where = [cache.root / META_DIR, *(cache.root / "hf").glob("*/refs")]
+    for stray in (f for d in where for f in stray_temporaries(d, lease_stale_after_s, now)):
         log.info("removing %s: a temporary file left by a write that never finished", stray)
         with contextlib.suppress(OSError):
             stray.unlink()
