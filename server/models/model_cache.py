@@ -50,6 +50,7 @@ from .disk_cache import stray_temporaries, write_atomic
 log = logging.getLogger("slipstream.model_cache")
 
 META_DIR = ".slipstream"
+HF_DIR = "hf"  # huggingface_hub's cache_dir for Hub models, under the cache root
 STALE_AFTER_S = 30.0
 HEARTBEAT_S = 5.0
 # Leases only delay eviction when stale, so their limit is generous: it absorbs clock skew between the
@@ -361,7 +362,7 @@ class ModelCache:
         revisions still link to."""
         self._entry_path(entry.name, entry.revision).unlink(missing_ok=True)
         root = self.root.resolve()
-        hf_root = root / "hf"
+        hf_root = root / HF_DIR
         path = Path(entry.path).resolve()
         if not path.is_relative_to(root) or path in (root, hf_root, root / "s3"):
             log.warning("not removing %s: outside the cache %s", path, root)
@@ -538,7 +539,7 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
             Path(stale.file).unlink()
     # Only where write_atomic writes: the metadata and the Hub's refs (a model's own files may
     # have any name).
-    where = [cache.root / META_DIR, *(cache.root / "hf").glob("*/refs")]
+    where = [cache.root / META_DIR, *(cache.root / HF_DIR).glob("*/refs")]
     for stray in (f for d in where for f in stray_temporaries(d, lease_stale_after_s, now)):
         log.info("removing %s: a temporary file left by a write that never finished", stray)
         with contextlib.suppress(OSError):
@@ -603,7 +604,7 @@ def _partials(root: Path) -> list[Partial]:
     """The unfinished downloads' files: huggingface_hub's ``*.incomplete`` blobs (as its own cache
     scan reports them) and s3_source's ``*.partial`` files."""
     paths: list[Path] = []
-    hf_root = root / "hf"
+    hf_root = root / HF_DIR
     if hf_root.is_dir():
         try:
             from huggingface_hub import scan_cache_dir

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .errors import ModelLoadError
-from .model_cache import STALE_AFTER_S, Entry, Lease, ModelCache, cache_name
+from .model_cache import HF_DIR, STALE_AFTER_S, Entry, Lease, ModelCache, cache_name
 
 log = logging.getLogger("slipstream.sources")
 
@@ -410,7 +410,7 @@ def _download(uri: ModelURI, cache_dir: Path, s3_endpoint: str | None, *, offlin
     """The path to load, the revision and the bytes of the files the URI selected."""
     if uri.scheme == "hf":
         from .hf_source import fetch_hf
-        path, sha, files = fetch_hf(uri, cache_dir / "hf", offline=offline)
+        path, sha, files = fetch_hf(uri, cache_dir / HF_DIR, offline=offline)
         return path, sha, files_bytes(files)
     from .s3_source import fetch_s3
     if offline:

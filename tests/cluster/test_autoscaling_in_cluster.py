@@ -147,7 +147,7 @@ def operator_pod(cluster) -> str:
 
 
 def scaling_history(cluster, name: str = NAME) -> list[str]:
-    """The InferenceService's status.scalingHistory as "time from -> to: reason" lines, for
+    """The InferenceService's status.scalingHistory as "time reason" lines, for
     failure reports (the reason carries the load the policy saw)."""
     status = (get(cluster, "infsvc", name, "-n", NAMESPACE) or {}).get("status") or {}
     return [f"{e.get('time')} {e.get('reason')}" for e in status.get("scalingHistory") or []]
@@ -192,14 +192,14 @@ async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_dela
         if killer and not killer.done():
             killer.cancel()
     zero = spans["baseline"][0]
-    wall_zero = datetime.datetime.fromtimestamp(time.time() - time.monotonic() + zero, datetime.timezone.utc)
+    epoch = time.time() - time.monotonic()  # the operator's clock is epoch seconds
+    wall_zero = datetime.datetime.fromtimestamp(epoch + zero, datetime.timezone.utc)
     seen = [(round(t - zero, 1), n) for t, n in load.replicas_seen]
     ready = [(round(t - zero, 1), n) for t, n in load.ready_seen]
     report = (f"replicas {seen}; ready endpoints {ready}; "
               f"phases {[(k, round(a - zero, 1)) for k, (a, _) in spans.items()]}; "
               f"operator killed at {killed_at - zero:.1f}; time 0 is {wall_zero.isoformat()}; "
               f"the operator's scaling history: {scaling_history(cluster)}")
-    epoch = time.time() - time.monotonic()  # the operator's clock is epoch seconds
     recommended = [(t - epoch, n) for t, n in sorted(load.recommended.items())]
     report += f"; recommendations {[(round(t - zero, 1), n) for t, n in recommended]}"
     print(f"{len(load.results)} requests; {report}")
