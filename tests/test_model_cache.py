@@ -111,6 +111,10 @@ def test_a_failed_atomic_write_leaves_no_temporary_and_eviction_sweeps_old_ones_
         disk_cache.write_atomic(target, "{}")
     assert [f.name for f in tmp_path.iterdir()] == ["entry.json"]
     target.rmdir()
+    longest = tmp_path / ("r" * 250)  # near NAME_MAX: its temporary still fits
+    disk_cache.write_atomic(longest, "{}")
+    assert [f.name for f in tmp_path.iterdir() if f.name != "entry.json"] == [longest.name]
+    longest.unlink()
     # What a process killed between the write and the rename leaves: one in the metadata, one
     # beside a Hub ref; a fresh one may be a write in progress, and a look-alike is not ours.
     meta = tmp_path / ".slipstream" / "entries" / "m"
@@ -376,3 +380,42 @@ def test_a_signal_while_serve_fetches_its_model_stops_the_fetch_and_exits_143(hu
     assert p.returncode == 143, out
     assert sum(hub.sent.values()) < BIG
     assert not list((env / ".slipstream" / "locks").glob("*.lock"))
+
+
+# --- evictions at once ------------------------------------------------------------------------------
+
+def test_evictions_that_run_at_once_on_one_cache_all_finish_and_meet_the_budget(hub, env):
+    """Pods that finish their downloads together evict together: each walks folders that another
+    is removing. None fails (a download that fetched fine must not exit as CacheNotWritable),
+    nothing is removed twice, and the budget holds at the end."""
+    import threading
+
+    for round_ in range(3):
+        names = [f"org/evict{round_}-{i}" for i in range(8)]
+        for i, name in enumerate(names):
+            hub.add(name, Repo({"config.json": b'{"model_type": "llama"}',
+                                "model.safetensors": bytes([i]) * 4000, "tokenizer.json": b"{}"}))
+            fetch(parse_model_uri(f"hf://{name}"), env, lease=False)
+        for f in (env / "hf").glob("*/blobs/*"):  # partial files of downloads that died, for the scan
+            (f.parent / f"{f.name[:8]}.dead.incomplete").write_bytes(b"p")
+        go = threading.Barrier(6)
+        errors, done = [], []
+
+        def evict_now():
+            go.wait()
+            try:
+                done.append(evict(env, 4100))
+            except Exception as e:  # noqa: BLE001 - what the test is about
+                errors.append(e)
+
+        threads = [threading.Thread(target=evict_now) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [], errors
+        removed = [e.model for d in done for e in d.removed]
+        assert len(removed) == len(set(removed)), "an entry evicted twice"
+        assert evict(env, 4100).total_bytes <= 4100
+        left = ModelCache(env).entries()
+        assert len(left) <= 1 and all(Path(e.path).is_dir() for e in left)

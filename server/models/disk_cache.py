@@ -34,7 +34,8 @@ def write_atomic(path: Path, text: str) -> None:
     it (a temporary file beside it, then a rename; unique per call, so threads do not collide).
     A failed write removes its temporary file; one left by a killed process is found by
     :func:`stray_temporaries`. Raises OSError as the write or the rename does."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    # the name cut so the temporary stays within NAME_MAX (255 bytes) for a name that is near it
+    tmp = path.with_name(f".{path.name[:200]}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         tmp.write_text(text)
         os.replace(tmp, path)

@@ -51,6 +51,8 @@ log = logging.getLogger("slipstream.model_cache")
 
 META_DIR = ".slipstream"
 HF_DIR = "hf"  # huggingface_hub's cache_dir for Hub models, under the cache root
+# The lock that evictions take, one at a time: cache_name() never makes a name that starts with a dot.
+EVICT_LOCK = ".evict"
 STALE_AFTER_S = 30.0
 HEARTBEAT_S = 5.0
 # Leases only delay eviction when stale, so their limit is generous: it absorbs clock skew between the
@@ -170,8 +172,8 @@ class ModelCache:
                 seen = None
                 continue
             if time.monotonic() - last_log >= 10.0:
-                log.info("waiting for %s to download %s (heartbeat %.0f s ago)", other.get("holder", "?"), what,
-                         unchanged)
+                log.info("waiting for %s, which holds the lock of %s (heartbeat %.0f s ago)", other.get("holder", "?"),
+                         what, unchanged)
                 last_log = time.monotonic()
             if check is not None:
                 check()
@@ -370,9 +372,7 @@ class ModelCache:
         if path.is_relative_to(hf_root):
             if any(e.revision == entry.revision and Path(e.path).is_relative_to(hf_root) for e in self.entries()):
                 return  # the snapshot also backs another entry (another file selector of the same commit)
-            from huggingface_hub import scan_cache_dir
-
-            scan_cache_dir(hf_root).delete_revisions(entry.revision).execute()
+            _scan_hf(hf_root).delete_revisions(entry.revision).execute()
         elif not any(e.path == entry.path for e in self.entries()):
             folder = path.parent if path.is_file() else path  # a GGUF: its folder
             if folder.is_relative_to(root / "s3") and folder != root / "s3":
@@ -529,6 +529,13 @@ def evict(cache_dir: Path, max_bytes: int, keep: tuple[str, ...] = (), cache: Mo
     A serving process keeps no file open once its weights are loaded, but one restarted in place
     (its init container does not run again) reads its revision again: the lease keeps it."""
     cache = cache or ModelCache(cache_dir)
+    # One eviction at a time: pods that finish downloading together would each walk folders that
+    # another one is removing, and count the same entry as theirs to free.
+    with cache.lock(EVICT_LOCK, "the cache's eviction"):
+        return _evict(cache, max_bytes, keep, lease_stale_after_s)
+
+
+def _evict(cache: ModelCache, max_bytes: int, keep: tuple[str, ...], lease_stale_after_s: float) -> Eviction:
     now = time.time()
     root = str(cache.root.resolve())
     every_lease = cache.leases()
@@ -607,10 +614,8 @@ def _partials(root: Path) -> list[Partial]:
     hf_root = root / HF_DIR
     if hf_root.is_dir():
         try:
-            from huggingface_hub import scan_cache_dir
-
-            paths += [f.file_path for f in scan_cache_dir(hf_root).incomplete_files]
-        except (ImportError, AttributeError):  # huggingface_hub before incomplete_files: the same glob
+            paths += [f.file_path for f in _scan_hf(hf_root).incomplete_files]
+        except AttributeError:  # huggingface_hub before incomplete_files: the same glob
             paths += list(hf_root.glob("*/blobs/*.incomplete"))
     paths += [p for p in (root / "s3").rglob("*.partial")] if (root / "s3").is_dir() else []
     out = []
@@ -621,6 +626,20 @@ def _partials(root: Path) -> list[Partial]:
             continue
         out.append(Partial(str(Path(p).resolve()), st.st_size, st.st_mtime))
     return out
+
+
+def _scan_hf(hf_root: Path, attempts: int = 3):
+    """huggingface_hub's scan of its cache folder (``HFCacheInfo``), taken again when a download
+    running beside it renamed or removed a file mid-walk (``FileNotFoundError`` from a stat)."""
+    from huggingface_hub import scan_cache_dir
+
+    for attempt in range(attempts):
+        try:
+            return scan_cache_dir(hf_root)
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05)
 
 
 def _read_text(path: Path) -> str | None:
