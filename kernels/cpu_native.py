@@ -1,5 +1,6 @@
 """The project's C kernels for the CPU (``ggml_cpu.c``: quantized products; ``cpu_attention.c``:
-paged decode attention), built into one shared library.
+paged decode attention; ``cpu_decode.c``: a decode step's layers in one call), built into one
+shared library.
 
 The sources are compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
 this CPU (``-march=native``), about a second, and kept under ``$SLIPSTREAM_CACHE_DIR/kernels``
@@ -22,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger("slipstream.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("ggml_cpu.c", "cpu_attention.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("ggml_cpu.c", "cpu_attention.c", "cpu_decode.c")]
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -87,7 +88,10 @@ def library() -> ctypes.CDLL | None:
     i32, f32 = ctypes.c_int, ctypes.c_float
     lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i32, i32, i32, i32, f32, i64, f32,
                                           ptr, i32]
-    lib.ggml_matmul.restype = lib.ggml_dequantize.restype = lib.paged_decode_attention.restype = ctypes.c_int
+    lib.decode_layers.argtypes = [ptr, i32, i32, i32, i32, i32, i32, f32, f32, ptr, i64, ptr, ptr, ptr, ptr, i64, i32,
+                                  ptr, i64, ptr, i32]
+    for f in (lib.ggml_matmul, lib.ggml_dequantize, lib.paged_decode_attention, lib.decode_layers):
+        f.restype = ctypes.c_int
     return lib
 
 

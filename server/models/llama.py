@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from slipstream import kernels
 from slipstream.kernels import AttentionBackend, AttentionMetadata
 
+from . import fused_decode
 from .config import ModelConfig
 from .moe import QuantExperts, SparseMoE, hf_expert_name, stack_expert_weights
 from .quant import GGMLTensor, QuantEmbedding, QuantLinear
@@ -192,6 +193,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # CUDA graphs need fixed shapes; MoE layers size each expert's matmul from the routing.
         self.graph_safe = not cfg.moe_layers
+        self._fused: fused_decode.cpu_decode.Packed | None | bool = False  # False: not planned yet
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -215,9 +217,20 @@ class LlamaModel(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if fused_decode.step_fits(x, kv_cache, meta, attention) and self.fused_plan() is not None:
+            x = fused_decode.cpu_decode.decode_layers(self._fused, x, cos[:, 0], sin[:, 0], meta.slot_mapping, kv_cache,
+                                                      meta.block_tables, meta.seq_lens)
+            return self.norm(x)
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, layer_cache, meta, attention)
         return self.norm(x)
+
+    def fused_plan(self):
+        """The layers packed for one-call decode steps (:mod:`.fused_decode`), or None when this
+        model's layers do not qualify; planned on first use, again after :meth:`load_weights`."""
+        if self._fused is False:
+            self._fused = fused_decode.plan(self)
+        return self._fused
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -232,6 +245,7 @@ class LlamaModel(nn.Module):
         Raises:
             ValueError: a missing or unexpected tensor, or a shape mismatch; the message names it.
         """
+        self._fused = False
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         if "lm_head.weight" not in w:
             if not self.cfg.tie_word_embeddings:
