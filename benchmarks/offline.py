@@ -1,4 +1,4 @@
-"""Offline throughput: slipstream vs transformers static batching vs transformers continuous batching.
+"""Offline throughput: slipstream vs transformers static batching vs transformers continuous batching vs llama.cpp.
 
 One seeded workload (``slipstream.server.bench.workload``: random prompts of 32–256 tokens, forced output
 lengths from {16, …, 512} with a heavy tail, EOS ignored so every system does the same work),
@@ -10,6 +10,11 @@ greedy decoding, run one system after the other in this process:
   running to its longest request (``min_new_tokens = max_new_tokens``).
 - ``hf-cb``: transformers' continuous batching manager (``init_continuous_batching``), one
   ``add_request`` per request with its own ``max_new_tokens`` and no EOS.
+- ``llama.cpp``: llama-server (online.py's build, ``--parallel`` = ``--max-num-seqs`` slots,
+  ``--threads`` = ``--threads``) on the same GGUF as stored, the whole workload sent at once as
+  streaming token-id completions on loopback (llama.cpp's server at full load, since its batched
+  mode is not a library call); wall time from the first send to the last token, CPU seconds the
+  server's own.
 
 Throughput counts only the workload's output tokens (a static batch's padding steps are waste);
 it is printed per wall second and per CPU second of this process (the latter is steadier when
@@ -18,7 +23,7 @@ contiguous reservation per request) and the time each step spends outside the fo
 ``--profile N`` then runs cProfile and the torch profiler over N decode steps with the batch full.
 
 Usage: ``python benchmarks/offline.py [--num-requests 32] [--seed 0] [--max-output 512]
-[--systems slipstream,hf-static,hf-cb] [--max-num-seqs 32] [--threads 1] [--profile 20]``.
+[--systems slipstream,hf-static,hf-cb,llama.cpp] [--max-num-seqs 32] [--threads 1] [--profile 20]``.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import argparse
 import cProfile
 import datetime
 import io
+import math
 import os
 import platform
 import pstats
@@ -37,7 +43,7 @@ import torch
 
 from slipstream.server.bench.workload import WorkloadRequest, describe, make_workload
 
-SYSTEMS = ("slipstream", "hf-static", "hf-cb")
+SYSTEMS = ("slipstream", "hf-static", "hf-cb", "llama.cpp")
 
 
 @dataclass
@@ -155,6 +161,46 @@ def run_slipstream(workload, loaded, args) -> Result:
     res.extra = {"trace": list(engine.trace), "timers": timers.per_step, "kv": kv.samples,
                  "max_model_len": engine.max_model_len, "weight_bytes": weight_bytes(loaded.model)}
     return res
+
+
+# --- llama.cpp ------------------------------------------------------------------------------------
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_llama_cpp(workload, args) -> Result:
+    import argparse as _argparse
+    import asyncio
+
+    from slipstream.server.bench.client import run_rate
+
+    # online.py beside this file starts llama-server (under -I this folder is not on sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import online
+
+    longest = max(len(r.prompt) + r.max_tokens for r in workload)
+    opts = _argparse.Namespace(max_num_seqs=args.max_num_seqs, max_model_len=max(1024, longest),
+                               llama_threads=args.threads, slipstream_threads=None)
+    server, ready = online.make_server("llama.cpp", opts, online.builtin_gguf())
+    print(f"[llama.cpp] starting: {' '.join(server.command)}", file=sys.stderr, flush=True)
+    server.start()
+    try:
+        asyncio.run(server.wait_ready(ready))
+        asyncio.run(run_rate(server.url, make_workload(2, seed=args.seed + 1, max_output=8), math.inf, args.seed))
+        load0, cpu0 = os.getloadavg()[0], _cpu_seconds(server.proc.pid)
+        row = asyncio.run(run_rate(server.url, workload, math.inf, args.seed))
+        cpu = _cpu_seconds(server.proc.pid) - cpu0
+    finally:
+        server.stop()
+    if row["completed"] != len(workload) or row["output_tokens"] != row["expected_tokens"]:
+        raise RuntimeError(f"llama.cpp: {row['completed']}/{len(workload)} requests, {row['output_tokens']} of "
+                           f"{row['expected_tokens']} tokens; errors {row['errors']}")
+    return Result("llama.cpp", row["duration"], cpu, row["output_tokens"], sum(len(r.prompt) for r in workload), load0,
+                  os.getloadavg()[0], threads=args.threads)
 
 
 # --- transformers ---------------------------------------------------------------------------------
@@ -293,7 +339,7 @@ def print_table(results: list[Result]) -> None:
         print(f"bounds on slipstream / hf-static: {st['steps'] / len(s.extra['trace']):.2f}× if a step cost the same "
               f"at any batch size ({st['steps']} vs {len(s.extra['trace'])} steps), "
               f"{1 / (1 - st['padded_fraction']):.2f}× if it cost the same per token")
-    for other, target in (("hf-static", 3.0), ("hf-cb", 1.5)):
+    for other, target in (("hf-static", 3.0), ("hf-cb", 1.5), ("llama.cpp", 1.0)):
         if other in by:
             ratio = s.tok_s / by[other].tok_s
             cpu_ratio = (s.output_tokens / s.cpu_s) / (by[other].output_tokens / by[other].cpu_s)
@@ -436,7 +482,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-output", type=int, default=512, help="cap on the drawn output lengths (quick runs)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="slipstream and hf-cb: most requests running")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="slipstream and hf-cb: most requests running; llama.cpp: its slots")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="slipstream and hf-cb: tokens per step")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     p.add_argument("--block-size", type=int, default=16, help="hf-cb page size (slipstream uses its default, 16)")
@@ -474,6 +520,8 @@ def main(argv=None) -> int:
             results.append(run_slipstream(workload, loaded, args))
         elif system == "hf-static":
             results.append(run_hf_static(workload, hf, args))
+        elif system == "llama.cpp":
+            results.append(run_llama_cpp(workload, args))
         else:
             results.append(run_hf_cb(workload, hf, args))
         print(f"{system}: done in {time.perf_counter() - t:.0f} s ({results[-1].tok_s:.1f} output tok/s)",

