@@ -85,9 +85,22 @@ static inline __attribute__((always_inline)) void dequant_block(int type, const 
     /* A 4-bit weight takes one of 16 values: compute those (same multiply and add, so the same
      * roundings) and gather the block's weights from them, fewer operations than per weight. */
     const f32x16 nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const f32x16 table = type == Q4_1 ? nibbles * d + fp16x16(b + 2) : (nibbles - 8) * d;
-    *lo = (f32x16)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32((__m128i)(q & 15)), (__m512)table);
-    *hi = (f32x16)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32((__m128i)(q >> 4)), (__m512)table);
+    f32x16 table;
+    if (type == Q4_1) { /* d and m side by side: one conversion of both, then each in all lanes */
+        uint32_t dm;
+        memcpy(&dm, b, 4);
+        const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
+        const f32x16 dv = (f32x16)_mm512_permutexvar_ps(_mm512_setzero_si512(), both);
+        const f32x16 mv = (f32x16)_mm512_permutexvar_ps(_mm512_set1_epi32(1), both);
+        table = nibbles * dv + mv;
+    } else {
+        table = (nibbles - 8) * d;
+    }
+    /* vpermps reads only the low 4 bits of each index: the widened bytes index the low nibbles as
+     * they are, and shifted right by 4 the high ones (no masking of the bytes first). */
+    const __m512i bytes = _mm512_cvtepu8_epi32((__m128i)q);
+    *lo = (f32x16)_mm512_permutexvar_ps(bytes, (__m512)table);
+    *hi = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), (__m512)table);
     return;
 #endif
     if (type == Q4_1) {
