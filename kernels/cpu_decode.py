@@ -27,7 +27,7 @@ class _Layer(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One layer. Products as ``(blocks, qtype)``: ``blocks`` uint8 ``[N, K / 32 * block bytes]``
+    """One layer. Products as ``(blocks, qtype)``: ``blocks`` uint8 ``[N, ggml_cpu.row_bytes(qtype, K)]``
     as stored (``qkv``: q, k, v rows stacked; ``gate_up``: gate then up); norms fp32
     ``[hidden]``, ``q_norm``/``k_norm`` ``[head_dim]`` or None; ``qkv_bias`` fp32 or None;
     ``window``: the sliding window in tokens, or None."""

@@ -1,10 +1,17 @@
 /* Matrix products over GGML-quantized weights on the CPU, reading the blocks as stored.
  *
- * Block layouts are llama.cpp's (ggml-common.h), 32 weights per block:
+ * Block layouts are llama.cpp's (ggml-common.h). 32 weights per block:
  *   Q4_0: fp16 d, 16 bytes of nibbles        w = d * (q - 8)
  *   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
  *   Q8_0: fp16 d, 32 int8                    w = d * q
  * Byte i of the nibbles holds weight i in its low half and weight 16 + i in its high half.
+ * K-quants, 256 weights per super-block in 8 sub-blocks of 32 (Q6_K: 16 scales of 16):
+ *   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+ *         w = (d * sc) * q - dmin * m, q in [0, 16)
+ *   Q5_K: as Q4_K, then 32 bytes of fifth bits before the nibbles; q in [0, 32)
+ *   Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
+ *         w = (d * sc) * (q - 32), q in [0, 64)
+ * Everything below works on chunks of 32 weights: a block, or a sub-block of a super-block.
  *
  * Built with -ffp-contract=off, so a dequantized weight is computed exactly as the gguf package
  * (and transformers' GGUF loader, the oracle) computes it: one fp32 multiply, then one add. The
@@ -16,22 +23,29 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML type ids, as gguf.GGMLQuantizationType */
-#define PREFETCH_BLOCKS 16             /* blocks ahead of the one being read: ~320 bytes */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGML type ids, as gguf.GGMLQuantizationType */
+#define PREFETCH_BLOCKS 16             /* chunks ahead of the one being read: ~320 bytes */
 #define MAX_ROWS 8                     /* activation rows per pass over a weight row */
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
+/* Bytes per block (K-quants: per super-block of 256 weights); 0 for a type without a kernel. */
 int ggml_block_bytes(int type) {
     switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
     default: return 0;
     }
 }
+
+/* Chunks of 32 weights per block: 8 for the K-quants' super-blocks. */
+static inline int chunks_per_block(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 8 : 1; }
 
 /* 16 bytes → 16 floats; GCC scalarizes __builtin_convertvector from bytes, so AVX-512 spells it out. */
 static inline f32x16 u8_to_f32(u8x16 q) {
@@ -113,6 +127,65 @@ static inline __attribute__((always_inline)) void dequant_block(int type, const 
     }
 }
 
+/* Q4_K/Q5_K: sub-block c's 6-bit scale and min from the 12 packed bytes (ggml's get_scale_min_k4). */
+static inline void scale_min_k4(const uint8_t *s, int c, uint8_t *sc, uint8_t *m) {
+    if (c < 4) {
+        *sc = s[c] & 63;
+        *m = s[c + 4] & 63;
+    } else {
+        *sc = (s[c + 4] & 0xF) | ((s[c - 4] >> 6) << 4);
+        *m = (s[c + 4] >> 4) | ((s[c] >> 6) << 4);
+    }
+}
+
+/* Sub-block c (0-7) of a K-quant super-block `b`: weights 32c..32c+15 into *lo, the next 16 into
+ * *hi. Scales are multiplied as the gguf package does: d * sc and dmin * m first, each rounded. */
+static inline __attribute__((always_inline)) void dequant_k_chunk(int type, const uint8_t *b, int c, f32x16 *lo,
+                                                                 f32x16 *hi) {
+    if (type == Q6_K) {
+        const uint8_t *ql = b + 64 * (c / 4) + 32 * (c % 2), *qh = b + 128 + 32 * (c / 4);
+        const int lshift = 4 * ((c / 2) % 2), hshift = 2 * (c % 4);
+        const float d = fp16(b + 208);
+        u8x16 l0, l1, h0, h1;
+        memcpy(&l0, ql, 16);
+        memcpy(&l1, ql + 16, 16);
+        memcpy(&h0, qh, 16);
+        memcpy(&h1, qh + 16, 16);
+        const i8x16 q0 = (i8x16)(((l0 >> lshift) & 15) | (((h0 >> hshift) & 3) << 4)) - 32;
+        const i8x16 q1 = (i8x16)(((l1 >> lshift) & 15) | (((h1 >> hshift) & 3) << 4)) - 32;
+        const float s0 = d * (float)(int8_t)b[192 + 2 * c], s1 = d * (float)(int8_t)b[192 + 2 * c + 1];
+        *lo = i8_to_f32(q0) * s0;
+        *hi = i8_to_f32(q1) * s1;
+        return;
+    }
+    uint8_t sc, m;
+    scale_min_k4(b + 4, c, &sc, &m);
+    const float dsc = fp16(b) * (float)sc, dm = fp16(b + 2) * (float)m;
+    const uint8_t *qs = b + (type == Q5_K ? 48 : 16) + 32 * (c / 2);
+    const int shift = 4 * (c % 2);
+    u8x16 q0, q1;
+    memcpy(&q0, qs, 16);
+    memcpy(&q1, qs + 16, 16);
+    q0 = (q0 >> shift) & 15;
+    q1 = (q1 >> shift) & 15;
+    if (type == Q5_K) { /* bit c of byte l is weight l's fifth bit */
+        u8x16 h0, h1;
+        memcpy(&h0, b + 16, 16);
+        memcpy(&h1, b + 32, 16);
+        q0 |= ((h0 >> c) & 1) << 4;
+        q1 |= ((h1 >> c) & 1) << 4;
+    }
+    *lo = u8_to_f32(q0) * dsc - dm;
+    *hi = u8_to_f32(q1) * dsc - dm;
+}
+
+/* Chunk c of block b: the one place that knows both layouts. `type` is a constant at every call. */
+static inline __attribute__((always_inline)) void dequant_chunk(int type, const uint8_t *b, int c, f32x16 *lo,
+                                                               f32x16 *hi) {
+    if (chunks_per_block(type) == 1) dequant_block(type, b, lo, hi);
+    else dequant_k_chunk(type, b, c, lo, hi);
+}
+
 /* a * b + c, fused where the CPU has it (the dot product's rounding, never a dequantization's). */
 static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
 #ifdef __AVX512F__
@@ -138,10 +211,11 @@ static inline float hsum(f32x16 v) {
 static inline __attribute__((always_inline)) void dot_tile(int type, int nr, int rows, const uint8_t *w,
                                                            int64_t row_bytes, int64_t nb, int bytes,
                                                            const float *x, int64_t K, float *y, int64_t N) {
+    const int cpb = chunks_per_block(type);
     f32x16 acc[4][MAX_ROWS];
     for (int j = 0; j < nr; j++)
         for (int r = 0; r < rows; r++) acc[j][r] = (f32x16){0};
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < nb; b++) { /* b: chunk of 32 weights */
         f32x16 xl[MAX_ROWS], xh[MAX_ROWS];
         for (int r = 0; r < rows; r++) {
             memcpy(&xl[r], x + r * K + b * 32, 64);
@@ -149,8 +223,9 @@ static inline __attribute__((always_inline)) void dot_tile(int type, int nr, int
         }
         for (int j = 0; j < nr; j++) {
             f32x16 lo, hi;
-            __builtin_prefetch(w + j * row_bytes + (b + PREFETCH_BLOCKS) * bytes);
-            dequant_block(type, w + j * row_bytes + b * bytes, &lo, &hi);
+            const uint8_t *block = w + j * row_bytes + b / cpb * bytes;
+            __builtin_prefetch(w + j * row_bytes + (b + PREFETCH_BLOCKS) * bytes / cpb);
+            dequant_chunk(type, block, (int)(b % cpb), &lo, &hi);
             for (int r = 0; r < rows; r++) acc[j][r] = fma16(hi, xh[r], fma16(lo, xl[r], acc[j][r]));
         }
     }
@@ -176,12 +251,18 @@ static inline int tile_rows(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1
         switch (rows) { case 1: TILE(T, 4, 1); break; default: TILE(T, 4, 2); break; }        \
     }
 
-/* y [M, N] = x [M, K] @ W^T, W being N rows of K / 32 blocks of `type`. x and y fp32, row-major.
- * Returns 0, or -1 for an unknown type or a K that is not a multiple of 32. */
+#define ALL_TYPES                                                                             \
+    switch (type) {                                                                           \
+    case Q4_1: TILES(Q4_1) break; case Q4_0: TILES(Q4_0) break; case Q8_0: TILES(Q8_0) break; \
+    case Q4_K: TILES(Q4_K) break; case Q5_K: TILES(Q5_K) break; default: TILES(Q6_K) break;   \
+    }
+
+/* y [M, N] = x [M, K] @ W^T, W being N rows of blocks of `type`. x and y fp32, row-major.
+ * Returns 0, or -1 for an unknown type or a K that is not a whole number of blocks. */
 int ggml_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int threads) {
     const int bytes = ggml_block_bytes(type);
-    if (!bytes || K % 32) return -1;
-    const int64_t nb = K / 32, row_bytes = nb * bytes;
+    if (!bytes || K % (32 * chunks_per_block(type))) return -1;
+    const int64_t nb = K / 32, row_bytes = nb / chunks_per_block(type) * bytes;
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
         const int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
         const int step = tile_rows(rows);
@@ -196,11 +277,11 @@ int ggml_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x
             if (nr < step) { /* the last, partial tile: one weight row at a time */
                 for (int64_t i = n; i < N; i++, wn += row_bytes, ym++) {
                     const int nr = 1;
-                    if (type == Q4_1) { TILES(Q4_1) } else if (type == Q4_0) { TILES(Q4_0) } else { TILES(Q8_0) }
+                    ALL_TYPES
                 }
                 continue;
             }
-            if (type == Q4_1) { TILES(Q4_1) } else if (type == Q4_0) { TILES(Q4_0) } else { TILES(Q8_0) }
+            ALL_TYPES
         }
     }
     return 0;
@@ -208,17 +289,24 @@ int ggml_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x
 
 /* out [R, K] fp32 = rows `ids` (or 0..R-1 when ids is NULL) of W dequantized. Same return codes. */
 int ggml_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t R, float *out, int threads) {
-    const int bytes = ggml_block_bytes(type);
-    if (!bytes || K % 32) return -1;
+    const int bytes = ggml_block_bytes(type), cpb = chunks_per_block(type);
+    if (!bytes || K % (32 * cpb)) return -1;
     const int64_t nb = K / 32;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < R; r++) {
-        const uint8_t *wr = w + (ids ? ids[r] : r) * nb * bytes;
+        const uint8_t *wr = w + (ids ? ids[r] : r) * (nb / cpb) * bytes;
         for (int64_t b = 0; b < nb; b++) {
             f32x16 lo, hi;
-            if (type == Q4_1) dequant_block(Q4_1, wr + b * bytes, &lo, &hi);
-            else if (type == Q4_0) dequant_block(Q4_0, wr + b * bytes, &lo, &hi);
-            else dequant_block(Q8_0, wr + b * bytes, &lo, &hi);
+            const uint8_t *block = wr + b / cpb * bytes;
+            const int c = (int)(b % cpb);
+            switch (type) {
+            case Q4_1: dequant_chunk(Q4_1, block, c, &lo, &hi); break;
+            case Q4_0: dequant_chunk(Q4_0, block, c, &lo, &hi); break;
+            case Q8_0: dequant_chunk(Q8_0, block, c, &lo, &hi); break;
+            case Q4_K: dequant_chunk(Q4_K, block, c, &lo, &hi); break;
+            case Q5_K: dequant_chunk(Q5_K, block, c, &lo, &hi); break;
+            default: dequant_chunk(Q6_K, block, c, &lo, &hi); break;
+            }
             memcpy(out + r * K + b * 32, &lo, 64);
             memcpy(out + r * K + b * 32 + 16, &hi, 64);
         }

@@ -1,4 +1,5 @@
-"""CPU products over GGML-quantized weights as stored (Q4_0, Q4_1, Q8_0): ``ggml_cpu.c``, built
+"""CPU products over GGML-quantized weights as stored (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K,
+Q6_K): ``ggml_cpu.c``, built
 by :mod:`.cpu_native` (None there means: serve dequantized weights instead).
 """
 from __future__ import annotations
@@ -7,10 +8,16 @@ import torch
 
 from .cpu_native import library, require as _require
 
-# GGML type ids (gguf.GGMLQuantizationType) and bytes per block of 32 weights.
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK_SIZE = 32
+# GGML type ids (gguf.GGMLQuantizationType), weights per block and bytes per block
+# (K-quants: super-blocks of 256).
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_SIZE = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of ``k`` weights of ``qtype`` (``k`` a multiple of its block size)."""
+    return k // BLOCK_SIZE[qtype] * BLOCK_BYTES[qtype]
 
 
 def available() -> bool:
@@ -20,8 +27,8 @@ def available() -> bool:
 def _check(blocks: torch.Tensor, qtype: str, k: int) -> int:
     if qtype not in TYPE_IDS:
         raise ValueError(f"no CPU kernel for GGML type {qtype} (have {', '.join(TYPE_IDS)})")
-    if k % BLOCK_SIZE or blocks.dtype != torch.uint8 or not blocks.is_contiguous() \
-            or blocks.shape[-1] != k // BLOCK_SIZE * BLOCK_BYTES[qtype]:
+    if k % BLOCK_SIZE[qtype] or blocks.dtype != torch.uint8 or not blocks.is_contiguous() \
+            or blocks.shape[-1] != row_bytes(qtype, k):
         raise ValueError(f"{qtype} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold rows of {k} weights")
     return TYPE_IDS[qtype]
 
@@ -33,9 +40,9 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.T
         x: ``[M, k]`` fp32 CPU activations (any M; rows are taken up to eight at a time, each
             weight row dequantized once per eight rows, so large M is better served by
             :func:`dequantize` and a dense GEMM).
-        blocks: ``[N, k / 32 * block_bytes]`` uint8, the tensor's blocks as stored in the GGUF file.
-        qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
-        k: weights per row.
+        blocks: ``[N, row_bytes(qtype, k)]`` uint8, the tensor's blocks as stored in the GGUF file.
+        qtype: a key of :data:`TYPE_IDS`.
+        k: weights per row, a multiple of the type's block size (32; 256 for K-quants).
 
     Returns:
         ``[M, N]`` fp32.

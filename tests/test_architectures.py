@@ -250,23 +250,43 @@ def gguf_tokenizer() -> dict:
     return fields
 
 
-def _file_type(t: torch.Tensor, dtype: str) -> str:
-    """How the test file stores ``t``: norms in F32; Q8_0 only where rows split into 32-wide blocks."""
-    if t.dim() == 1 or (dtype.startswith("Q") and t.shape[-1] % 32):
+# A Q4_K_M-like mix by tensor name (Hugging Face's or llama.cpp's): llama.cpp gives attn_v and the
+# LM head more bits (Q6_K); ffn_down here is Q5_K to cover all three K-quants. The rest Q4_K.
+K_MIX = {"v_proj": "Q6_K", "attn_v": "Q6_K", "lm_head": "Q6_K", "output": "Q6_K", "down_proj": "Q5_K",
+         "ffn_down": "Q5_K"}
+
+
+def _file_type(t: torch.Tensor, dtype: str, name: str = "") -> str:
+    """How the test file stores ``t`` (named ``name``): norms in F32; quantized only where rows split
+    into whole blocks (32 weights; 256 for K-quants); ``"Q4_K_M"`` is :data:`K_MIX`."""
+    if dtype == "Q4_K_M":
+        parts = name.removesuffix(".weight").split(".")
+        dtype = next((K_MIX[p] for p in parts[-2:] if p in K_MIX), "Q4_K")
+    if t.dim() == 1 or (dtype.startswith("Q") and t.shape[-1] % (256 if dtype.endswith("_K") else 32)):
         return "F32"
     return dtype
 
 
-def _as_stored(t: torch.Tensor, dtype: str) -> torch.Tensor:
+def _quantize(array, kind: str):
+    """``array`` fp32 as ``kind``'s blocks: the gguf package's encoder, or tests/kquants.py's for K-quants."""
+    import gguf
+    import kquants
+
+    if kind.endswith("_K"):
+        return kquants.quantize(array.reshape(-1, array.shape[-1]), kind).reshape(*array.shape[:-1], -1)
+    return gguf.quants.quantize(array, gguf.GGMLQuantizationType[kind])
+
+
+def _as_stored(t: torch.Tensor, dtype: str, name: str = "") -> torch.Tensor:
     """``t`` as the file holds it, back in fp32: what transformers must run on to be the oracle."""
     import gguf
 
-    kind = _file_type(t, dtype)
+    kind = _file_type(t, dtype, name)
     if kind == "F16":
         return t.half().float()
     if kind.startswith("Q"):
-        qtype = gguf.GGMLQuantizationType[kind]
-        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.float().numpy(), qtype), qtype))
+        stored = _quantize(t.float().numpy(), kind)
+        return torch.from_numpy(gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind])).reshape(t.shape)
     return t
 
 
@@ -300,12 +320,11 @@ def _write_gguf(path: Path, arch: str, checkpoint: Path, hf_cfg, dtype: str, tok
 
     def add(name: str, t: torch.Tensor) -> None:
         array = t.float().numpy()
-        kind = _file_type(t, dtype)
+        kind = _file_type(t, dtype, name)
         if kind == "F16":
             w.add_tensor(name, array.astype(np.float16))
-        elif kind == "Q8_0":
-            qtype = gguf.GGMLQuantizationType.Q8_0
-            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        elif kind.startswith("Q"):
+            w.add_tensor(name, _quantize(array, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             w.add_tensor(name, array)
 
@@ -362,6 +381,45 @@ def test_gguf_matches_transformers_on_the_same_weights(tmp_path, tokenizer, gguf
     assert len(quant_experts) == (len(cfg.moe_layers) if dtype == "Q8_0" and ggml_cpu.available() else 0)
     llm = LLM(loaded=loaded, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    no_leaks(llm.engine)
+
+
+# K-quant shapes: every row a whole number of 256-weight super-blocks
+K_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.mark.parametrize("dtype", ["Q4_K_M", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_gguf_is_served_as_stored_and_matches_transformers(tmp_path, tokenizer, gguf_tokenizer, dtype,
+                                                                  no_leaks, monkeypatch):
+    """llama.cpp's K-quants kept as the file's blocks (the C kernels, and the one-call decode step
+    where one type serves each product), greedy tokens equal to transformers' on their dequantization."""
+    from slipstream.kernels import ggml_cpu
+    from slipstream.server.models import quant
+
+    if not ggml_cpu.available():
+        pytest.skip("no C compiler here: the GGML CPU kernels cannot be built")
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    hf = _save(tmp_path / "hf", "qwen3", tokenizer, **K_SHAPES)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(_as_stored(p, dtype, name))
+    gguf_path = tmp_path / "qwen3.gguf"
+    _write_gguf(gguf_path, "qwen3", tmp_path / "hf", hf.config, dtype, gguf_tokenizer)
+    loaded = load_model(str(gguf_path), torch.device("cpu"), torch.float32)
+    net = loaded.model
+    stored = {m.qtype for m in net.modules() if isinstance(m, (quant.QuantLinear, quant.QuantEmbedding))}
+    mixed = [m for m in net.modules() if isinstance(m, quant.MixedQuantLinear)]
+    if dtype == "Q4_K_M":  # q and k Q4_K beside v Q6_K: the fused q/k/v keeps both parts as stored
+        assert stored == {"Q4_K", "Q5_K", "Q6_K"} and len(mixed) == 3, (stored, mixed)
+        assert all(m.qtypes == ["Q4_K", "Q6_K"] for m in mixed)
+        assert net.fused_plan() is None  # one type per product in the one-call step
+    else:
+        assert stored == {dtype} and not mixed
+        assert net.fused_plan() is not None
+    expected = _generate(hf, PROMPTS, tokenizer.eos_token_id)
+    assert len({t for out in expected for t in out}) >= 20, expected
+    llm = LLM(loaded=loaded, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20)
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
     no_leaks(llm.engine)
 
 

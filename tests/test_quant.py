@@ -17,16 +17,24 @@ from slipstream.server.engine.config import EngineConfig
 from slipstream.server.models import quant
 from slipstream.server.models.loader import load_model
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _cols(qtype: str, blocks: int) -> int:
+    """Row length of ``blocks`` blocks of 32 weights (K-quants: ``blocks`` / 3 super-blocks, at least 1)."""
+    return max(1, blocks // 3) * 256 if qtype.endswith("_K") else blocks * 32
 
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random fp32 weights quantized by the gguf package: (blocks uint8, gguf's dequantization)."""
+    """Random fp32 weights quantized by the gguf package (K-quants: tests/kquants.py's encoder):
+    (blocks uint8, gguf's dequantization)."""
+    import kquants
+
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     w[0] = 0.0  # an all-zero block: scale 0
     w[1, :32] = 7.5  # a constant block: m alone carries it in Q4_1
     t = GGMLQuantizationType[qtype]
-    raw = gguf_quantize(w, t)
+    raw = kquants.quantize(w, qtype) if qtype.endswith("_K") else gguf_quantize(w, t)
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(gguf_dequantize(raw, t).astype(np.float32))
 
 
@@ -38,23 +46,25 @@ def _kernels():
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_is_the_gguf_packages_bit_for_bit(qtype):
-    blocks, want = _blocks(qtype, 37, 96)
-    assert torch.equal(ggml_cpu.dequantize(blocks, qtype, 96), want)
+    k = _cols(qtype, 6)
+    blocks, want = _blocks(qtype, 37, k)
+    assert torch.equal(ggml_cpu.dequantize(blocks, qtype, k), want)
     ids = torch.tensor([36, 0, 5, 5])
-    assert torch.equal(ggml_cpu.dequantize(blocks, qtype, 96, ids), want[ids])
+    assert torch.equal(ggml_cpu.dequantize(blocks, qtype, k, ids), want[ids])
     with pytest.raises(IndexError):
-        ggml_cpu.dequantize(blocks, qtype, 96, torch.tensor([37]))
+        ggml_cpu.dequantize(blocks, qtype, k, torch.tensor([37]))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 def test_matmul_equals_dense_fp32_up_to_summation_order(qtype, rows):
     # 37 output rows: full tiles of 4 and 2 weight rows, then a partial one.
-    blocks, w = _blocks(qtype, 37, 160, seed=rows)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    y = ggml_cpu.matmul(x, blocks, qtype, 160)
+    k = _cols(qtype, 5) * (2 if qtype.endswith("_K") else 1)
+    blocks, w = _blocks(qtype, 37, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = ggml_cpu.matmul(x, blocks, qtype, k)
     want = (x.double() @ w.double().t()).float()
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * k / 32)
 
 
 def test_matmul_is_the_same_at_any_thread_count():
@@ -75,8 +85,10 @@ def test_bad_blocks_and_types_are_refused():
     blocks, _ = _blocks("Q4_1", 4, 64)
     with pytest.raises(ValueError, match="do not hold rows of 96"):
         ggml_cpu.matmul(torch.randn(1, 96), blocks, "Q4_1", 96)
-    with pytest.raises(ValueError, match="no CPU kernel for GGML type Q6_K"):
-        ggml_cpu.matmul(torch.randn(1, 64), blocks, "Q6_K", 64)
+    with pytest.raises(ValueError, match="no CPU kernel for GGML type Q3_K"):
+        ggml_cpu.matmul(torch.randn(1, 64), blocks, "Q3_K", 64)
+    with pytest.raises(ValueError, match="Q4_K blocks .* do not hold rows of 64"):  # K-quants: 256 per row at least
+        ggml_cpu.matmul(torch.randn(1, 64), blocks, "Q4_K", 64)
     with pytest.raises(ValueError, match="float32"):
         ggml_cpu.matmul(torch.randn(1, 64, dtype=torch.bfloat16), blocks, "Q4_1", 64)
 
@@ -98,13 +110,23 @@ def test_quant_embedding_looks_up_dequantized_rows():
     assert torch.equal(emb(ids), w[ids])
 
 
-def test_fusing_tensors_of_different_types_dequantizes_them():
+def test_fusing_tensors_of_different_types_keeps_each_as_stored():
     a, wa = _blocks("Q4_1", 8, 64)
     b, wb = _blocks("Q8_0", 4, 64, seed=1)
-    same = quant.GGMLTensor.cat([quant.GGMLTensor(a, "Q4_1", (8, 64))] * 2)
+    ta, tb = quant.GGMLTensor(a, "Q4_1", (8, 64)), quant.GGMLTensor(b, "Q8_0", (4, 64))
+    same = quant.GGMLTensor.cat([ta, ta])
     assert isinstance(same, quant.GGMLTensor) and same.shape == (16, 64)
-    mixed = quant.GGMLTensor.cat([quant.GGMLTensor(a, "Q4_1", (8, 64)), quant.GGMLTensor(b, "Q8_0", (4, 64))])
-    assert torch.equal(mixed, torch.cat([wa, wb]))
+    mixed = quant.GGMLTensor.cat([ta, ta, tb])  # q, k of one type and v of another: two parts
+    assert isinstance(mixed, quant.GGMLRows) and [p.qtype for p in mixed.parts] == ["Q4_1", "Q8_0"]
+    assert mixed.shape == (20, 64) and torch.equal(mixed.dequantize(), torch.cat([wa, wa, wb]))
+    bias = torch.randn(20)
+    layer = quant.MixedQuantLinear(mixed, bias)
+    for rows in (1, 3, quant.KERNEL_MAX_ROWS + 1):
+        x = torch.randn(2, rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, mixed.dequantize(), bias), rtol=1e-5, atol=1e-5)
+    wide = quant.GGMLTensor(_blocks("Q8_0", 4, 96)[0], "Q8_0", (4, 96))
+    with pytest.raises(ValueError, match="columns"):
+        quant.GGMLTensor.cat([ta, wide])
 
 
 def test_the_builtin_model_keeps_the_files_blocks(loaded):

@@ -4,7 +4,8 @@ instead of the modules' torch path, and the weights that call reads.
 A model qualifies when every layer is the plain Llama layer (:class:`.llama.DecoderLayer`: RMSNorm,
 grouped-query attention without a soft-cap, optional q/k/v bias and Qwen3's q/k norms, a dense
 SwiGLU feed-forward) and its four products are GGML blocks served as stored
-(:class:`.quant.QuantLinear`); Gemma, mixture-of-experts layers and fp32 weights keep the torch
+(:class:`.quant.QuantLinear`, one type each); Gemma, mixture-of-experts layers, a q/k/v of mixed types
+(:class:`.quant.MixedQuantLinear`, Q4_K_M's Q6_K v beside Q4_K q and k) and fp32 weights keep the torch
 path. A step qualifies when it runs on the CPU attention backend, every request brings one token,
 and there are at most :data:`.quant.KERNEL_MAX_ROWS` of them (above that the products dequantize
 for a dense GEMM). ``SLIPSTREAM_FUSED_DECODE=0`` turns it off.

@@ -18,7 +18,7 @@ from slipstream.kernels import AttentionBackend, AttentionMetadata
 from . import fused_decode
 from .config import ModelConfig
 from .moe import QuantExperts, SparseMoE, hf_expert_name, stack_expert_weights
-from .quant import GGMLTensor, QuantEmbedding, QuantLinear
+from .quant import GGMLRows, GGMLTensor, MixedQuantLinear, QuantEmbedding, QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -99,8 +99,8 @@ class Linear(nn.Linear):
         return small_batch_linear(x, self.weight, self.bias)
 
 
-def _cat(parts: list) -> torch.Tensor | GGMLTensor:
-    """Stack weights by rows (q/k/v, gate/up): blocks stay blocks when all parts share a type."""
+def _cat(parts: list) -> torch.Tensor | GGMLTensor | GGMLRows:
+    """Stack weights by rows (q/k/v, gate/up): blocks stay blocks when all parts are blocks."""
     if all(isinstance(p, GGMLTensor) for p in parts):
         return GGMLTensor.cat(parts)
     return torch.cat([p.dequantize() if isinstance(p, GGMLTensor) else p for p in parts])
@@ -289,7 +289,7 @@ def load_decoder_weights(net: nn.Module, weights: dict[str, torch.Tensor | GGMLT
     w = {k: v for k, v in w.items() if not k.endswith("rotary_emb.inv_freq")}
     for name in [k for k in w if k.endswith("experts.gate_up_proj")]:
         _use_quantized_experts(net, name.removesuffix("gate_up_proj"), w)
-    for name in [k for k, v in w.items() if isinstance(v, GGMLTensor)]:
+    for name in [k for k, v in w.items() if isinstance(v, (GGMLTensor, GGMLRows))]:
         _use_quantized(net, name.removesuffix(".weight"), w.pop(name), w)
     own = net.state_dict()
     missing = sorted(set(own) - set(w))
@@ -326,9 +326,9 @@ def _use_quantized_experts(net: nn.Module, prefix: str, w: dict) -> None:
     w[prefix + "gate_up_blocks"], w[prefix + "down_blocks"] = gate_up.blocks, down.blocks
 
 
-def _use_quantized(net: nn.Module, path: str, weight: GGMLTensor, w: dict) -> None:
+def _use_quantized(net: nn.Module, path: str, weight: GGMLTensor | GGMLRows, w: dict) -> None:
     """Swap the module at ``path`` of ``net`` for its quantized form; its state-dict entries in
-    ``w`` become ``path.blocks`` (and the bias, kept as given)."""
+    ``w`` become ``path.blocks`` (``path.blocks_N`` for mixed types; the bias kept as given)."""
     parent_path, _, attr = path.rpartition(".")
     parent = net.get_submodule(parent_path) if parent_path else net
     old = getattr(parent, attr)
@@ -339,6 +339,10 @@ def _use_quantized(net: nn.Module, path: str, weight: GGMLTensor, w: dict) -> No
         new = QuantEmbedding(weight)
     else:
         bias = w.get(path + ".bias")
-        new = QuantLinear(weight, None if bias is None else torch.empty_like(bias, device="cpu"))
+        bias = None if bias is None else torch.empty_like(bias, device="cpu")
+        new = MixedQuantLinear(weight, bias) if isinstance(weight, GGMLRows) else QuantLinear(weight, bias)
     setattr(parent, attr, new)
-    w[path + ".blocks"] = weight.blocks
+    if isinstance(weight, GGMLRows):
+        w.update({f"{path}.blocks_{i}": p.blocks for i, p in enumerate(weight.parts)})
+    else:
+        w[path + ".blocks"] = weight.blocks
