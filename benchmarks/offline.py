@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import importlib.util
 import io
 import math
 import os
@@ -38,6 +39,11 @@ import pstats
 import sys
 import time
 from dataclasses import dataclass, field
+
+# Run as a script, this folder comes first on sys.path, and its kernels.py would shadow the Hub's
+# `kernels` package that transformers imports when it is installed.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import torch
 
@@ -178,18 +184,17 @@ def run_llama_cpp(workload, args) -> Result:
 
     from slipstream.server.bench.client import run_rate
 
-    # online.py beside this file starts llama-server (under -I this folder is not on sys.path)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import online
+    # online.py beside this file starts llama-server (loaded by path: this folder is off sys.path)
+    spec = importlib.util.spec_from_file_location("online", os.path.join(_HERE, "online.py"))
+    online = importlib.util.module_from_spec(spec)
+    sys.modules["online"] = online  # its dataclasses look their module up by name
+    spec.loader.exec_module(online)
 
     longest = max(len(r.prompt) + r.max_tokens for r in workload)
     opts = _argparse.Namespace(max_num_seqs=args.max_num_seqs, max_model_len=max(1024, longest),
                                llama_threads=args.threads, slipstream_threads=None)
-    server, ready = online.make_server("llama.cpp", opts, online.builtin_gguf())
-    print(f"[llama.cpp] starting: {' '.join(server.command)}", file=sys.stderr, flush=True)
-    server.start()
+    server = asyncio.run(online.start_server("llama.cpp", opts, online.builtin_gguf()))
     try:
-        asyncio.run(server.wait_ready(ready))
         asyncio.run(run_rate(server.url, make_workload(2, seed=args.seed + 1, max_output=8), math.inf, args.seed))
         load0, cpu0 = os.getloadavg()[0], _cpu_seconds(server.proc.pid)
         row = asyncio.run(run_rate(server.url, workload, math.inf, args.seed))

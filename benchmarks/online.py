@@ -120,8 +120,8 @@ class Server:
                 self.proc.wait()
 
 
-def make_server(system: str, args: argparse.Namespace, model: str) -> tuple[Server, str]:
-    """The server and its readiness path."""
+def make_server(system: str, args: argparse.Namespace, model: str, llama_extra: tuple[str, ...] = ()) -> tuple[Server, str]:
+    """The server and its readiness path (``llama_extra``: more llama-server flags)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = OUT / f"online-{system}.log"
@@ -134,8 +134,34 @@ def make_server(system: str, args: argparse.Namespace, model: str) -> tuple[Serv
         return Server(system, cmd, url, log), "/ready"
     cmd = [llama_server_binary(), "-m", model, "--host", "127.0.0.1", "--port", str(port),
            "--parallel", str(args.max_num_seqs), "--ctx-size", str(args.max_num_seqs * args.max_model_len),
-           "--threads", str(args.llama_threads or os.cpu_count() or 2), "--cont-batching"]
+           "--threads", str(args.llama_threads or os.cpu_count() or 2), "--cont-batching", *llama_extra]
     return Server(system, cmd, url, log), "/health"
+
+
+async def start_server(system: str, args: argparse.Namespace, model: str) -> Server:
+    """``make_server``'s server, started and ready.
+
+    llama.cpp picks its AMX kernels when the CPU lists AMX; on VMs that list it without running
+    its tile instructions (seen here: ``tilezero`` faults although the kernel grants the tile
+    state) llama-server dies by SIGILL or SIGSEGV while it warms up. It is then started again
+    with ``--no-repack`` (no extra weight layouts: the plain CPU kernels that every other x86 CPU
+    runs for Q4_1), and the line saying so is printed with the results.
+    """
+    server, ready = make_server(system, args, model)
+    print(f"[{system}] starting: {' '.join(server.command)}", flush=True)
+    server.start()
+    try:
+        await server.wait_ready(ready)
+        return server
+    except RuntimeError:
+        if system != "llama.cpp" or server.proc.returncode not in (-4, -11):
+            raise
+    print(f"[{system}] exited by signal {-server.proc.returncode} while loading (as its AMX kernels do on VMs "
+          f"that list AMX without running it; see {server.log_path}): starting again with --no-repack", flush=True)
+    server, ready = make_server(system, args, model, llama_extra=("--no-repack",))
+    server.start()
+    await server.wait_ready(ready)
+    return server
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -155,11 +181,8 @@ def prompts_for_rate(workload: list[WorkloadRequest], rate_index: int, seed: int
 
 async def bench_system(system: str, args: argparse.Namespace, model: str, workload: list[WorkloadRequest],
                        rates: list[float]) -> list[dict]:
-    server, ready_path = make_server(system, args, model)
-    print(f"[{system}] starting: {' '.join(server.command)}", flush=True)
-    server.start()
+    server = await start_server(system, args, model)
     try:
-        await server.wait_ready(ready_path)
         warm = make_workload(2, seed=args.seed + 1, max_output=8)
         await run_rate(server.url, warm, 100.0, args.seed)  # first-call costs out of the measurement
         rows = []
