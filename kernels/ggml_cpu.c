@@ -145,7 +145,7 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
     if (type == Q6_K) {
         const uint8_t *ql = b + 64 * (c / 4) + 32 * (c % 2), *qh = b + 128 + 32 * (c / 4);
         const int lshift = 4 * ((c / 2) % 2), hshift = 2 * (c % 4);
-        const float d = fp16(b + 208);
+        const f32x16 d = fp16x16(b + 208);
         u8x16 l0, l1, h0, h1;
         memcpy(&l0, ql, 16);
         memcpy(&l1, ql + 16, 16);
@@ -153,19 +153,49 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
         memcpy(&h1, qh + 16, 16);
         const i8x16 q0 = (i8x16)(((l0 >> lshift) & 15) | (((h0 >> hshift) & 3) << 4)) - 32;
         const i8x16 q1 = (i8x16)(((l1 >> lshift) & 15) | (((h1 >> hshift) & 3) << 4)) - 32;
-        const float s0 = d * (float)(int8_t)b[192 + 2 * c], s1 = d * (float)(int8_t)b[192 + 2 * c + 1];
+        const f32x16 s0 = d * (float)(int8_t)b[192 + 2 * c], s1 = d * (float)(int8_t)b[192 + 2 * c + 1];
         *lo = i8_to_f32(q0) * s0;
         *hi = i8_to_f32(q1) * s1;
         return;
     }
     uint8_t sc, m;
     scale_min_k4(b + 4, c, &sc, &m);
-    const float dsc = fp16(b) * (float)sc, dm = fp16(b + 2) * (float)m;
     const uint8_t *qs = b + (type == Q5_K ? 48 : 16) + 32 * (c / 2);
     const int shift = 4 * (c % 2);
     u8x16 q0, q1;
     memcpy(&q0, qs, 16);
     memcpy(&q1, qs + 16, 16);
+#ifdef __AVX512F__
+    /* As dequant_block: the 16 (Q4_K) or 32 (Q5_K) values a weight can take, computed with the
+     * same multiply and subtract, then gathered by index (vpermps reads 4 index bits, vpermi2ps 5). */
+    const f32x16 dsc_v = fp16x16(b) * (float)sc, dm_v = fp16x16(b + 2) * (float)m;
+    const f32x16 nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const __m512 t0 = (__m512)(nibbles * dsc_v - dm_v);
+    __m512i i0 = _mm512_cvtepu8_epi32((__m128i)q0), i1 = _mm512_cvtepu8_epi32((__m128i)q1);
+    if (shift) {
+        i0 = _mm512_srli_epi32(i0, 4);
+        i1 = _mm512_srli_epi32(i1, 4);
+    }
+    if (type == Q4_K) {
+        *lo = (f32x16)_mm512_permutexvar_ps(i0, t0);
+        *hi = (f32x16)_mm512_permutexvar_ps(i1, t0);
+        return;
+    }
+    const __m512 t1 = (__m512)((nibbles + 16) * dsc_v - dm_v);
+    u8x16 h0, h1;
+    memcpy(&h0, b + 16, 16);
+    memcpy(&h1, b + 32, 16);
+    const __m512i fifteen = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1), cv = _mm512_set1_epi32(c);
+    /* index = the nibble | bit c of the weight's high byte as bit 4 */
+    const __m512i x0 = _mm512_or_si512(_mm512_and_si512(i0, fifteen), _mm512_slli_epi32(
+        _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32((__m128i)h0), cv), one), 4));
+    const __m512i x1 = _mm512_or_si512(_mm512_and_si512(i1, fifteen), _mm512_slli_epi32(
+        _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32((__m128i)h1), cv), one), 4));
+    *lo = (f32x16)_mm512_permutex2var_ps(t0, x0, t1);
+    *hi = (f32x16)_mm512_permutex2var_ps(t0, x1, t1);
+    return;
+#endif
+    const float dsc = fp16(b) * (float)sc, dm = fp16(b + 2) * (float)m;
     q0 = (q0 >> shift) & 15;
     q1 = (q1 >> shift) & 15;
     if (type == Q5_K) { /* bit c of byte l is weight l's fifth bit */
@@ -215,18 +245,24 @@ static inline __attribute__((always_inline)) void dot_tile(int type, int nr, int
     f32x16 acc[4][MAX_ROWS];
     for (int j = 0; j < nr; j++)
         for (int r = 0; r < rows; r++) acc[j][r] = (f32x16){0};
-    for (int64_t b = 0; b < nb; b++) { /* b: chunk of 32 weights */
-        f32x16 xl[MAX_ROWS], xh[MAX_ROWS];
-        for (int r = 0; r < rows; r++) {
-            memcpy(&xl[r], x + r * K + b * 32, 64);
-            memcpy(&xh[r], x + r * K + b * 32 + 16, 64);
-        }
-        for (int j = 0; j < nr; j++) {
-            f32x16 lo, hi;
-            const uint8_t *block = w + j * row_bytes + b / cpb * bytes;
-            __builtin_prefetch(w + j * row_bytes + (b + PREFETCH_BLOCKS) * bytes / cpb);
-            dequant_chunk(type, block, (int)(b % cpb), &lo, &hi);
-            for (int r = 0; r < rows; r++) acc[j][r] = fma16(hi, xh[r], fma16(lo, xl[r], acc[j][r]));
+    for (int64_t bb = 0; bb < nb / cpb; bb++) { /* bb: block; its chunks unrolled so each c is a
+                                                  * constant (a K-quant's shifts by c are then
+                                                  * immediates, not per-byte variable shifts) */
+#pragma GCC unroll 8
+        for (int c = 0; c < cpb; c++) {
+            const int64_t b = bb * cpb + c; /* chunk of 32 weights */
+            f32x16 xl[MAX_ROWS], xh[MAX_ROWS];
+            for (int r = 0; r < rows; r++) {
+                memcpy(&xl[r], x + r * K + b * 32, 64);
+                memcpy(&xh[r], x + r * K + b * 32 + 16, 64);
+            }
+            for (int j = 0; j < nr; j++) {
+                f32x16 lo, hi;
+                const uint8_t *block = w + j * row_bytes + bb * bytes;
+                __builtin_prefetch(w + j * row_bytes + (b + PREFETCH_BLOCKS) * bytes / cpb);
+                dequant_chunk(type, block, c, &lo, &hi);
+                for (int r = 0; r < rows; r++) acc[j][r] = fma16(hi, xh[r], fma16(lo, xl[r], acc[j][r]));
+            }
         }
     }
     for (int j = 0; j < nr; j++)

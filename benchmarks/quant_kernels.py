@@ -1,0 +1,96 @@
+"""One quantized product per GGML type, side by side with the fp32 product it replaces.
+
+``kernels/ggml_cpu.c``'s ``ggml_matmul`` for each type it serves as stored (Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K) against ``torch.nn.functional.linear`` on the same weights dequantized to fp32
+(what ``--quantization none`` runs), on one [N, K] weight of random normal values quantized by the
+gguf package (32-weight types) or by ``tests/kquants.py`` (K-quants; gguf cannot quantize those).
+Each product reads its weight from memory (copies of it, 1 GiB in all, more than the last-level cache, cycled through, as a decode
+step streams a model's layers). Per type and number of activation rows: µs per product (best of
+5 passes), GB/s of weight bytes read, and the time relative to Q4_1 (the built-in model's type) and to fp32.
+
+Usage: ``python benchmarks/quant_kernels.py [--n 2048] [--k 1024] [--rows 1,8] [--threads 1]``.
+K must be a multiple of 256 for the K-quants. Not part of ``make test``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]  # kernels.py here
+sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))  # the K-quant encoder
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from kquants import quantize as quantize_k  # noqa: E402
+
+from slipstream.kernels import ggml_cpu  # noqa: E402
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def blocks(w: np.ndarray, qtype: str) -> torch.Tensor:
+    """w [N, K] fp32 quantized to ``qtype``: uint8 [N, row_bytes]."""
+    if qtype.endswith("_K"):
+        q = np.ascontiguousarray(quantize_k(w, qtype))
+    else:
+        q = gguf.quantize(w, getattr(gguf.GGMLQuantizationType, qtype))
+    return torch.from_numpy(q).view(torch.uint8).reshape(w.shape[0], -1)
+
+
+STREAM_BYTES = 1 << 30  # copies of a weight cycled through, so each product reads from memory, not cache
+
+
+def copies(t: torch.Tensor) -> list[torch.Tensor]:
+    """Enough copies of ``t`` to fill :data:`STREAM_BYTES` (at least 2)."""
+    n = max(2, -(-STREAM_BYTES // (t.numel() * t.element_size())))
+    return [t.clone() for _ in range(n)]
+
+
+def best_of(fn, weights: list[torch.Tensor], runs: int = 5) -> float:
+    """Seconds per ``fn(weight)``: the best of ``runs`` passes over every copy in ``weights``."""
+    fn(weights[0])
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for wt in weights:
+            fn(wt)
+        best = min(best, (time.perf_counter() - t0) / len(weights))
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=2048, help="weight rows (output features)")
+    p.add_argument("--k", type=int, default=1024, help="weight columns (input features), a multiple of 256")
+    p.add_argument("--rows", default="1,8", help="activation rows per product, comma-separated")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    w = (np.random.default_rng(0).standard_normal((args.n, args.k)) * 0.02).astype(np.float32)
+    print(f"weight [{args.n}, {args.k}], {args.threads} thread(s), torch {torch.__version__}")
+    print("| type | bits/weight | rows | µs/product | weight GB/s | ÷ Q4_1 | ÷ fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for m in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(m, args.k)
+        dense = torch.from_numpy(w)
+        fp32 = best_of(lambda d: torch.nn.functional.linear(x, d), copies(dense))
+        times, nbytes = {}, {}
+        for qtype in TYPES:
+            b = blocks(w, qtype)
+            times[qtype] = best_of(lambda q: ggml_cpu.matmul(x, q, qtype, args.k), copies(b))
+            nbytes[qtype] = b.numel()
+        for qtype in TYPES:
+            bits = 8 * nbytes[qtype] / w.size
+            print(f"| {qtype} | {bits:.2f} | {m} | {1e6 * times[qtype]:.0f} | {nbytes[qtype] / times[qtype] / 1e9:.2f} | "
+                  f"{times[qtype] / times['Q4_1']:.2f} | {times[qtype] / fp32:.2f} |")
+        print(f"| fp32 (torch) | 32 | {m} | {1e6 * fp32:.0f} | {w.nbytes / fp32 / 1e9:.2f} | "
+              f"{fp32 / times['Q4_1']:.2f} | 1.00 |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
