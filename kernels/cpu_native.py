@@ -45,7 +45,8 @@ def _cpu_flags() -> str:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), cc, version, _cpu_flags(), *_FLAGS]).encode())
+    texts = [s.read_text() for s in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, cc, version, _cpu_flags(), *_FLAGS]).encode())
     target = _cache_root() / f"slipstream_cpu-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
@@ -53,7 +54,13 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *_FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        with tempfile.TemporaryDirectory() as src:
+            # Compile the very text that was hashed: sources changed meanwhile (an upgrade, an edit)
+            # must not land in a library cached under the old sources' key.
+            paths = [os.path.join(src, s.name) for s in SOURCES]
+            for path, text in zip(paths, texts):
+                Path(path).write_text(text)
+            done = subprocess.run([cc, *_FLAGS, *paths, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:])
         os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless

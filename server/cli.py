@@ -102,8 +102,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     m.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     m.add_argument("--quantization", default=d["quantization"], choices=["auto", "none"],
-                   help="'auto': on the CPU in float32, serve a GGUF's Q4_0/Q4_1/Q8_0 weights as stored (about a sixth "
-                        "of fp32's bytes per decode step; other types are dequantized); 'none': dequantize every "
+                   help="'auto': on the CPU in float32, serve a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights as "
+                        "stored (a sixth of fp32's bytes per decode step for 4-bit types; other types are dequantized); 'none': dequantize every "
                         "weight to the compute dtype")
     m.add_argument("--seed", type=int, default=d["seed"], help="engine random seed; requests without a 'seed' of their own sample from it")
     m.add_argument("--num-threads", type=_positive_int, default=d["num_threads"],

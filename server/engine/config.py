@@ -28,7 +28,7 @@ class EngineConfig:
     enable_prefix_caching: share full blocks of equal prefixes between requests.
     device: ``"cpu"`` or ``"cuda"``; None picks CUDA when present.
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; None picks fp32 on CPU, bf16 on GPU.
-    quantization: ``"auto"`` (default) serves a GGUF's Q4_0/Q4_1/Q8_0 weights as stored on the
+    quantization: ``"auto"`` (default) serves a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights as stored on the
         CPU in fp32 (other types, and every GPU, get them dequantized to ``dtype``); ``"none"``
         dequantizes every weight. See :mod:`~slipstream.server.models.quant`.
     trace: record a :class:`~slipstream.server.engine.trace.StepRecord` per step.

@@ -1,6 +1,6 @@
 """Read a GGUF file: config, tensors (kept as stored or dequantized) and tokenizer.
 
-Read with the ``gguf`` package. ``as_stored``: Q4_0/Q4_1/Q8_0 tensors stay in their blocks
+Read with the ``gguf`` package. ``as_stored``: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors stay in their blocks
 (:mod:`.quant`); other types are dequantized by ``gguf.quants``. The header's config and tensor
 table, the dequantized fp32 weights and the converted tokenizer are each cached on disk
 (:mod:`.disk_cache`): parsing and converting take seconds, reloading a fraction of one.
@@ -54,7 +54,7 @@ _GEMMA_NAMES = {**GGUF_NAMES, "post_attention_norm": "post_attention_layernorm",
 def read_gguf(path: Path, as_stored: bool) -> tuple[ModelConfig, dict, object, Path | None]:
     """Config, weights and tokenizer of a GGUF file, and the cache folder to fill (or None).
 
-    ``as_stored``: Q4_0/Q4_1/Q8_0 tensors come back as :class:`~.quant.GGMLTensor` (reading
+    ``as_stored``: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors come back as :class:`~.quant.GGMLTensor` (reading
     them is a copy of the file's bytes; nothing is cached). Otherwise parsing and dequantizing
     take several seconds, so the model's fp32 weights (q/k/v and gate/up already fused) are cached
     as safetensors (``$SLIPSTREAM_CACHE_DIR/weights``, about 4 bytes per parameter;

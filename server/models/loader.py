@@ -2,7 +2,7 @@
 Face directory (:mod:`.hf_checkpoint`), or a Hub/S3 model fetched into the model cache first
 (:mod:`.sources`).
 
-With ``quantization="auto"`` on a CPU in fp32, a GGUF's Q4_0/Q4_1/Q8_0 tensors stay in their
+With ``quantization="auto"`` on a CPU in fp32, a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors stay in their
 blocks as stored (:mod:`.quant`); other types, and every tensor under ``"none"`` or on a GPU, are
 dequantized. The tokenizer and chat template come from transformers (a GGUF's converted once and
 cached on disk).
@@ -95,7 +95,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
             ``*.safetensors`` of a supported architecture
             (:data:`~.config.SUPPORTED_ARCHITECTURES`: Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, …).
         device, dtype: where and in what precision the weights live.
-        quantization: ``"auto"`` serves a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored when the
+        quantization: ``"auto"`` serves a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors as stored when the
             device is the CPU and the dtype fp32 (anything else is dequantized, with a log line);
             ``"none"`` dequantizes every tensor to ``dtype``. Safetensors load as they are.
 

@@ -69,7 +69,7 @@ class Experts(nn.Module):
 
 
 class QuantExperts(nn.Module):
-    """:class:`Experts` whose stacked projections stay in a GGUF's blocks (Q4_0/Q4_1/Q8_0
+    """:class:`Experts` whose stacked projections stay in a GGUF's blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K
     ``ffn_*_exps``), multiplied by :func:`.quant.quant_linear`; CPU only, fp32 activations.
 
     ``gate_up_blocks``: ``[num_experts, 2 * inter, row bytes]`` uint8; ``down_blocks``:
