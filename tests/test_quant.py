@@ -171,6 +171,37 @@ def test_no_compiler_means_no_kernels_and_a_log_line(tmp_path, monkeypatch, capl
         ggml_cpu.library.cache_clear()
 
 
+def test_kernels_are_compiled_from_the_sources_their_cache_key_hashed(tmp_path, monkeypatch):
+    """A source edited between the key's hash and the compile (an upgrade under a starting
+    server) must not be cached under the old text's key."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from slipstream.kernels import cpu_native
+
+    source = tmp_path / "one.c"
+    source.write_text("int version(void) { return 1; }\n")
+    monkeypatch.setattr(cpu_native, "SOURCES", [source])
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if "-o" in cmd:  # the compile: the file changes under it
+            source.write_text("int version(void) { return 2; }\n")
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_native.subprocess, "run", run)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    first = cpu_native._build(cc)
+    assert ctypes.CDLL(str(first)).version() == 1
+    monkeypatch.setattr(cpu_native.subprocess, "run", real_run)
+    second = cpu_native._build(cc)  # the new text: a new key, a new library
+    assert second != first and ctypes.CDLL(str(second)).version() == 2
+
+
 def test_quantization_mode_is_checked():
     with pytest.raises(ValueError, match="quantization must be 'auto' or 'none'"):
         EngineConfig(quantization="int4")
