@@ -74,15 +74,14 @@ def main() -> int:
     print(f"weight [{args.n}, {args.k}], {args.threads} thread(s), torch {torch.__version__}")
     print("| type | bits/weight | rows | µs/product | weight GB/s | ÷ Q4_1 | ÷ fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
+    dense = torch.from_numpy(w)
+    stored = {qtype: blocks(w, qtype) for qtype in TYPES}  # quantized once, for every row count
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, args.k)
-        dense = torch.from_numpy(w)
         fp32 = best_of(lambda d: torch.nn.functional.linear(x, d), copies(dense))
-        times, nbytes = {}, {}
-        for qtype in TYPES:
-            b = blocks(w, qtype)
-            times[qtype] = best_of(lambda q: ggml_cpu.matmul(x, q, qtype, args.k), copies(b))
-            nbytes[qtype] = b.numel()
+        times = {qtype: best_of(lambda q: ggml_cpu.matmul(x, q, qtype, args.k), copies(b))
+                 for qtype, b in stored.items()}
+        nbytes = {qtype: b.numel() for qtype, b in stored.items()}
         for qtype in TYPES:
             bits = 8 * nbytes[qtype] / w.size
             print(f"| {qtype} | {bits:.2f} | {m} | {1e6 * times[qtype]:.0f} | {nbytes[qtype] / times[qtype] / 1e9:.2f} | "
