@@ -38,11 +38,11 @@ RUN apt-get update \
     && useradd --uid 10001 --user-group --create-home --home-dir /home/slipstream \
         --shell /usr/sbin/nologin slipstream
 COPY --from=build /opt/slipstream /opt/slipstream
+# Not offline here: `docker run IMAGE serve --model hf://ORG/NAME` downloads. The operator sets
+# HF_HUB_OFFLINE=1 on its servers (weights local or fetched by the init container).
 ENV PATH=/opt/slipstream/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/home/slipstream \
-    HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001

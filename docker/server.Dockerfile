@@ -36,11 +36,11 @@ RUN apt-get update \
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/slipstream \
         --shell /usr/sbin/nologin slipstream
 COPY --from=build /opt/slipstream /opt/slipstream
+# Not offline here: `docker run IMAGE serve --model hf://ORG/NAME` downloads. The operator sets
+# HF_HUB_OFFLINE=1 on its servers (weights local or fetched by the init container).
 ENV PATH=/opt/slipstream/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    HOME=/home/slipstream \
-    HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1
+    HOME=/home/slipstream
 USER 10001:10001
 WORKDIR /home/slipstream
 EXPOSE 8000

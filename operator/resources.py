@@ -35,7 +35,7 @@ PORT_NAME = "http"
 SERVICE_PORT = 80
 MODEL_MOUNT = "/mnt/models"
 # hf:// and s3:// weights: the init container downloads into this volume, the server reads them
-# from it with the Hub client offline (it never downloads).
+# from it with the Hub client offline (it never downloads; server_env).
 DOWNLOAD_CONTAINER = "model-download"
 MODEL_CACHE_VOLUME = "model-cache"
 MODEL_CACHE_MOUNT = "/var/cache/slipstream/models"
@@ -211,13 +211,7 @@ def _container(spec: InferenceServiceSpec, name: str,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     location = model_location(spec.model)
-    # The server reads downloaded weights from the cache only; the user's env may override.
-    user = [dict(var) for var in spec.env]
-    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}] if location.downloaded and not any(
-        var.get("name") == "HF_HUB_OFFLINE" for var in user) else []
-    env += user
-    if env:
-        container["env"] = env
+    container["env"] = server_env(spec)
     mounts = []
     if location.kind == "pvc":
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -232,6 +226,19 @@ def _container(spec: InferenceServiceSpec, name: str,
     if mounts:
         container["volumeMounts"] = mounts
     return container
+
+
+def server_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The server container's environment: ``HF_HUB_OFFLINE=1`` whatever the source (the image
+    no longer sets it, so that ``docker run IMAGE serve --model hf://…`` downloads), since in a
+    pod the weights are local (builtin, image, pvc, oci, sim) or already downloaded by the init
+    container (hf, s3): the server never reaches the Hub. Then ``spec.env``, whose own
+    ``HF_HUB_OFFLINE`` replaces the operator's. (``TRANSFORMERS_OFFLINE`` is not set: only
+    huggingface_hub reads it, as a fallback that ``HF_HUB_OFFLINE`` decides over.)"""
+    user = [dict(var) for var in spec.env]
+    env = [] if any(var.get("name") == "HF_HUB_OFFLINE" for var in user) else [
+        {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    return env + user
 
 
 def download_args(spec: InferenceServiceSpec) -> list[str]:

@@ -255,3 +255,35 @@ def test_the_users_hf_hub_offline_replaces_the_operators_not_duplicates_it():
     body["spec"]["env"].append({"name": "HF_HUB_OFFLINE", "value": "0"})
     env = render_deployment(body)["spec"]["template"]["spec"]["containers"][0]["env"]
     assert [e["value"] for e in env if e["name"] == "HF_HUB_OFFLINE"] == ["0"]
+
+
+SOURCES = {"builtin": {"source": "builtin"}, "default": {}, "builtin-uri": {"uri": "builtin"},
+           "image": {"source": "image", "path": "/models/m.gguf"},
+           "pvc": {"uri": "pvc://weights/llama/8b"}, "oci": {"uri": "oci://registry.example/models/m:1"},
+           "sim": {"uri": "sim:tiny"}, "hf": {"uri": "hf://org/name"}, "s3": {"uri": "s3://models/llama"}}
+
+
+@pytest.mark.parametrize("kube_version", [None, (1, 33)], ids=["image-volume", "modelcar"])
+@pytest.mark.parametrize("model", SOURCES.values(), ids=SOURCES.keys())
+def test_every_server_container_is_hub_offline_and_only_the_download_step_online(model, kube_version):
+    """The images do not set HF_HUB_OFFLINE (docker run … --model hf://… downloads): in a pod the
+    operator does, whatever the source, so a server never reaches out; the user's env follows."""
+    pod = render_deployment(isvc(**model), kube_version=kube_version)["spec"]["template"]["spec"]
+    [server] = pod["containers"]
+    assert server["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"},
+                             {"name": "HF_ENDPOINT", "value": "http://127.0.0.1:9000"}]
+    for init in pod.get("initContainers", []):
+        offline = [e["value"] for e in init.get("env", []) if e["name"] == "HF_HUB_OFFLINE"]
+        assert offline == (["0"] if init["name"] == DOWNLOAD_CONTAINER else [])
+    assert any(c["name"] == DOWNLOAD_CONTAINER for c in pod.get("initContainers", [])) is (
+        "uri" in model and model["uri"].startswith(("hf://", "s3://")))
+
+
+@pytest.mark.parametrize("model", SOURCES.values(), ids=SOURCES.keys())
+def test_a_spec_without_env_still_gets_hf_hub_offline_and_the_users_value_wins(model):
+    body = isvc(**model)
+    del body["spec"]["env"]
+    assert render_deployment(body)["spec"]["template"]["spec"]["containers"][0]["env"] == [
+        {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    body["spec"]["env"] = [{"name": "HF_HUB_OFFLINE", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]
+    assert render_deployment(body)["spec"]["template"]["spec"]["containers"][0]["env"] == body["spec"]["env"]
