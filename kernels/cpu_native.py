@@ -3,10 +3,11 @@ paged decode attention; ``cpu_decode.c``: a decode step's layers in one call), b
 shared library.
 
 The sources are compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
-this CPU (``-march=native``), about a second, and kept under ``$SLIPSTREAM_CACHE_DIR/kernels``
-keyed by the sources, the compiler and the CPU's flags. The library links the OpenMP runtime
-that torch has already loaded (same soname), so both share one thread pool. :func:`library`
-returns None where no compiler or OpenMP is available; callers then take their torch paths.
+this CPU (``-march=native``), 15-20 s on two cores (``make install`` does it once), and kept
+under ``$SLIPSTREAM_CACHE_DIR/kernels`` keyed by the sources, the compiler and the CPU's flags.
+The library links the OpenMP runtime that torch has already loaded (same soname), so both share
+one thread pool. :func:`library` returns None where no compiler or OpenMP is available; callers
+then take their torch paths.
 """
 from __future__ import annotations
 

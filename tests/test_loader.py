@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from slipstream.server.engine import LLM, SamplingParams
+from slipstream.server.models import gguf_file
 from slipstream.server.models.loader import ModelLoadError, load_model
 
 
@@ -147,17 +149,40 @@ def test_a_first_gguf_load_parses_the_header_once_and_its_tokenizer_is_transform
     from slipstream.server.models.loader import builtin_model_path
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
-    real, opened = gguf.GGUFReader, []
+    real, real_open, opened = gguf.GGUFReader, gguf_file.open_reader, []
 
     def counting(path, *args, **kwargs):
-        opened.append(str(path))
+        opened.append(("GGUFReader", str(path)))
         return real(path, *args, **kwargs)
 
+    def counting_open(path):
+        opened.append(("open_reader", str(path)))
+        return real_open(path)
+
     monkeypatch.setattr(gguf, "GGUFReader", counting)
+    monkeypatch.setattr(gguf_file, "open_reader", counting_open)
     loaded = load_model("builtin", torch.device("cpu"), torch.float32)
-    assert opened == [str(builtin_model_path())] and gguf.GGUFReader is counting
+    assert opened == [("open_reader", str(builtin_model_path()))] and gguf.GGUFReader is counting
     path = builtin_model_path()
     oracle = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     text = "Hello, world! Ünïcode <|im_start|>user\n 12345"
     assert loaded.tokenizer(text)["input_ids"] == oracle(text)["input_ids"]
     assert loaded.tokenizer.get_vocab() == oracle.get_vocab()
+
+
+def test_the_plain_reader_reads_what_gguf_reads():
+    """open_reader parses a plain ndarray (3x faster than GGUFReader's memmap) to the same fields
+    and tensors."""
+    import gguf
+    from slipstream.server.models.loader import builtin_model_path
+
+    path = builtin_model_path()
+    fast, slow = gguf_file.open_reader(path), gguf.GGUFReader(str(path))
+    assert type(fast.data) is np.ndarray and isinstance(slow.data, np.memmap)
+    assert list(fast.fields) == list(slow.fields)
+    for name, field in slow.fields.items():
+        assert fast.fields[name].types == field.types
+        assert str(fast.fields[name].contents()) == str(field.contents()), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in slow.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, slow.tensors))
