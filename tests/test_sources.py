@@ -574,6 +574,90 @@ def test_s3_resumes_a_partial_download_with_a_range_request(s3_server, s3, tmp_p
     assert ("GET", "/models/tiny/model.safetensors", "bytes=1000-") in s3_server.seen
 
 
+def tamper(bucket: str, key: str) -> None:
+    """Flip the first byte of an object inside moto, behind the S3 API: its size, ETag and
+    stored checksum stay those of the bytes uploaded (as when a store's disk rots)."""
+    from moto.s3.models import s3_backends
+
+    [stored] = [backend.buckets[bucket].keys[key] for parts in s3_backends.values()
+                for backend in parts.values() if bucket in backend.buckets]
+    value = stored.value
+    stored.value = bytes([value[0] ^ 0xFF]) + value[1:]
+
+
+def without_checksums(url: str):
+    """A client that uploads without a checksum (as older SDKs and other tools do)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=url, region_name="us-east-1", config=Config(
+        request_checksum_calculation="when_required", response_checksum_validation="when_required"))
+
+
+def no_copy_left(cache: Path, name: str) -> bool:
+    folder = cache / "s3" / "models" / "bad"
+    return (ModelCache(cache).entries() == [] and not (folder / name).exists()
+            and not list(folder.glob(f"{name}.*.partial")))
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA256", None], ids=["crc32", "sha256", "etag-md5"])
+def test_s3_object_whose_bytes_do_not_match_its_checksum_fails_and_leaves_no_copy(
+        s3_server, s3, tmp_path, algorithm):
+    data = os.urandom(3000)
+    if algorithm is None:
+        without_checksums(s3_server.url).put_object(Bucket="models", Key="bad/model.safetensors", Body=data)
+        expected = s3.head_object(Bucket="models", Key="bad/model.safetensors")["ETag"].strip('"')
+        what = "ETag (MD5)"
+    else:
+        put = s3.put_object(Bucket="models", Key="bad/model.safetensors", Body=data, ChecksumAlgorithm=algorithm)
+        expected, what = put[f"Checksum{algorithm}"], f"checksum {algorithm}"
+    s3.put_object(Bucket="models", Key="bad/config.json", Body=b"{}")
+    honest = fetch(parse_model_uri("s3://models/bad"), tmp_path / "honest", lease=False)
+    assert (honest.path / "model.safetensors").read_bytes() == data
+    assert ("HEAD", "/models/bad/model.safetensors", "") in s3_server.seen
+    tamper("models", "bad/model.safetensors")
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("s3://models/bad"), tmp_path / "cache", lease=False)
+    e = info.value
+    assert e.reason == "ChecksumMismatch"
+    assert f"s3://models/bad/model.safetensors: {what} mismatch: expected {expected}, got " in str(e)
+    assert no_copy_left(tmp_path / "cache", "model.safetensors")
+
+
+def test_s3_multipart_object_without_a_checksum_is_checked_by_size_not_its_etag(s3_server, s3, tmp_path):
+    client = without_checksums(s3_server.url)
+    parts = [os.urandom(5 << 20), b"tail"]
+    upload = client.create_multipart_upload(Bucket="models", Key="multi/model.gguf")["UploadId"]
+    etags = [client.upload_part(Bucket="models", Key="multi/model.gguf", UploadId=upload, PartNumber=n,
+                                Body=part)["ETag"] for n, part in enumerate(parts, 1)]
+    client.complete_multipart_upload(Bucket="models", Key="multi/model.gguf", UploadId=upload, MultipartUpload={
+        "Parts": [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]})
+    assert s3.head_object(Bucket="models", Key="multi/model.gguf")["ETag"].endswith('-2"')  # not an MD5
+    tamper("models", "multi/model.gguf")  # nothing S3 gives can tell
+    result = fetch(parse_model_uri("s3://models/multi"), tmp_path / "cache", lease=False)
+    assert result.path.stat().st_size == sum(map(len, parts))
+
+
+def test_s3_resumed_download_is_checked_as_a_whole(s3_server, s3, tmp_path, tiny_files):
+    """A ranged GET carries no checksum: the object's, from HeadObject, covers the bytes kept from
+    the earlier try too; a damaged partial file is deleted and the next fetch starts over."""
+    import hashlib
+
+    etag = s3.head_object(Bucket="models", Key="tiny/model.safetensors")["ETag"].strip('"')
+    dest = tmp_path / "cache" / "s3" / "models" / "tiny"
+    dest.mkdir(parents=True)
+    partial = dest / f"model.safetensors.{hashlib.sha256(etag.encode()).hexdigest()[:12]}.partial"
+    partial.write_bytes(b"\0" * 1000)  # not the object's first 1000 bytes
+    with pytest.raises(ModelSourceError, match="checksum CRC32 mismatch") as info:
+        fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache", lease=False)
+    assert info.value.reason == "ChecksumMismatch"
+    assert ("GET", "/models/tiny/model.safetensors", "bytes=1000-") in s3_server.seen
+    assert not partial.exists() and not (dest / "model.safetensors").exists()
+    assert ModelCache(tmp_path / "cache").entries() == []
+    result = fetch(parse_model_uri("s3://models/tiny"), tmp_path / "cache", lease=False)
+    assert (result.path / "model.safetensors").read_bytes() == tiny_files["model.safetensors"]
+
+
 def test_s3_missing_prefix_and_bucket_are_not_found(s3, tmp_path):
     for uri in ("s3://models/nothing-here", "s3://no-such-bucket/tiny"):
         with pytest.raises(ModelSourceError) as info:

@@ -4,8 +4,13 @@ Endpoint: the ``endpoint`` argument, else ``$AWS_ENDPOINT_URL``; region ``$AWS_R
 credentials as boto3 finds them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
 ``AWS_SESSION_TOKEN``, a profile, a pod's web identity). Each file is downloaded to a
 ``.partial`` file named after its ETag, resumed with a ranged GET if one is there, and renamed
-into place when its size is right; ``.slipstream-s3.json`` records each file's ETag and size, so
-a file whose object has not changed is never downloaded again. A download that is killed or
+into place when its size is right and its content checks out as a whole (resumed or not): against
+the object's full-object checksum (``HeadObject`` with ``ChecksumMode=ENABLED``: SHA-512, SHA-256,
+SHA-1, MD5, CRC64NVME and CRC32C with awscrt installed, CRC32), else against the ETag when it is
+an MD5 (one part, no SSE-KMS or SSE-C); a multipart object without a full-object checksum is
+checked by size only. A mismatch deletes the file and raises reason ``ChecksumMismatch``.
+``.slipstream-s3.json`` records each file's ETag and size, so a file whose object has not changed
+is never downloaded again. A download that is killed or
 interrupted (:func:`.sources.cancel_fetches`, checked every 1 MiB chunk) keeps its ``.partial``
 file, which the next fetch of the same object resumes.
 
@@ -15,12 +20,16 @@ safetensors fails at once, naming them.
 """
 from __future__ import annotations
 
+import base64
 import fnmatch
 import hashlib
 import json
 import logging
 import os
+import re
+import zlib
 from pathlib import Path
+from typing import Any, Callable
 
 from .disk_cache import write_atomic
 from .sources import ModelSourceError, ModelURI, check_cancelled, weights_path
@@ -30,6 +39,8 @@ log = logging.getLogger("slipstream.sources")
 MANIFEST = ".slipstream-s3.json"
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
 _CHUNK = 1 << 20
+# The ModelSourceError reason of a download whose bytes do not match the object's checksum or MD5.
+CHECKSUM_MISMATCH = "ChecksumMismatch"
 
 
 def client(endpoint: str | None = None):
@@ -41,7 +52,10 @@ def client(endpoint: str | None = None):
     return boto3.client(
         "s3", endpoint_url=endpoint or os.environ.get("AWS_ENDPOINT_URL") or None,
         region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-        config=Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=10, read_timeout=60))
+        # response checks when_required: botocore would hash each GET a second time (ours, in
+        # _download, also covers ranged GETs, which carry no checksum)
+        config=Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=10, read_timeout=60,
+                      response_checksum_validation="when_required"))
 
 
 def object_revision(objects: dict[str, tuple[str, int]]) -> str:
@@ -57,7 +71,9 @@ def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tu
 
     Raises:
         ModelSourceError: see :func:`map_error`; ``NotFound`` when nothing lies under the prefix;
-            ``InvalidURI`` for several GGUF files and no safetensors (before any download).
+            ``InvalidURI`` for several GGUF files and no safetensors (before any download);
+            ``ChecksumMismatch`` for a file whose bytes do not match its object (deleted; the
+            files checked before it stay).
         Interrupted: :func:`.sources.cancel_fetches` was called; the ``.partial`` file stays.
     """
     s3 = client(endpoint)
@@ -124,7 +140,13 @@ def _list(s3, uri: ModelURI) -> tuple[dict[str, tuple[str, int]], bool]:
 
 def _download(s3, bucket: str, key: str, etag: str, size: int, target: Path) -> None:
     """Download one object to ``target``, resuming a ``.partial`` left by an earlier try of the same
-    ETag (``If-Match`` makes a changed object start over)."""
+    ETag (``If-Match`` makes a changed object start over), and check the whole file
+    (:func:`_expected_digest`) before it is renamed into place.
+
+    Raises:
+        ModelSourceError: reason ``ChecksumMismatch`` (the ``.partial`` file deleted) when the
+            bytes do not match; ``Unreachable`` when fewer bytes than the object's arrived.
+    """
     from botocore.exceptions import ClientError
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -136,27 +158,101 @@ def _download(s3, bucket: str, key: str, etag: str, size: int, target: Path) -> 
     if have > size:
         partial.unlink()
         have = 0
-    if have < size:
-        args = {"Bucket": bucket, "Key": key, "IfMatch": f'"{etag}"'}
-        if have:
-            args["Range"] = f"bytes={have}-"
-            log.info("resuming %s at %.1f of %.1f MB", key, have / 1e6, size / 1e6)
-        try:
+    try:
+        # the whole object's checksum: a ranged GET returns none
+        head = s3.head_object(Bucket=bucket, Key=key, IfMatch=f'"{etag}"', ChecksumMode="ENABLED")
+        check = _expected_digest(head, etag)
+        digest = check[1]() if check else None
+        if digest is not None and have:
+            _hash_file(partial, digest)
+        if have < size:
+            args = {"Bucket": bucket, "Key": key, "IfMatch": f'"{etag}"'}
+            if have:
+                args["Range"] = f"bytes={have}-"
+                log.info("resuming %s at %.1f of %.1f MB", key, have / 1e6, size / 1e6)
             body = s3.get_object(**args)["Body"]
-        except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (412, 416):
-                partial.unlink(missing_ok=True)  # the object changed since it was listed
-            raise
-        with open(partial, "ab") as f:
-            for chunk in body.iter_chunks(_CHUNK):
-                f.write(chunk)
-                check_cancelled()  # after the write: what arrived is kept for the resume
+            with open(partial, "ab") as f:
+                for chunk in body.iter_chunks(_CHUNK):
+                    f.write(chunk)
+                    if digest is not None:
+                        digest.update(chunk)
+                    check_cancelled()  # after the write: what arrived is kept for the resume
+    except ClientError as e:
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (412, 416):
+            partial.unlink(missing_ok=True)  # the object changed since it was listed
+        raise
     got = partial.stat().st_size if partial.exists() else 0
     if got != size:
         raise ModelSourceError(f"s3://{bucket}/{key}: got {got} of {size} bytes; fetch again to resume",
                                reason="Unreachable")
+    if check is not None:
+        name, _, expected, encode = check
+        actual = encode(digest.digest())
+        if actual != expected:
+            partial.unlink(missing_ok=True)  # never resumed: the bad bytes may be anywhere in it
+            raise ModelSourceError(
+                f"s3://{bucket}/{key}: {name} mismatch: expected {expected}, got {actual} over {size} bytes; "
+                "the download was deleted (damaged in transit or on the store, or the object was rewritten "
+                "in place); fetch again", reason=CHECKSUM_MISMATCH)
+    else:
+        log.info("s3://%s/%s: no full-object checksum and a multipart or encrypted ETag; checked by size only",
+                 bucket, key)
     os.replace(partial, target)
     log.info("downloaded s3://%s/%s (%.1f MB)", bucket, key, size / 1e6)
+
+
+class _Crc:
+    """A CRC as a hashlib-like object (``update``, ``digest``: big-endian, as S3 encodes it)."""
+
+    def __init__(self, step: Callable[[bytes, int], int], nbytes: int):
+        self._step, self._nbytes, self._value = step, nbytes, 0
+
+    def update(self, data: bytes) -> None:
+        self._value = self._step(data, self._value)
+
+    def digest(self) -> bytes:
+        return self._value.to_bytes(self._nbytes, "big")
+
+
+def _algorithms() -> list[tuple[str, Callable[[], Any]]]:
+    """(S3 checksum name, digest factory) that this process can compute, strongest first."""
+    algorithms = [("SHA512", hashlib.sha512), ("SHA256", hashlib.sha256), ("SHA1", hashlib.sha1),
+                  ("MD5", hashlib.md5)]
+    try:
+        from awscrt import checksums  # botocore's optional CRT extra
+        algorithms += [("CRC64NVME", lambda: _Crc(checksums.crc64nvme, 8)),
+                       ("CRC32C", lambda: _Crc(checksums.crc32c, 4))]
+    except ImportError:
+        pass
+    return algorithms + [("CRC32", lambda: _Crc(zlib.crc32, 4))]
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _expected_digest(head: dict, etag: str) -> tuple[str, Callable[[], Any], str, Callable[[bytes], str]] | None:
+    """(what is checked, digest factory, expected value, encoding of a digest) for the object of
+    ``head`` (a ``HeadObject`` answer with ``ChecksumMode=ENABLED``): its full-object checksum if
+    it has one this process computes; else the ETag if it is an MD5 of the content (one part,
+    neither SSE-KMS nor SSE-C, whose ETags are not); else None (size only)."""
+    for name, factory in _algorithms():
+        value = head.get(f"Checksum{name}")
+        # "…-N", or ChecksumType COMPOSITE: a checksum of the parts' checksums, not of the bytes
+        if value and "-" not in value and head.get("ChecksumType") != "COMPOSITE":
+            return f"checksum {name}", factory, value, _b64
+    encrypted = head.get("ServerSideEncryption", "").startswith("aws:kms") or head.get("SSECustomerAlgorithm")
+    if re.fullmatch(r"[0-9a-f]{32}", etag) and not encrypted:
+        return "ETag (MD5)", hashlib.md5, etag, bytes.hex
+    return None
+
+
+def _hash_file(path: Path, digest: Any) -> None:
+    """Feed the bytes already in ``path`` (a resumed download) to ``digest``."""
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            check_cancelled()
 
 
 def _read_manifest(dest: Path) -> dict:
