@@ -97,6 +97,28 @@ def test_not_a_gguf_file(tmp_path):
         load_model(str(bad), torch.device("cpu"), torch.float32)
 
 
+def test_a_gguf_whose_tensor_type_was_edited_without_its_bytes_is_refused(tmp_path, monkeypatch):
+    """A header that says F16 where F32 bytes lie would read the next tensor's bytes as this one's."""
+    import gguf
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+        w.add_tensor(name, np.ones((64, 32), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    field = gguf.GGUFReader(str(path)).tensors[0].field  # parts: name length, name, n_dims, dims, type, offset
+    at = field.offset + sum(int(part.nbytes) for part in field.parts[:4])
+    data = bytearray(path.read_bytes())
+    assert int.from_bytes(data[at:at + 4], "little") == gguf.GGMLQuantizationType.F32
+    data[at:at + 4] = int(gguf.GGMLQuantizationType.F16).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"tensor output_norm.weight \(F32, \(32, 64\)\) starts at byte \d+, "
+                                             r"but the tensors before it end at \d+"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
 def test_checkpoint_missing_a_tensor_is_named(tmp_path, loaded):
     from safetensors.torch import load_file, save_file
     _, path = _save_tiny(tmp_path, loaded, "llama", tie_word_embeddings=True)

@@ -124,6 +124,7 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
         reader = open_reader(path)
     except Exception as e:  # a truncated or foreign file
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+    _check_layout(reader, path)
     _PARSED[path.resolve()] = reader  # for the tokenizer's conversion, next in the same load
     split = reader.fields.get("split.count")
     if split is not None and int(split.contents()) > 1:
@@ -137,6 +138,27 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
     index = {"config": asdict(cfg), "tensors": [asdict(t) for t in tensors]}
     disk_cache.fill_cache(entry, lambda tmp: (tmp / "index.json").write_text(json.dumps(index)), path)
     return cfg, tensors
+
+
+def _check_layout(reader, path: Path) -> None:
+    """llama.cpp's check of the tensor table (``gguf_init_from_file_impl``): each tensor's data
+    starts where the one before it ends, padded to the file's alignment, and the last ends within
+    the file. A type or shape edited in the header without its bytes breaks this; served, it
+    would read another tensor's bytes as its own.
+
+    Raises :class:`ModelLoadError` naming the first tensor out of place."""
+    expected, size = int(reader.data_offset), int(reader.data.size)
+    align = int(reader.alignment)
+    for t in reader.tensors:
+        described = f"tensor {t.name} ({t.tensor_type.name}, {tuple(int(d) for d in t.shape)})"
+        if int(t.data_offset) != expected:
+            raise ModelLoadError(f"{path}: {described} starts at byte {int(t.data_offset)}, but the tensors before "
+                                 f"it end at {expected}: the tensor table does not match the data (damaged file?)")
+        end = expected + int(t.n_bytes)
+        if end > size:
+            raise ModelLoadError(f"{path}: {described} ends at byte {end}, past the end of the file ({size} bytes; "
+                                 "truncated?)")
+        expected = -(-end // align) * align
 
 
 # GGUF ``general.architecture`` → the Hugging Face architecture it is served as. llama.cpp writes
