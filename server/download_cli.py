@@ -4,7 +4,8 @@ container does before ``slipstream serve`` starts.
 On success the termination message (``--termination-message-path``, Kubernetes'
 ``terminationMessagePath``) is ``{"model", "revision", "bytes", "seconds", "path"}`` and the exit
 code 0; on failure ``{"model", "error", "reason", "status"}``, the message on stderr, exit code 1.
-Network errors are tried again a few times with backoff; 401/403/404 fail at once.
+Network errors (``Unreachable``) and rate limits (``RateLimited``, after a 429's Retry-After) are
+tried again a few times with backoff; 401/403/404 and ``ChecksumMismatch`` fail at once.
 
 SIGINT and SIGTERM (a pod being deleted) stop the download within a chunk (1 MiB, from
 the Hub or S3): the lock is released so that another process takes over at once, the

@@ -2,7 +2,9 @@
 calls, with the headers huggingface_hub 1.x/2.x reads (``file_download.get_hf_file_metadata``,
 ``utils/_http.hf_raise_for_status``), pointed at by ``HF_ENDPOINT``.
 
-- ``GET /api/models/ORG/NAME/revision/REV``: model info (``sha``, ``siblings``, ``gated``).
+- ``GET /api/models/ORG/NAME/revision/REV``: model info (``sha``, ``siblings``, ``gated``); with
+  ``?blobs=true`` (``model_info(files_metadata=True)``) each sibling has ``size``, ``blobId`` and,
+  for LFS files, ``lfs: {sha256, size, pointerSize}``.
 - ``GET /api/models/ORG/NAME/tree/REV?recursive=…``: the file listing (``oid``; ``lfs`` for LFS files).
 - ``HEAD|GET /ORG/NAME/resolve/REV/FILE``: a small file answers 200 with ``X-Repo-Commit``,
   ``ETag`` (its git blob id) and ``Content-Length``; an LFS file (``*.safetensors``, ``*.gguf``,
@@ -12,6 +14,16 @@ calls, with the headers huggingface_hub 1.x/2.x reads (``file_download.get_hf_fi
 - Errors as the Hub sends them: a missing or private repo 401 without a token, 404 with one
   (``X-Error-Code: RepoNotFound``); a gated repo's files 401 without a token, 403 with one that
   has no access (``GatedRepo``); ``RevisionNotFound`` and ``EntryNotFound`` 404s.
+- ``valid_tokens``: when set, a token outside it gets the Hub's answer to an invalid or expired
+  token on every Hub request, public repositories too: 401 with ``X-Error-Message: Invalid
+  credentials in Authorization header`` and no ``X-Error-Code`` (what ``hf_raise_for_status``
+  tells apart from a missing repository). Requests without a token are not affected.
+- ``rate_limited = N``: the next N Hub requests (not the CDN's) answer 429 with ``Retry-After:
+  retry_after`` (seconds) and the IETF ``RateLimit``/``RateLimit-Policy`` headers the Hub sends
+  (``"api";r=0;t=SECONDS``), which ``huggingface_hub.utils.parse_ratelimit_headers`` reads.
+- ``Repo.tampered``: path -> bytes the CDN serves for that LFS file instead of the listed ones,
+  while the listing, ``X-Linked-Etag`` and ``X-Linked-Size`` keep the honest file's sha256 and size
+  (a corrupting mirror or proxy).
 
 Every request is recorded in ``requests`` as ``(method, path)``, the ``Range`` header of those that
 send one in ``ranges`` as ``(path, range)``, and the body bytes written per path in ``sent``.
@@ -39,6 +51,7 @@ class Repo:
     gated: bool = False
     private: bool = False
     allowed_tokens: set[str] = field(default_factory=set)
+    tampered: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self):
         self.sha = self.sha or hashlib.sha1(repr(sorted(self.files.items())).encode()).hexdigest()
@@ -61,14 +74,17 @@ class HubServer:
         self.sent: dict[str, int] = {}
         self.trickle: tuple[int, float] | None = None
         self.blobs: dict[str, bytes] = {}
+        self.valid_tokens: set[str] | None = None
+        self.rate_limited = 0
+        self.retry_after = 1
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self.endpoint = self.cdn = ""
 
     def add(self, repo_id: str, repo: Repo) -> Repo:
         self.repos[repo_id] = repo
-        for data in repo.files.values():
-            self.blobs[hashlib.sha256(data).hexdigest()] = data
+        for path, data in repo.files.items():
+            self.blobs[hashlib.sha256(data).hexdigest()] = repo.tampered.get(path, data)
         return repo
 
     def count(self, method: str | None = None, contains: str = "") -> int:
@@ -88,7 +104,7 @@ class HubServer:
         self._thread.join(10)
 
     async def _start(self) -> None:
-        hub = web.Application(middlewares=[self._record])
+        hub = web.Application(middlewares=[self._record, self._refuse])
         hub.router.add_get("/api/models/{org}/{name}/revision/{rev:.+}", self._model_info)
         hub.router.add_get("/api/models/{org}/{name}/tree/{rev:.+}", self._tree)
         hub.router.add_route("*", "/{org}/{name}/resolve/{rev}/{path:.+}", self._resolve)
@@ -110,8 +126,27 @@ class HubServer:
             self.ranges.append((request.path, request.headers["Range"]))
         return await handler(request)
 
-    def _error(self, status: int, code: str, message: str, sha: str | None = None) -> web.Response:
-        headers = {"X-Error-Code": code, "X-Error-Message": message}
+    @web.middleware
+    async def _refuse(self, request: web.Request, handler):
+        """The Hub's answers before any repository is looked at: rate limits, then bad tokens."""
+        if self.rate_limited > 0:
+            self.rate_limited -= 1
+            return web.json_response(
+                {"error": "You have exceeded the rate limit for repository downloads."}, status=429,
+                headers={"Retry-After": str(self.retry_after), "RateLimit": f'"api";r=0;t={self.retry_after}',
+                         "RateLimit-Policy": '"fixed window";"api";q=500;w=300'})
+        token = self._token(request)
+        if token is not None and self.valid_tokens is not None and token not in self.valid_tokens:
+            return self._error(401, None, "Invalid credentials in Authorization header")
+        return await handler(request)
+
+    @staticmethod
+    def _token(request: web.Request) -> str | None:
+        auth = request.headers.get("Authorization", "")
+        return auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
+
+    def _error(self, status: int, code: str | None, message: str, sha: str | None = None) -> web.Response:
+        headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {})}
         if sha:
             headers["X-Repo-Commit"] = sha
         return web.json_response({"error": message}, status=status, headers=headers)
@@ -119,8 +154,7 @@ class HubServer:
     def _lookup(self, request: web.Request, *, files: bool) -> tuple[Repo | None, str | None, web.Response | None]:
         """The repo and commit of a request, or the error response the Hub would give."""
         repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
-        auth = request.headers.get("Authorization", "")
-        token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
+        token = self._token(request)
         repo = self.repos.get(repo_id)
         if repo is None or (repo.private and token not in repo.allowed_tokens):
             return None, None, self._error(401 if token is None else 404, "RepoNotFound", "Repository not found")
@@ -139,10 +173,19 @@ class HubServer:
         if error:
             return error
         repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
+        siblings = []
+        for path, data in sorted(repo.files.items()):
+            sibling = {"rfilename": path}
+            if request.query.get("blobs", "").lower() in ("true", "1"):
+                sibling.update(size=len(data), blobId=git_blob_id(data))
+                if path.endswith(LFS_SUFFIXES):
+                    sibling["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                      "pointerSize": 134}
+            siblings.append(sibling)
         return web.json_response({
             "_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": sha, "private": repo.private,
             "gated": "auto" if repo.gated else False, "disabled": False, "tags": [], "downloads": 0, "likes": 0,
-            "lastModified": "2026-01-01T00:00:00.000Z", "siblings": [{"rfilename": f} for f in sorted(repo.files)]})
+            "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings})
 
     async def _tree(self, request: web.Request) -> web.Response:
         repo, sha, error = self._lookup(request, files=False)

@@ -361,11 +361,47 @@ def test_a_signal_stops_a_download_midway_releases_its_lock_and_exits_128_plus_i
     assert not list((env / ".slipstream" / "locks").glob("*.lock")), "the lock is released"
     assert ModelCache(env).entries() == [], "nothing is recorded as complete"
 
-    hub.trickle = None  # another pod takes over at once and finishes
+    hub.trickle = None  # another pod takes over at once and finishes, resuming the partial file
+    hub.ranges.clear()
     again = _download(env, tmp_path, "hf://org/big")
     out = again.communicate(timeout=120)[0]
     assert again.returncode == 0, out
     assert json.loads((tmp_path / "t").read_text())["bytes"] == BIG + len(b'{"model_type": "llama"}')
+    assert [r for p, r in hub.ranges if p.startswith("/lfs/")], "the second download resumed with a Range request"
+    assert sum(n for p, n in hub.sent.items() if p.startswith("/lfs/")) < 2 * BIG
+
+
+def test_a_download_killed_midway_resumes_its_partial_file_with_a_range_request(hub, env, tmp_path):
+    """SIGKILL (an OOM kill, a node lost): nothing runs on the way out. The next download finds
+    the partial blob, asks for the rest (Range: bytes=N-), checks the whole file's sha256 and
+    serves the same bytes; fewer than two files' worth of bytes crossed the wire in all."""
+    import hashlib
+
+    weights = hub.repos["org/big"].files["model.safetensors"]
+    hub.trickle = (256 << 10, 0.1)
+    hub.sent.clear()
+    hub.ranges.clear()
+    p = _download(env, tmp_path, "hf://org/big")
+    _wait_for_bytes(hub, 6 << 20)
+    p.kill()
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    first = sum(hub.sent.values())
+    assert first < BIG, "killed midway"
+    assert ModelCache(env).entries() == []
+    partial = env / "hf" / "models--org--big" / "blobs" / f"{hashlib.sha256(weights).hexdigest()}.incomplete"
+    assert partial.is_file() and partial.stat().st_size > 0, "the partial file is where the next try looks"
+
+    hub.trickle = None
+    again = _download(env, tmp_path, "hf://org/big")
+    out = again.communicate(timeout=120)[0]
+    assert again.returncode == 0, out
+    lfs = [(path, r) for path, r in hub.ranges if path.startswith("/lfs/")]
+    assert len(lfs) == 1 and lfs[0][1].startswith("bytes=") and int(lfs[0][1][6:-1]) > 0, hub.ranges
+    assert sum(n for path, n in hub.sent.items() if path.startswith("/lfs/")) < 2 * BIG
+    path = Path(json.loads((tmp_path / "t").read_text())["path"])
+    assert (path / "model.safetensors").read_bytes() == weights and not partial.exists()
+    assert len(ModelCache(env).entries()) == 1
 
 
 def test_a_signal_while_serve_fetches_its_model_stops_the_fetch_and_exits_143(hub, env, tmp_path):

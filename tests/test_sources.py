@@ -120,6 +120,7 @@ def env(hub, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved login of the developer's
     monkeypatch.setenv("SLIPSTREAM_MODEL_CACHE", str(tmp_path / "models"))
     hub.requests.clear()
+    hub.valid_tokens, hub.rate_limited, hub.retry_after = None, 0, 1  # the module's hub is shared
     return tmp_path / "models"
 
 
@@ -209,6 +210,120 @@ def test_a_404_fails_at_once_without_retries(hub, env):
     with pytest.raises(ModelSourceError):
         fetch(parse_model_uri("hf://org/nope"), env, retries=3, backoff_s=30)  # a retry would take 30 s
     assert hub.count(contains="/api/models/org/nope") == 1
+
+
+def test_a_tampered_lfs_file_fails_its_checksum_is_deleted_and_an_honest_one_passes(hub, env, tiny_files):
+    import hashlib
+
+    honest = tiny_files["model.safetensors"]
+    bad = honest[:-64] + bytes(64)  # as long as the listed file: only the checksum can tell
+    hub.add("org/tampered", Repo(dict(tiny_files), tampered={"model.safetensors": bad}))
+    want, got = hashlib.sha256(honest).hexdigest(), hashlib.sha256(bad).hexdigest()
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/tampered"), env, retries=2, backoff_s=0.01)
+    e = info.value
+    assert e.reason == "ChecksumMismatch" and e.status is None
+    assert "hf://org/tampered" in str(e) and "model.safetensors" in str(e) and want in str(e) and got in str(e)
+    assert ModelCache(env).entries() == [], "nothing is recorded as complete"
+    storage = env / "hf" / "models--org--tampered"
+    assert [f.name for f in (storage / "blobs").iterdir() if len(f.name) >= 64] == [], "the bad bytes are deleted"
+    assert not list(storage.glob("snapshots/*/model.safetensors"))
+    assert hub.count("GET", "/lfs/") == 1, "a checksum mismatch is not retried"
+
+    hub.add("org/tampered", Repo(dict(tiny_files)))  # the same commit, served honestly
+    result = fetch(parse_model_uri("hf://org/tampered"), env)
+    assert (result.path / "model.safetensors").read_bytes() == honest
+    assert (storage / "blobs" / want).is_file() and len(ModelCache(env).entries()) == 1
+
+
+def test_a_rate_limit_is_retried_after_its_retry_after_not_the_backoff(hub, env, caplog):
+    hub.add("org/busy", Repo({"config.json": b"{}", "model.safetensors": b"S" * 1000}))
+    hub.rate_limited, hub.retry_after = 2, 1
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        result = fetch(parse_model_uri("hf://org/busy"), env, retries=3, backoff_s=0.01)
+    assert result.revision == hub.repos["org/busy"].sha
+    assert time.monotonic() - start >= 2, "each retry waited the Retry-After (1 s), not the 0.01 s backoff"
+    assert sum("429" in r.message and "try" in r.message for r in caplog.records) == 2
+
+
+def test_a_rate_limit_that_lasts_fails_as_rate_limited_and_a_long_retry_after_is_bounded(hub, env, monkeypatch):
+    from slipstream.server.models import sources
+
+    hub.add("org/busy2", Repo({"config.json": b"{}", "model.safetensors": b"T" * 1000}))
+    monkeypatch.setattr(sources, "RETRY_AFTER_MAX_S", 0.2)
+    hub.rate_limited, hub.retry_after = 100, 3600
+    start = time.monotonic()
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/busy2"), env, retries=2, backoff_s=0.01)
+    e = info.value
+    assert (e.reason, e.status) == ("RateLimited", 429) and e.retry_after == 3600
+    assert "hf://org/busy2" in str(e) and "429" in str(e) and "3600" in str(e)
+    assert time.monotonic() - start < 10, "waited the bound (0.2 s), not the hour the Hub asked for"
+    assert hub.count(contains="/api/models/org/busy2") == 3
+
+
+def test_an_invalid_token_on_a_public_repo_is_401_naming_the_model_not_not_found(hub, env, monkeypatch, tmp_path,
+                                                                                   capsys):
+    from slipstream.server import cli
+
+    hub.valid_tokens = {TOKEN}
+    monkeypatch.setenv("HF_TOKEN", "hf_expired")
+    with pytest.raises(ModelSourceError) as info:
+        fetch(parse_model_uri("hf://org/tiny"), env)
+    e = info.value
+    assert (e.reason, e.status) == ("Unauthorized", 401)
+    assert "hf://org/tiny" in str(e) and "401" in str(e) and "invalid or expired" in str(e)
+    assert "not found" not in str(e).lower() and "HF_TOKEN" in str(e)
+    msg = tmp_path / "termination-log"
+    assert cli.main(["download", "hf://org/tiny", "--cache-dir", str(env), "--termination-message-path",
+                     str(msg)]) == 1
+    doc = json.loads(msg.read_text())
+    assert (doc["reason"], doc["status"]) == ("Unauthorized", 401) and "invalid or expired" in doc["error"]
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert fetch(parse_model_uri("hf://org/tiny"), env).revision == hub.repos["org/tiny"].sha
+
+
+def test_the_hub_fixture_sends_the_header_names_huggingface_hub_reads(hub, env):
+    """hub_server.py speaks huggingface_hub's dialect: the exact header names of its constants,
+    the error headers hf_raise_for_status reads, rate-limit headers its parsers understand."""
+    import http.client
+    import inspect
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+    from huggingface_hub.utils import hf_raise_for_status, parse_ratelimit_headers
+
+    def head(path: str, headers: dict | None = None) -> tuple[int, dict[str, str]]:
+        conn = http.client.HTTPConnection(urlsplit(hub.endpoint).netloc, timeout=10)
+        try:
+            conn.request("HEAD", path, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, dict(r.getheaders())  # names as sent, case kept
+        finally:
+            conn.close()
+
+    status, lfs = head("/org/tiny/resolve/main/model.safetensors")
+    assert status == 302
+    for name in (constants.HUGGINGFACE_HEADER_X_REPO_COMMIT, constants.HUGGINGFACE_HEADER_X_LINKED_ETAG,
+                 constants.HUGGINGFACE_HEADER_X_LINKED_SIZE):
+        assert name in lfs, (name, sorted(lfs))
+    status, small = head("/org/tiny/resolve/main/config.json")
+    assert status == 200 and constants.HUGGINGFACE_HEADER_X_REPO_COMMIT in small and "ETag" in small
+    status, missing = head("/org/tiny/resolve/main/nope.json")
+    assert status == 404 and missing["X-Error-Code"] == "EntryNotFound"
+    source = inspect.getsource(hf_raise_for_status)
+    assert 'headers.get("X-Error-Code")' in source and 'headers.get("X-Error-Message")' in source
+    hub.valid_tokens = {TOKEN}
+    status, bad_token = head("/org/tiny/resolve/main/config.json", {"Authorization": "Bearer hf_expired"})
+    assert status == 401 and "X-Error-Code" not in bad_token
+    assert bad_token["X-Error-Message"] == "Invalid credentials in Authorization header"
+    assert '"Invalid credentials in Authorization header"' in source  # the message it tells apart
+    hub.rate_limited, hub.retry_after = 1, 7
+    status, limited = head("/org/tiny/resolve/main/config.json")
+    assert status == 429 and limited["Retry-After"] == "7"
+    info = parse_ratelimit_headers(limited)
+    assert info is not None and (info.remaining, info.reset_in_seconds) == (0, 7)
 
 
 def test_a_repo_with_only_pickles_is_refused_by_name(hub, env):

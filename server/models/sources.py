@@ -52,8 +52,10 @@ from .model_cache import HF_DIR, STALE_AFTER_S, Entry, Lease, ModelCache, cache_
 log = logging.getLogger("slipstream.sources")
 
 SCHEMES = ("builtin", "sim", "local", "hf", "s3")
-REASONS = ("Unauthorized", "GatedRepo", "NotFound", "RevisionNotFound", "Unreachable", "InvalidURI", "NotCached",
-           "Interrupted")
+REASONS = ("Unauthorized", "GatedRepo", "NotFound", "RevisionNotFound", "Unreachable", "RateLimited", "InvalidURI",
+           "NotCached", "ChecksumMismatch", "CacheNotWritable", "Interrupted")
+RETRIED = ("Unreachable", "RateLimited")  # reasons a fetch tries again (with backoff) before giving up
+RETRY_AFTER_MAX_S = 300.0  # seconds: the longest Retry-After a fetch waits for before its next try
 ACCEPTED_FORMS = ("builtin, sim:PROFILE, a local path (a .gguf file or a checkpoint directory), "
                   "hf://ORG/NAME[@REVISION][:FILE], ORG/NAME[@REVISION][:FILE], s3://BUCKET/PREFIX")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -62,11 +64,13 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 class ModelSourceError(ModelLoadError):
     """A model could not be fetched. ``status``: the HTTP status (None without one); ``reason``: one
-    of :data:`REASONS`, what the operator puts in the InferenceService's condition."""
+    of :data:`REASONS`, what the operator puts in the InferenceService's condition;
+    ``retry_after``: seconds the server asked to wait before trying again (a 429's
+    ``Retry-After``), or None."""
 
-    def __init__(self, message: str, *, reason: str, status: int | None = None):
+    def __init__(self, message: str, *, reason: str, status: int | None = None, retry_after: float | None = None):
         super().__init__(message)
-        self.reason, self.status = reason, status
+        self.reason, self.status, self.retry_after = reason, status, retry_after
 
 
 class Interrupted(BaseException):
@@ -296,9 +300,11 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
     Args:
         offline: resolve from the cache only (also when ``HF_HUB_OFFLINE=1``).
         s3_endpoint: the S3 endpoint URL (default ``$AWS_ENDPOINT_URL``, else AWS).
-        retries, backoff_s: network errors (reason ``Unreachable``) are tried again ``retries``
-            times after ``backoff_s``, 2×, 4× … seconds; when all fail, a complete cached copy of
-            the same model is used if there is one. HTTP 401/403/404 fail at once.
+        retries, backoff_s: network errors (reason ``Unreachable``) and rate limits (HTTP 429,
+            ``RateLimited``) are tried again ``retries`` times after ``backoff_s``, 2×, 4× … seconds,
+            or after a 429's ``Retry-After`` (at most :data:`RETRY_AFTER_MAX_S`); a Hub download
+            resumes the files it had begun. When all fail, a complete cached copy of the same
+            model is used if there is one. HTTP 401/403/404 and ``ChecksumMismatch`` fail at once.
         stale_after_s: seconds without a heartbeat after which another process's lock is taken over.
         lease: hold an in-use lease on the copy until this process exits, so that eviction
             (``--max-cache-bytes``) keeps it (:meth:`.ModelCache.lease`); for processes that serve
@@ -356,10 +362,12 @@ def _fetch(uri: ModelURI, cache_dir: Path, offline: bool, s3_endpoint: str | Non
                                                        name=name)
                 break
             except ModelSourceError as e:
-                if e.reason != "Unreachable":
+                if e.reason not in RETRIED:
                     raise
                 if attempt < retries:
                     wait = backoff_s * 2 ** attempt
+                    if e.retry_after is not None:  # the server said when; bounded, as a Hub may ask for an hour
+                        wait = min(max(e.retry_after, wait), RETRY_AFTER_MAX_S)
                     log.warning("%s (try %d of %d; again in %.0f s)", e, attempt + 1, retries + 1, wait)
                     if _cancel.wait(wait):
                         check_cancelled()
