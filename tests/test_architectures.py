@@ -9,6 +9,8 @@ summation-order differences cannot flip a greedy token or an expert choice.
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -444,6 +446,89 @@ def test_unsupported_gguf_architecture_is_named(tmp_path, monkeypatch):
     w.close()
     with pytest.raises(ModelLoadError, match="'mamba' is not supported.*qwen3moe"):
         load_model(str(tmp_path / "m.gguf"), torch.device("cpu"), torch.float32)
+
+
+# Custom code a checkpoint ships (transformers' trust_remote_code): leaves a mark if anything runs it.
+CUSTOM_CODE = "import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('custom code ran')\n"
+
+
+def _custom_code(path: Path, auto_map: dict) -> None:
+    for module in {ref.split(".")[0] for refs in auto_map.values() for ref in ([refs] if isinstance(refs, str) else refs)
+                   if ref}:
+        (path / f"{module}.py").write_text(CUSTOM_CODE)
+
+
+def test_a_checkpoint_of_custom_modeling_code_is_refused_naming_its_auto_map_and_none_of_it_runs(tmp_path):
+    auto_map = {"AutoConfig": "configuration_acme.AcmeConfig", "AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["AcmeForCausalLM"], "model_type": "acme", "auto_map": auto_map}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    _custom_code(tmp_path, auto_map)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path}: config.json has auto_map ")
+    assert "modeling_acme.AcmeForCausalLM" in message and "['AcmeForCausalLM']" in message
+    assert "trust_remote_code" in message and "runs no remote code" in message and "Qwen3ForCausalLM" in message
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_custom_code_beside_an_architecture_we_implement_is_not_run_and_ours_serves_it(tmp_path, tokenizer, caplog):
+    import logging
+
+    _save(tmp_path, "qwen3", tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_qwen3.Qwen3Config",
+                          "AutoModelForCausalLM": "modeling_qwen3.Qwen3ForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["tokenization_qwen3.Qwen3Tokenizer", None]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    _custom_code(tmp_path, {**config["auto_map"], **tokenizer_config["auto_map"]})
+    with caplog.at_level(logging.WARNING, logger="slipstream.loader"):
+        loaded = load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    assert loaded.config.architecture == "Qwen3ForCausalLM"
+    assert "auto_map" in caplog.text and "modeling_qwen3.Qwen3ForCausalLM" in caplog.text
+    assert "does not run" in caplog.text and "its own implementation" in caplog.text
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_a_quantized_hf_checkpoint_is_refused_naming_its_method(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "quantization_config": {
+        "quant_method": "gptq", "bits": 4}}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(tmp_path))}: quantized checkpoints \(gptq\) are not "
+                                             r"supported; use an fp16/bf16/fp32 checkpoint or a GGUF file$"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_a_gguf_tensor_of_a_type_nothing_can_dequantize_is_named(tmp_path, monkeypatch, quantization):
+    """Q8_K (llama.cpp's intermediate type for dot products) has no kernel here and no decoder in
+    the gguf package: the error names the file, the tensor and the type."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(256)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tensor("token_embd.weight", np.ones((32, 256), dtype=np.float32))
+    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]  # bytes per 256 weights
+    w.add_tensor("output.weight", np.zeros((32, type_size), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(path))}: tensor output.weight uses quantization Q8_K, "
+                                             "which the gguf package cannot dequantize$"):
+        load_model(str(path), torch.device("cpu"), torch.float32, quantization=quantization)
 
 
 # --- config rules, as transformers reads them ----------------------------------------------

@@ -19,6 +19,16 @@ log = logging.getLogger("slipstream.loader")
 
 
 def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
+    """Config, weights and tokenizer of the checkpoint directory ``path``. A config.json with
+    ``auto_map`` (custom modeling code, transformers' ``trust_remote_code``) is served by our own
+    implementation when its architecture is one we have (with a warning), else refused: no code
+    from a checkpoint is ever run.
+
+    Raises:
+        ModelLoadError: no config.json; an unsupported architecture (with ``auto_map``: naming it
+            and saying that no remote code runs); a quantized checkpoint; pickle weights only or no
+            weights; config fields or tensors that do not fit; no loadable tokenizer.
+    """
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -28,6 +38,15 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], objec
     raw = json.loads(config_file.read_text())
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    auto_map = raw.get("auto_map")
+    if arch is None and auto_map:
+        raise ModelLoadError(f"{path}: config.json has auto_map {auto_map!r}: architecture "
+                             f"{archs or raw.get('model_type')!r} is custom modeling code shipped with the "
+                             "checkpoint (transformers' trust_remote_code), and slipstream runs no remote code; "
+                             f"it serves its own implementations only: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if auto_map:
+        log.warning("%s: config.json's auto_map %r names custom code, which slipstream does not run; "
+                    "serving %s with its own implementation", path, auto_map, arch)
     if arch is None:
         raise ModelLoadError(f"{path}: architecture {archs or raw.get('model_type')!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -95,7 +114,8 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], objec
             raise ModelLoadError(f"{f}: not a readable safetensors file, truncated or damaged? ({e})") from None
     log.info("read %d tensors from %d safetensors files in %.1f s", len(weights), len(files), time.perf_counter() - t0)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        # never a checkpoint's own tokenizer code, nor transformers' prompt asking whether to run it
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:
         raise ModelLoadError(f"{path}: could not load the tokenizer ({e})") from None
     cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | eos_ids(tokenizer))
