@@ -102,7 +102,9 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
     ``$HF_ENDPOINT`` and the token ``$HF_TOKEN`` (else a saved ``hf auth login``), read at each call.
 
     Raises:
-        ModelSourceError: see :func:`map_error`.
+        ModelSourceError: see :func:`map_error`; reason ``ChecksumMismatch`` for an LFS file whose
+            sha256 is not the listed one (deleted), ``Unreachable`` for one whose body ended early
+            (kept, and resumed by the next try).
         Interrupted: :func:`.sources.cancel_fetches` was called.
     """
     import huggingface_hub.constants
