@@ -121,10 +121,15 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": "model-cache-examples",
                  "resources": {"requests": {"storage": "1Gi"}}}}]))
     hub_doc["spec"]["env"] = [{"name": "HF_ENDPOINT", "value": "http://127.0.0.1:9"}]
+    # The S3 example likewise: its credentials exist, its endpoint is a closed loopback port.
+    s3_doc = docs["s3"]
+    installed.kubectl("create", "secret", "generic", "s3-credentials", "-n", ns_of(s3_doc),
+                      "--from-literal=AWS_ACCESS_KEY_ID=example", "--from-literal=AWS_SECRET_ACCESS_KEY=example")
+    s3_doc["spec"]["model"]["s3"]["endpoint"] = "http://127.0.0.1:9"
     for key, doc in docs.items():
-        if key != "hub":
+        if key not in ("hub", "s3"):
             installed.kubectl("apply", "-f", str(EXAMPLES / f"inferenceservice-{key}.yaml"))
-    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump(hub_doc))
+    installed.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([hub_doc, s3_doc]))
 
     # The built-in model runs: Ready, the EndpointSlice of its pods' headless Service lists the
     # ready pod, it answers.
@@ -175,16 +180,19 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
         get(installed, "infsvc", iname, "-n", ins), "Ready")), 60,
         "the image service's Ready condition naming the pull failure")
 
-    # The Hub model: its download step cannot reach the Hub, and the service says so, naming it.
-    failed = wait_for(lambda: (c := condition(get(installed, "infsvc", "smollm2-hub", "-n", ns_of(hub_doc)),
-                                              "Ready")) and c["reason"] == "DownloadFailed" and c, 180,
-                      "the Hub example's Ready condition naming the failed download")
-    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in failed["message"], failed
-    installed.kubectl("delete", "infsvc", "smollm2-hub", "-n", ns_of(hub_doc), "--wait=false")
+    # The Hub and S3 models: their download steps cannot reach the store, and each service says
+    # so, naming its model.
+    for doc, named in ((hub_doc, "HuggingFaceTB/SmolLM2-135M-Instruct"), (s3_doc, "s3://models/qwen3-0.6b")):
+        dname, dns = doc["metadata"]["name"], ns_of(doc)
+        failed = wait_for(lambda: (c := condition(get(installed, "infsvc", dname, "-n", dns), "Ready"))
+                          and c["reason"] == "DownloadFailed" and c, 180,
+                          f"the {dname} example's Ready condition naming the failed download")
+        assert named in failed["message"], failed
+        installed.kubectl("delete", "infsvc", dname, "-n", dns, "--wait=false")
 
     # Everything else that can run here turns Ready.
     for key, doc in docs.items():
-        if key in ("gpu-pvc", "image-path", "builtin", "hub"):
+        if key in ("gpu-pvc", "image-path", "builtin", "hub", "s3"):
             continue
         wait_for(lambda: infsvc_ready(installed, doc["metadata"]["name"], ns_of(doc)),
                  MODEL_READY_TIMEOUT, f"InferenceService {doc['metadata']['name']} Ready")

@@ -118,7 +118,8 @@ async def test_spec_change_rolls_pods_and_replica_change_does_not(kube, operator
                                {"name": "LOG_LEVEL", "value": "debug"}]}})
     rolled = await eventually(lambda: _deployment_where(
         kube, lambda d: "4" in container(d)["args"]), what="new template")
-    assert container(rolled)["env"] == [{"name": "LOG_LEVEL", "value": "debug"}]
+    assert container(rolled)["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"},
+                                        {"name": "LOG_LEVEL", "value": "debug"}]
     assert rolled["spec"]["replicas"] == 3
     assert rolled["metadata"]["annotations"][SPEC_HASH_ANNOTATION] != \
         first["metadata"]["annotations"][SPEC_HASH_ANNOTATION]
@@ -126,8 +127,8 @@ async def test_spec_change_rolls_pods_and_replica_change_does_not(kube, operator
 
     # A field removed from the spec leaves the Deployment too (the spec hash catches it).
     await kube.merge_patch(INFERENCESERVICES, NAMESPACE, "chat", {"spec": {"env": None}})
-    await eventually(lambda: _deployment_where(kube, lambda d: "env" not in container(d)),
-                     what="env removed")
+    await eventually(lambda: _deployment_where(
+        kube, lambda d: container(d)["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]), what="env removed")
     isvc = await eventually(lambda: _where(kube, lambda o: o["status"].get(
         "observedGeneration") == o["metadata"]["generation"]), what="observedGeneration")
     assert isvc["metadata"]["generation"] == 4

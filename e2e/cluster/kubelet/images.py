@@ -82,8 +82,7 @@ def resolve(ref: str, repo: Path, state_dir: Path | None = None, policy: str = "
         serve = ["serve", "--model", "builtin", *(["--device", "cuda"] if cuda else []),
                  "--host", "0.0.0.0", "--port", "8000"]
         return Image(full, _image_id(full), ["slipstream"], serve,
-                     {"PATH": venv_path, "PYTHONUNBUFFERED": "1", "HOME": "/home/slipstream",
-                      "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+                     {"PATH": venv_path, "PYTHONUNBUFFERED": "1", "HOME": "/home/slipstream"},
                      SLIPSTREAM_UID, SLIPSTREAM_UID, "/home/slipstream", "/home/slipstream")
     if re.fullmatch(r"ghcr\.io/slipstream-dev/slipstream-operator(:[^@]+|@sha256:[0-9a-f]+)", full):
         return Image(full, _image_id(full), ["slipstream"],
