@@ -40,6 +40,12 @@ DOWNLOAD_CONTAINER = "model-download"
 MODEL_CACHE_VOLUME = "model-cache"
 MODEL_CACHE_MOUNT = "/var/cache/slipstream/models"
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+# The download step also writes its result (the resolved revision) into a pod-local emptyDir; the
+# server serves exactly that revision (serve --model-revision-file), so one restarted in place
+# does not pick up a newer `main` that another service's pod fetched into a shared cache meanwhile.
+MODEL_REVISION_VOLUME = "model-revision"
+MODEL_REVISION_MOUNT = "/mnt/model-revision"
+MODEL_REVISION_FILE = f"{MODEL_REVISION_MOUNT}/revision.json"
 # oci:// weights: an image volume's mount point, or the emptyDir where the modelcar sidecar
 # links its image's model directory (through /proc/PID/root; the pod shares one PID namespace).
 MODEL_IMAGE_MOUNT = "/mnt/model-image"
@@ -134,7 +140,7 @@ def server_args(spec: InferenceServiceSpec, name: str,
         "--shutdown-timeout", str(spec.shutdown_timeout_seconds),
     ]
     if model_location(spec.model).downloaded:
-        args += ["--model-cache-dir", MODEL_CACHE_MOUNT]
+        args += ["--model-cache-dir", MODEL_CACHE_MOUNT, "--model-revision-file", MODEL_REVISION_FILE]
     # Unset, the engine sizes the KV pool itself: from free GPU memory after profiling on CUDA.
     if engine.kv_cache_memory is not None:
         args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
@@ -217,6 +223,7 @@ def _container(spec: InferenceServiceSpec, name: str,
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     if location.downloaded:
         mounts.append({"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT, "readOnly": True})
+        mounts.append({"name": MODEL_REVISION_VOLUME, "mountPath": MODEL_REVISION_MOUNT, "readOnly": True})
     if location.kind == "oci":
         mounts.append({"name": "model", "mountPath": MODEL_IMAGE_MOUNT, "readOnly": True}
                       if use_image_volume(spec.model, kube_version) else
@@ -245,7 +252,7 @@ def download_args(spec: InferenceServiceSpec) -> list[str]:
     """The ``slipstream download`` argument list of the init container (hf:// and s3://)."""
     model = spec.model
     args = ["download", model_location(model).uri, "--cache-dir", MODEL_CACHE_MOUNT,
-            "--termination-message-path", TERMINATION_MESSAGE_PATH]
+            "--termination-message-path", TERMINATION_MESSAGE_PATH, "--revision-file", MODEL_REVISION_FILE]
     if model.s3 is not None and model.s3.endpoint:
         args += ["--s3-endpoint", model.s3.endpoint]
     if model.cache is not None and model.cache.max_size is not None:
@@ -257,7 +264,8 @@ def download_container(spec: InferenceServiceSpec) -> dict[str, Any]:
     """The init container that fetches hf:// and s3:// weights into the model cache once per
     revision (a shared cache: under a lock, the other pods wait and reuse), then exits; it
     writes the resolved revision, bytes and seconds, or the error, as its termination message
-    (JSON), which the status reads. The server's image, the user's env (proxies, HF_ENDPOINT),
+    (JSON), which the status reads, and into the pod's own :data:`MODEL_REVISION_FILE`, the
+    revision the server then serves. The server's image, the user's env (proxies, HF_ENDPOINT),
     the credentials Secret; the Hub client online here only."""
     res, model = spec.resources, spec.model
     env = [{"name": "HF_HUB_OFFLINE", "value": "0"}]
@@ -273,7 +281,8 @@ def download_container(spec: InferenceServiceSpec) -> dict[str, Any]:
         # Downloads are network-bound: a fraction of the server's CPU, its memory limit.
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                       "limits": {"memory": res.memory}},
-        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT}],
+        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_MOUNT},
+                         {"name": MODEL_REVISION_VOLUME, "mountPath": MODEL_REVISION_MOUNT}],
         "terminationMessagePath": TERMINATION_MESSAGE_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
@@ -306,8 +315,9 @@ def modelcar_container(location: ModelLocation) -> dict[str, Any]:
 
 def model_volumes(location: ModelLocation, spec: InferenceServiceSpec,
                   kube_version: tuple[int, int] | None = None) -> list[dict[str, Any]]:
-    """The pod's volumes for its weights: the claim (pvc), the model cache (hf, s3), the
-    model image or the modelcar's link directory (oci)."""
+    """The pod's volumes for its weights: the claim (pvc), the model cache and the pod's own
+    record of the revision its download step fetched (hf, s3), the model image or the modelcar's
+    link directory (oci)."""
     if location.kind == "pvc":
         return [{"name": "model", "persistentVolumeClaim": {
             "claimName": location.claim_name, "readOnly": True}}]
@@ -319,12 +329,13 @@ def model_volumes(location: ModelLocation, spec: InferenceServiceSpec,
     if not location.downloaded:
         return []
     cache = spec.model.cache or ModelCacheSpec()
+    revision = {"name": MODEL_REVISION_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}}
     if cache.claim_name is not None:
-        return [{"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.claim_name}}]
+        return [{"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.claim_name}}, revision]
     if cache.host_path is not None:
         return [{"name": MODEL_CACHE_VOLUME, "hostPath": {"path": cache.host_path,
-                                                          "type": "DirectoryOrCreate"}}]
-    return [{"name": MODEL_CACHE_VOLUME, "emptyDir": {}}]
+                                                          "type": "DirectoryOrCreate"}}, revision]
+    return [{"name": MODEL_CACHE_VOLUME, "emptyDir": {}}, revision]
 
 
 def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None = None,

@@ -151,6 +151,10 @@ def serve_parser() -> argparse.ArgumentParser:
     m.add_argument("--model-cache-dir", default=None,
                    help="where hf:// and s3:// models are fetched to (default: $SLIPSTREAM_MODEL_CACHE, else "
                         "~/.cache/slipstream/models); several servers may share it")
+    m.add_argument("--model-revision-file", default=None,
+                   help="serve an hf:// or s3:// model at the revision this file records (what `slipstream download "
+                        "--revision-file` wrote: the pod's download step), from the cache only, whatever its "
+                        "refs say now; an error if the cache no longer holds it")
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     h.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -187,6 +191,8 @@ def run_serve(argv: list[str]) -> int:
         raise SystemExit("slipstream serve: --max-waiting must be >= 0")
     if args.model_cache_dir:  # read by the loader (models/sources.py) when it fetches the model
         os.environ["SLIPSTREAM_MODEL_CACHE"] = args.model_cache_dir
+    if args.model_revision_file:  # read by the loader too (models/sources.py read_revision_file)
+        os.environ["SLIPSTREAM_MODEL_REVISION_FILE"] = args.model_revision_file
     from slipstream.server.api.server import serve
     from slipstream.server.api.state import ServerOptions
 

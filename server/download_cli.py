@@ -4,6 +4,8 @@ container does before ``slipstream serve`` starts.
 On success the termination message (``--termination-message-path``, Kubernetes'
 ``terminationMessagePath``) is ``{"model", "revision", "bytes", "seconds", "path"}`` and the exit
 code 0; on failure ``{"model", "error", "reason", "status"}``, the message on stderr, exit code 1.
+``--revision-file PATH`` also writes the success JSON there (a pod-local emptyDir), which
+``slipstream serve --model-revision-file PATH`` reads to serve exactly that revision.
 Network errors (``Unreachable``) and rate limits (``RateLimited``, after a 429's Retry-After) are
 tried again a few times with backoff; 401/403/404 and ``ChecksumMismatch`` fail at once.
 
@@ -37,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: $AWS_ENDPOINT_URL, else AWS)")
     p.add_argument("--termination-message-path", type=Path, default=None,
                    help="write the result as JSON here (a pod's /dev/termination-log); default: nowhere")
+    p.add_argument("--revision-file", type=Path, default=None,
+                   help="on success also write the result JSON here, whole (a pod-local file: `slipstream serve "
+                        "--model-revision-file` then serves exactly this revision); default: nowhere")
     p.add_argument("--max-cache-bytes", type=byte_size, default=None,
                    help="after fetching, evict least recently used models until the cache holds at most this much "
                         "(e.g. 200GiB); the model just fetched, models being fetched and models a server holds a lease on "
@@ -126,7 +131,15 @@ def main(argv: list[str]) -> int:
     finally:
         for signum, handler in previous.items():  # main() also runs inside tests' processes
             signal.signal(signum, handler)
-    _write(args.termination_message_path, {"model": args.model, "revision": result.revision, "bytes": result.bytes,
-                                           "seconds": round(result.seconds, 3), "path": str(result.path)})
+    doc = {"model": args.model, "revision": result.revision, "bytes": result.bytes,
+           "seconds": round(result.seconds, 3), "path": str(result.path)}
+    if args.revision_file is not None:
+        from slipstream.server.models.disk_cache import write_atomic
+        try:  # whole or not at all: the server pins its model to it
+            write_atomic(args.revision_file, json.dumps(doc))
+        except OSError as e:
+            return _fail(args, f"model {args.model!r}: cannot write the revision file {args.revision_file}: {e}",
+                         "CacheNotWritable", None)
+    _write(args.termination_message_path, doc)
     print(f"{args.model}: revision {result.revision}, {result.bytes} bytes in {result.seconds:.1f} s at {result.path}")
     return 0

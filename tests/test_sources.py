@@ -373,6 +373,91 @@ def test_offline_resolves_from_the_cache_and_says_so_when_it_is_not_there(hub, e
     assert fetch(parse_model_uri("hf://org/tiny"), env).path == online.path and hub.requests
 
 
+def download_pinned(cache: Path, model: str, tmp_path: Path) -> Path:
+    """`slipstream download` as the init container runs it: the pod-local revision file it writes."""
+    from slipstream.server import cli
+
+    pin = tmp_path / "pod" / "revision.json"
+    pin.parent.mkdir(exist_ok=True)
+    assert cli.main(["download", model, "--cache-dir", str(cache), "--termination-message-path",
+                     str(tmp_path / "termination-log"), "--revision-file", str(pin)]) == 0
+    doc = json.loads(pin.read_text())
+    assert doc == json.loads((tmp_path / "termination-log").read_text())  # the whole result, as the status reads it
+    return pin
+
+
+def move_main(hub, repo_id: str, files: dict[str, bytes], cache: Path) -> str:
+    """Another service's pod fetches a newer `main` into the shared cache: refs/main moves."""
+    new = hub.add(repo_id, Repo(files)).sha
+    assert fetch(parse_model_uri(f"hf://{repo_id}"), cache, lease=False).revision == new
+    assert (cache / "hf" / f"models--{repo_id.replace('/', '--')}" / "refs" / "main").read_text() == new
+    return new
+
+
+def test_a_server_restarted_in_place_serves_the_revision_its_download_step_fetched_not_a_newer_main(
+        hub, env, tmp_path, monkeypatch, tiny_files):
+    from slipstream.server.models import sources
+    from slipstream.server.models.loader import resolve_model_path
+
+    old = hub.add("org/moving", Repo({**tiny_files, "generation_config.json": b'{"v": 1}'})).sha
+    pin = download_pinned(env, "hf://org/moving", tmp_path)
+    assert json.loads(pin.read_text())["revision"] == old
+    new = move_main(hub, "org/moving", {**tiny_files, "generation_config.json": b'{"v": 2}'}, env)
+    assert new != old
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the server container, as the operator renders it
+    hub.requests.clear()
+    monkeypatch.delenv(sources.REVISION_FILE_ENV, raising=False)
+    assert fetch(parse_model_uri("hf://org/moving"), env).revision == new  # unpinned: whatever refs/main says
+    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    path = resolve_model_path("hf://org/moving")
+    assert path == env / "hf" / "models--org--moving" / "snapshots" / old
+    assert (path / "generation_config.json").read_bytes() == b'{"v": 1}'
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # pinned, the cache only: never a newer download
+    pinned = fetch(parse_model_uri("hf://org/moving"), env, pinned_revision=old)
+    assert (pinned.path, pinned.revision) == (path, old) and hub.requests == []
+
+
+def test_a_pinned_revision_evicted_from_the_cache_is_an_error_naming_it_and_saying_to_recreate_the_pod(
+        hub, env, tmp_path, monkeypatch, tiny_files):
+    from slipstream.server.models import sources
+    from slipstream.server.models.loader import resolve_model_path
+
+    old = hub.add("org/evicted", Repo({**tiny_files, "generation_config.json": b'{"v": 1}'})).sha
+    pin = download_pinned(env, "hf://org/evicted", tmp_path)
+    move_main(hub, "org/evicted", {**tiny_files, "generation_config.json": b'{"v": 2}'}, env)
+    cache = ModelCache(env)
+    [entry] = [e for e in cache.entries() if e.revision == old]
+    cache.remove(entry)  # what --max-cache-bytes does to the least recently used revision
+    assert not (env / "hf" / "models--org--evicted" / "snapshots" / old).exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    hub.requests.clear()
+    with pytest.raises(ModelSourceError, match=f"revision {old}, which this pod's download step fetched, is no "
+                                               "longer in the model cache") as info:
+        resolve_model_path("hf://org/evicted")
+    assert info.value.reason == "NotCached" and "recreate the pod" in str(info.value)
+    assert "to go online" not in str(info.value) and hub.requests == []  # online would not bring it back
+
+
+def test_a_revision_file_that_is_missing_or_for_another_model_is_refused(hub, env, tmp_path):
+    from slipstream.server.models.sources import read_revision_file
+
+    uri = parse_model_uri("hf://org/tiny")
+    with pytest.raises(ModelSourceError, match="no revision file .*slipstream download --revision-file") as info:
+        read_revision_file(tmp_path / "none.json", uri)
+    assert info.value.reason == "NotCached"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model": "hf://org/gated", "revision": "a" * 40}))
+    with pytest.raises(ModelSourceError, match="records the model 'hf://org/gated', not this one") as info:
+        read_revision_file(other, uri)
+    assert info.value.reason == "InvalidURI"
+    other.write_text("{}")
+    with pytest.raises(ModelSourceError, match="holds no model and revision"):
+        read_revision_file(other, uri)
+    other.write_text(json.dumps({"model": "org/tiny", "revision": "b" * 40}))  # the same model, another spelling
+    assert read_revision_file(other, uri) == "b" * 40
+
+
 def test_a_gguf_selector_picks_one_file_among_decoys_and_it_loads(hub, env):
     from slipstream.server.models.loader import builtin_model_path, load_model
 
@@ -461,6 +546,23 @@ def test_serve_passes_the_model_cache_dir_to_the_loader(monkeypatch, tmp_path):
     assert seen == {"model": "hf://org/tiny@v1", "cache": str(tmp_path)}
 
 
+def test_serve_passes_the_model_revision_file_to_the_loader(monkeypatch, tmp_path):
+    from slipstream.server import cli
+    from slipstream.server.models.sources import REVISION_FILE_ENV
+
+    seen = {}
+
+    async def fake_serve(engine, options, host, port):
+        seen.update(model=engine.model, pin=os.environ.get(REVISION_FILE_ENV))
+        return 0
+
+    monkeypatch.setattr("slipstream.server.api.server.serve", fake_serve)
+    monkeypatch.setenv(REVISION_FILE_ENV, "/elsewhere")  # restored afterwards
+    pin = str(tmp_path / "revision.json")
+    assert cli.main(["serve", "--model", "hf://org/tiny", "--model-revision-file", pin]) == 0
+    assert seen == {"model": "hf://org/tiny", "pin": pin}
+
+
 @pytest.mark.parametrize("level, http_level", [("INFO", logging.WARNING), ("DEBUG", logging.NOTSET)])
 def test_serve_logs_the_hub_clients_requests_only_at_debug(monkeypatch, tmp_path, level, http_level):
     """huggingface_hub's httpx logs every request at INFO: a page of lines per download in a pod's log."""
@@ -482,7 +584,8 @@ def test_download_help_names_its_options(capsys):
     with pytest.raises(SystemExit):
         cli.main(["download", "--help"])
     text = capsys.readouterr().out
-    for option in ("--cache-dir", "--s3-endpoint", "--termination-message-path", "--max-cache-bytes", "--offline"):
+    for option in ("--cache-dir", "--s3-endpoint", "--termination-message-path", "--revision-file", "--max-cache-bytes",
+                   "--offline"):
         assert option in text, option
 
 
@@ -799,6 +902,37 @@ def test_s3_uri_of_one_object_fetches_that_file(s3, tmp_path):
     s3.put_object(Bucket="models", Key="ggufs/one.Q4_0.gguf", Body=b"GGUF" + b"\0" * 60)
     result = fetch(parse_model_uri("s3://models/ggufs/one.Q4_0.gguf"), tmp_path / "cache")
     assert result.path.name == "one.Q4_0.gguf" and result.path.read_bytes()[:4] == b"GGUF" and result.bytes == 64
+
+
+def test_s3_pinned_server_serves_its_pods_copy_and_refuses_one_a_later_fetch_rewrote(s3, tmp_path, monkeypatch,
+                                                                                      tiny_files):
+    """An S3 prefix has one copy in the cache, rewritten in place when a later fetch (another
+    service's pod) finds changed objects: pinned, a server restarted in place refuses to serve
+    bytes its pod's download step did not fetch."""
+    from slipstream.server.models import sources
+    from slipstream.server.models.loader import resolve_model_path
+
+    for name, data in tiny_files.items():
+        s3.put_object(Bucket="models", Key=f"pinned/{name}", Body=data)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SLIPSTREAM_MODEL_CACHE", str(cache))
+    pin = download_pinned(cache, "s3://models/pinned", tmp_path)
+    old = json.loads(pin.read_text())["revision"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    assert resolve_model_path("s3://models/pinned") == cache / "s3" / "models" / "pinned"
+    s3.put_object(Bucket="models", Key="pinned/generation_config.json", Body=b'{"changed": true}')
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    new = fetch(parse_model_uri("s3://models/pinned"), cache, lease=False).revision
+    assert new != old
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv(sources.REVISION_FILE_ENV)
+    assert fetch(parse_model_uri("s3://models/pinned"), cache).revision == new  # unpinned: the rewritten copy
+    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    with pytest.raises(ModelSourceError, match=f"revision {old}, which this pod's download step fetched, is no "
+                                               f"longer in the model cache .*now holds revision {new}") as info:
+        resolve_model_path("s3://models/pinned")
+    assert info.value.reason == "NotCached" and "recreate the pod" in str(info.value)
 
 
 def test_a_directory_holding_one_gguf_file_loads_that_file(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ def builtin_model_path() -> Path:
 
 def resolve_model_path(model: str) -> Path:
     """``"builtin"`` → the packaged GGUF; ``hf://…``, ``ORG/NAME`` and ``s3://…`` → fetched into the
-    model cache (``$SLIPSTREAM_MODEL_CACHE``, :mod:`.sources`) and its path there; otherwise the
+    model cache (``$SLIPSTREAM_MODEL_CACHE``, :mod:`.sources`) and its path there, at the revision
+    ``$SLIPSTREAM_MODEL_REVISION_FILE`` records when it is set (:func:`.sources.read_revision_file`); otherwise the
     given file or directory, which must exist (a directory without ``config.json`` that holds one
     GGUF file, such as a model image's ``/models``, means that file).
 
@@ -74,7 +76,11 @@ def resolve_model_path(model: str) -> Path:
 
     uri = sources.parse_model_uri(model)
     if uri.scheme in ("hf", "s3"):
-        fetched = sources.fetch(uri, sources.default_cache_dir())
+        # in a pod: the revision its download step fetched ($SLIPSTREAM_MODEL_REVISION_FILE, set by
+        # serve --model-revision-file), not whatever the shared cache's refs say now
+        pin_file = os.environ.get(sources.REVISION_FILE_ENV)
+        pinned = sources.read_revision_file(pin_file, uri) if pin_file else None
+        fetched = sources.fetch(uri, sources.default_cache_dir(), pinned_revision=pinned)
         log.info("model %s: revision %s (%.1f MB) at %s", model, fetched.revision, fetched.bytes / 1e6, fetched.path)
         return fetched.path
     if uri.scheme == "sim":

@@ -65,6 +65,25 @@ def object_revision(objects: dict[str, tuple[str, int]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def copy_folder(uri: ModelURI, s3_root: Path, path: Path | None = None) -> Path:
+    """The folder :func:`fetch_s3` fills for ``uri`` under ``s3_root``: ``PREFIX/``, or ``PREFIX.d/``
+    for a prefix that names one object, which ``path`` (a copy's load path) tells apart."""
+    dest = s3_root / uri.bucket / (uri.prefix or "")
+    single = dest.with_name(dest.name + ".d")
+    return single if uri.prefix and path is not None and (path == single or single in path.parents) else dest
+
+
+def copy_revision(folder: Path) -> str | None:
+    """The revision (:func:`object_revision`) of what ``folder`` holds now, as its manifest records
+    it: one copy per prefix, which a fetch after the objects changed rewrites in place. None
+    without a manifest."""
+    manifest = _read_manifest(folder)
+    try:
+        return object_revision({rel: (m["etag"], m["size"]) for rel, m in manifest.items()}) if manifest else None
+    except (TypeError, KeyError, AttributeError):
+        return None
+
+
 def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tuple[Path, str, list[Path]]:
     """Bring ``s3://bucket/prefix`` into ``s3_root/bucket/prefix/``; returns the path to load, the
     revision (:func:`object_revision`) and the paths of the files fetched.

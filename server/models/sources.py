@@ -29,6 +29,12 @@ Cache layout (``--model-cache-dir``, default ``$SLIPSTREAM_MODEL_CACHE`` else
     s3/BUCKET/PREFIX/        the objects, with .slipstream-s3.json (ETag and size of each file)
     .slipstream/             locks, completion markers and in-use leases (:mod:`.model_cache`)
 
+A fetch with ``pinned_revision`` (``serve --model-revision-file``: what its pod's download step
+resolved, :func:`read_revision_file`) reads that revision from the cache and nothing else, so a
+server restarted in place serves what its pod fetched even after another fetch moved ``main`` (or
+rewrote an S3 prefix's copy) in a shared cache; if the revision is gone it fails, reason
+``NotCached``, saying the pod must be recreated.
+
 A fetch stops at its next chunk (1 MiB, from the Hub or S3) once :func:`cancel_fetches`
 is called (``slipstream download`` and ``serve`` do on SIGINT/SIGTERM), raising
 :class:`Interrupted` and releasing its lock on the way out.
@@ -36,6 +42,8 @@ is called (``slipstream download`` and ``serve`` do on SIGINT/SIGTERM), raising
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -291,9 +299,47 @@ def offline_hint(flag: bool = False) -> str:
     return " and ".join(steps) or "drop --offline"
 
 
+# `slipstream serve --model-revision-file PATH` sets it for the loader (as --model-cache-dir sets
+# SLIPSTREAM_MODEL_CACHE): the file `slipstream download --revision-file PATH` wrote.
+REVISION_FILE_ENV = "SLIPSTREAM_MODEL_REVISION_FILE"
+
+
+def read_revision_file(path: str | Path, uri: ModelURI) -> str:
+    """The revision that ``slipstream download --revision-file`` recorded at ``path`` (its result
+    JSON, ``{"model", "revision", ...}``) for the model ``uri``: what a pod's server pins its
+    model to.
+
+    Raises:
+        ModelSourceError: no such file (reason ``NotCached``), or one that is not such a result
+            or records another model (``InvalidURI``).
+    """
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ModelSourceError(f"model {uri.text!r}: no revision file {path}, which `slipstream download "
+                               "--revision-file` writes (the pod's download step) to say which revision to serve",
+                               reason="NotCached") from None
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"model {uri.text!r}: cannot read the revision file {path}: {e}",
+                               reason="InvalidURI") from None
+    revision = doc.get("revision") if isinstance(doc, dict) else None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(revision, str) or not revision or not isinstance(model, str):
+        raise ModelSourceError(f"model {uri.text!r}: the revision file {path} holds no model and revision "
+                               "(not written by `slipstream download --revision-file`)", reason="InvalidURI")
+    try:
+        same = parse_model_uri(model).identity == uri.identity
+    except ModelSourceError:
+        same = False
+    if not same:
+        raise ModelSourceError(f"model {uri.text!r}: the revision file {path} records the model {model!r}, "
+                               "not this one", reason="InvalidURI")
+    return revision
+
+
 def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint: str | None = None,
           retries: int = 3, backoff_s: float = 1.0, stale_after_s: float = STALE_AFTER_S,
-          lease: bool = True) -> FetchResult:
+          lease: bool = True, pinned_revision: str | None = None) -> FetchResult:
     """Fetch a ``hf`` or ``s3`` model into ``cache_dir`` (layout in the module docstring), at most
     one process at a time per model: others wait for it and reuse its complete copy.
 
@@ -309,6 +355,10 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
         lease: hold an in-use lease on the copy until this process exits, so that eviction
             (``--max-cache-bytes``) keeps it (:meth:`.ModelCache.lease`); for processes that serve
             the model. A cache this process cannot write gets no lease, with a warning.
+        pinned_revision: serve exactly this revision (a commit sha; for S3, :func:`.s3_source.object_revision`)
+            from the cache, never downloading and whatever ``refs/main`` now says: what the pod's
+            download step resolved (:func:`read_revision_file`). Gone from the cache (evicted, or an
+            S3 copy rewritten by a later fetch): reason ``NotCached``, saying to recreate the pod.
 
     Raises:
         ModelSourceError: with ``reason`` and ``status`` (see :data:`REASONS`).
@@ -320,9 +370,9 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
     with _fetching():
         try:
             return _fetch(uri, cache_dir, offline or _offline_env(), s3_endpoint, retries, backoff_s, stale_after_s,
-                          lease)
+                          lease, pinned_revision)
         except ModelSourceError as e:
-            if e.reason != "NotCached":
+            if e.reason != "NotCached" or pinned_revision is not None:  # going online would not bring it back
                 raise
             # only here is it known whether --offline was given, beside the environment
             raise ModelSourceError(f"{e} (to go online: {offline_hint(offline)})", reason=e.reason,
@@ -339,10 +389,15 @@ def _not_fetchable(uri: ModelURI) -> str:
 
 
 def _fetch(uri: ModelURI, cache_dir: Path, offline: bool, s3_endpoint: str | None, retries: int, backoff_s: float,
-           stale_after_s: float, lease: bool) -> FetchResult:
+           stale_after_s: float, lease: bool, pinned: str | None = None) -> FetchResult:
     start = time.perf_counter()
     cache = ModelCache(cache_dir, stale_after_s=stale_after_s)
     name = cache_name(uri.identity)
+    if pinned is not None:
+        path, revision, nbytes = _pinned_copy(uri, cache_dir, cache, name, pinned)
+        held = _hold(cache, name, revision, path, uri.text, marked=cache.marked(name, revision)) if lease else None
+        log.info("serving %s at revision %s, the one this pod's download step fetched: %s", uri.text, revision, path)
+        return FetchResult(path, revision, nbytes, time.perf_counter() - start, held)
     if uri.scheme == "hf" and _COMMIT.match(uri.revision) and (entry := cache.find(name, uri.revision)):
         return _reuse(cache, entry, start, "pinned revision already complete", lease)
     if offline:
@@ -430,6 +485,41 @@ def _download(uri: ModelURI, cache_dir: Path, s3_endpoint: str | None, *, offlin
         return Path(entry.path), entry.revision, entry.bytes
     path, revision, files = fetch_s3(uri, cache_dir / "s3", endpoint=s3_endpoint)
     return path, revision, files_bytes(files)
+
+
+def _pinned_copy(uri: ModelURI, cache_dir: Path, cache: ModelCache, name: str, revision: str) -> tuple[Path, str, int]:
+    """The cached copy of ``uri`` at exactly ``revision`` (path, revision, bytes), from the cache alone.
+
+    Raises:
+        ModelSourceError: reason ``NotCached`` (:func:`_pinned_gone`) when the cache no longer holds it.
+    """
+    if uri.scheme == "hf":
+        from .hf_source import fetch_hf
+        try:
+            path, sha, files = fetch_hf(dataclasses.replace(uri, revision=revision), cache_dir / HF_DIR, offline=True)
+        except ModelSourceError as e:
+            if e.reason != "NotCached":
+                raise
+            raise _pinned_gone(uri, revision, cache_dir, "") from e
+        return path, sha, files_bytes(files)
+    from .s3_source import copy_folder, copy_revision
+    entry = cache.find(name, revision)
+    # one folder per prefix, rewritten in place by any later fetch: its manifest says what it holds now
+    holds = copy_revision(copy_folder(uri, cache_dir / "s3", Path(entry.path))) if entry else None
+    if entry is None or holds != revision:
+        raise _pinned_gone(uri, revision, cache_dir, f" (its copy {entry.path} now holds revision {holds}: a later "
+                                                     "fetch of the same prefix replaced it)" if entry else "")
+    return Path(entry.path), entry.revision, entry.bytes
+
+
+def _pinned_gone(uri: ModelURI, revision: str, cache_dir: Path, detail: str) -> ModelSourceError:
+    """The error of a pinned revision the cache no longer holds: reason ``NotCached``, as a copy
+    evicted while a server opens it (:func:`_hold`)."""
+    return ModelSourceError(
+        f"model {uri.text!r}: revision {revision}, which this pod's download step fetched, is no longer in the "
+        f"model cache {cache_dir}{detail}: it was evicted (spec.model.cache.maxSize, --max-cache-bytes) or "
+        "replaced, and this server serves that revision only, from the cache; recreate the pod (kubectl delete "
+        "pod) so that its download step fetches the model again", reason="NotCached")
 
 
 def _reuse(cache: ModelCache, entry: Entry, start: float, why: str, lease: bool) -> FetchResult:

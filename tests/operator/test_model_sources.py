@@ -12,8 +12,8 @@ import pytest
 
 from slipstream.operator import status as st
 from slipstream.operator.model_spec import parse_uri
-from slipstream.operator.resources import (DOWNLOAD_CONTAINER, MODEL_CACHE_MOUNT, render_children,
-                                           render_deployment)
+from slipstream.operator.resources import (DOWNLOAD_CONTAINER, MODEL_CACHE_MOUNT, MODEL_REVISION_FILE,
+                                           MODEL_REVISION_MOUNT, render_children, render_deployment)
 from slipstream.operator.spec import SpecError, parse_spec
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
@@ -45,8 +45,10 @@ def test_an_hf_uri_downloads_in_an_init_container_into_the_shared_cache_the_serv
     assert init["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     env = {e["name"]: e["value"] for e in init["env"]}
     assert env == {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9000"}
-    assert init["volumeMounts"] == [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT}]
-    assert pod["volumes"] == [{"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}}]
+    assert init["volumeMounts"] == [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT},
+                                    {"name": "model-revision", "mountPath": MODEL_REVISION_MOUNT}]
+    assert pod["volumes"] == [{"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}},
+                              {"name": "model-revision", "emptyDir": {"sizeLimit": "1Mi"}}]
     [server] = pod["containers"]
     assert arg(server["args"], "--model") == "hf://Qwen/Qwen3-0.6B@main"
     assert arg(server["args"], "--model-cache-dir") == MODEL_CACHE_MOUNT
@@ -62,9 +64,33 @@ def test_a_bare_hub_id_is_an_hf_uri():
 
 
 def test_without_a_cache_claim_each_pod_downloads_into_an_empty_dir_or_a_node_directory():
-    assert pod_spec(uri="hf://org/name")["volumes"] == [{"name": "model-cache", "emptyDir": {}}]
+    revision = {"name": "model-revision", "emptyDir": {"sizeLimit": "1Mi"}}
+    assert pod_spec(uri="hf://org/name")["volumes"] == [{"name": "model-cache", "emptyDir": {}}, revision]
     assert pod_spec(uri="hf://org/name", cache={"hostPath": "/var/cache/models"})["volumes"] == [
-        {"name": "model-cache", "hostPath": {"path": "/var/cache/models", "type": "DirectoryOrCreate"}}]
+        {"name": "model-cache", "hostPath": {"path": "/var/cache/models", "type": "DirectoryOrCreate"}}, revision]
+
+
+@pytest.mark.parametrize("uri", ["hf://org/name", "hf://org/name:Q4_K_M", "s3://models/llama/8b"])
+def test_the_server_serves_the_revision_its_pods_download_step_fetched_through_a_pod_local_file(uri):
+    """A shared cache's refs/main may move (another service's pod fetches a newer main) while this
+    pod runs: the download step writes what it resolved into a pod-local emptyDir, and the server,
+    restarted in place (the init container does not run again), pins its model to that file."""
+    pod = pod_spec(uri=uri, cache={"claimName": "model-cache"})
+    [init], [server] = pod["initContainers"], pod["containers"]
+    assert arg(init["args"], "--revision-file") == MODEL_REVISION_FILE
+    assert arg(server["args"], "--model-revision-file") == MODEL_REVISION_FILE
+    assert MODEL_REVISION_FILE.startswith(MODEL_REVISION_MOUNT + "/")
+    [volume] = [v for v in pod["volumes"] if v["name"] == "model-revision"]
+    assert volume == {"name": "model-revision", "emptyDir": {"sizeLimit": "1Mi"}}  # the pod's own, never shared
+    assert {"name": "model-revision", "mountPath": MODEL_REVISION_MOUNT} in init["volumeMounts"]
+    assert {"name": "model-revision", "mountPath": MODEL_REVISION_MOUNT, "readOnly": True} in server["volumeMounts"]
+
+
+@pytest.mark.parametrize("model", [{"uri": "pvc://claim/llama"}, {"source": "builtin"}])
+def test_a_model_without_a_download_step_gets_no_revision_file(model):
+    pod = pod_spec(**model)
+    assert "--model-revision-file" not in pod["containers"][0]["args"]
+    assert all(v["name"] != "model-revision" for v in pod.get("volumes", []))
 
 
 def test_an_s3_uri_passes_the_endpoint_region_and_credentials_to_the_download_step():
