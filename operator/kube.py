@@ -90,6 +90,7 @@ class Kube:
         self._session: aiohttp.ClientSession | None = None
         self._relogin = relogin
         self._version: tuple[int, int] | None = None
+        self._image_volumes: bool | None = None
 
     @classmethod
     def from_environment(cls) -> "Kube":
@@ -160,6 +161,35 @@ class Kube:
             except (ApiError, KeyError, ValueError):
                 return None
         return self._version
+
+    async def image_volumes_admitted(self, namespace: str) -> bool | None:
+        """Whether the API server keeps a pod's ``image`` volume, i.e. its ImageVolume feature
+        gate is on (beta and off by default in 1.33-1.34, on from 1.35, locked on from 1.36).
+        Asked once per process by a server-side dry run (``dryRun=All``: validated and admitted,
+        never stored) of a Deployment in ``namespace`` that has one: a server with the gate off
+        drops the field and then refuses the volume as having no type (422). None when the dry
+        run says neither (refused for another reason, unreachable): callers go by the version."""
+        if self._image_volumes is not None:
+            return self._image_volumes
+        labels = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
+        probe = {
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"generateName": "slipstream-image-volume-probe-", "labels": labels},
+            "spec": {"selector": {"matchLabels": labels}, "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "probe", "image": "registry.invalid/probe:1",
+                                         "volumeMounts": [{"name": "model", "mountPath": "/model"}]}],
+                         "volumes": [{"name": "model", "image": {"reference": "registry.invalid/model:1"}}]}}},
+        }
+        try:
+            made = await self.request("POST", DEPLOYMENTS.path(namespace) + "?dryRun=All", probe)
+        except ApiError as exc:
+            if exc.status == 422 and "volumes[0]" in exc.message:
+                self._image_volumes = False
+            return self._image_volumes
+        volumes = made.get("spec", {}).get("template", {}).get("spec", {}).get("volumes") or []
+        self._image_volumes = any("image" in v for v in volumes)
+        return self._image_volumes
 
     async def get(self, resource: Resource, namespace: str | None, name: str,
                   ) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ that do not.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kubernetes.utils.quantity import parse_quantity
 
@@ -279,6 +279,25 @@ def _validate_source(model: ModelSpec) -> None:
         raise SpecError("InvalidSpec", f"spec.model.path must be relative to the volume's root "
                                        f"(no leading '/', no '..') with source pvc, "
                                        f"got {model.path!r}")
+
+
+def needs_mount_probe(model: ModelSpec) -> bool:
+    """Whether ``model`` is an ``oci://`` image whose mount is ``auto``: only then does the
+    operator ask the API server whether it admits image volumes."""
+    return (model.uri or "").startswith("oci://") and (model.oci or OCISpec()).mount == "auto"
+
+
+def resolve_oci_mount(model: ModelSpec, kube_version: tuple[int, int] | None,
+                      image_volumes: bool | None) -> ModelSpec:
+    """``model`` with an ``auto`` image mount decided: ``image-volume`` where the API server
+    admits image volumes (``image_volumes``: its dry run, see ``Kube.image_volumes_admitted``;
+    a 1.33-1.34 cluster with the ImageVolume gate on admits them, a 1.35 one with it off does
+    not), else ``modelcar``; when the dry run could not tell (None), by :func:`use_image_volume`'s
+    version rule. Any other model comes back unchanged."""
+    if not needs_mount_probe(model):
+        return model
+    volume = use_image_volume(model, kube_version) if image_volumes is None else image_volumes
+    return replace(model, oci=OCISpec(mount="image-volume" if volume else "modelcar"))
 
 
 def use_image_volume(model: ModelSpec, kube_version: tuple[int, int] | None) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import kopf
@@ -28,7 +28,7 @@ from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCES
     ROLE_BINDINGS, ROLES, SERVICE_ACCOUNTS, SERVICES, ApiError, Kube, Resource
 from slipstream.operator.resources import gateway_selector_labels, pod_selector, \
     render_deployment, render_disruption_budget, render_service, selector_labels, service_url
-from slipstream.operator.model_spec import model_location
+from slipstream.operator.model_spec import model_location, needs_mount_probe, resolve_oci_mount
 from slipstream.operator.spec import SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
@@ -219,7 +219,10 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
             return None
         try:
             spec = parse_spec(body.get("spec"), name=name)
-            deployment = render_deployment(body, spec, await kube.server_version())
+            version = await kube.server_version()
+            image_volumes = await kube.image_volumes_admitted(namespace) if needs_mount_probe(spec.model) else None
+            deployment = render_deployment(
+                body, replace(spec, model=resolve_oci_mount(spec.model, version, image_volumes)), version)
             service = render_service(body, spec)
             pods_service = render_pods_service(body, spec)
             budget = render_disruption_budget(body, spec)

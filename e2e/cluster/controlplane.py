@@ -196,6 +196,7 @@ class ControlPlane:
     components: dict[str, Component] = field(default_factory=dict)
     api_port: int = 0
     token: str = ""
+    apiserver_flags: list[str] = field(default_factory=list)  # after the defaults, e.g. --feature-gates
 
     @property
     def pki(self) -> Path:
@@ -280,6 +281,7 @@ class ControlPlane:
             # Lets the relay in front of the server keep long watches open.
             "--min-request-timeout", "300",
             "--event-ttl", "1h", "-v", "1",
+            *self.apiserver_flags,
         ]
 
     def _add(self, name: str, args: list[str]) -> None:

@@ -214,7 +214,8 @@ class ApiServer(kmock.KubernetesEmulator):
             return await super()._handle(request)  # reads: kmock serves the stored objects
         if request.resource not in self.resources:
             raise kmock.KubernetesResourceNotFoundError()
-        for i, (method, plural, status, name) in enumerate(self._failures):
+        dry_run = request.params.get("dryRun") == "All"  # validated and answered, never stored
+        for i, (method, plural, status, name) in enumerate([] if dry_run else self._failures):
             target = request.name or ((request.data or {}).get("metadata") or {}).get("name")
             if method == request.method and plural == request.resource.plural and name in (None, target):
                 del self._failures[i]
@@ -287,6 +288,8 @@ class ApiServer(kmock.KubernetesEmulator):
         res = request.resource
         if request.method == "POST" and request.name is None:
             return self._create(res, request)
+        if request.params.get("dryRun") == "All":  # the operator dry-runs creates only
+            raise kmock.KubernetesError(status=501, reason="NotImplemented", message="dry runs of updates")
         key = (res, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
             raise kmock.KubernetesObjectNotFoundError()
@@ -363,6 +366,8 @@ class ApiServer(kmock.KubernetesEmulator):
                                         message=f"{res.plural} {meta['name']!r} already exists")
         if res in self._status_subresource:
             obj.pop("status", None)
+        if request.params.get("dryRun") == "All":
+            return 201, self._defaulted(res, obj), None
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(),
                     resourceVersion=str(next(self._versions)))
         if res.plural not in NO_GENERATION:
