@@ -174,7 +174,8 @@ class Kube:
         labels = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
         probe = {
             "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"generateName": "slipstream-image-volume-probe-", "labels": labels},
+            "metadata": {"generateName": "slipstream-image-volume-probe-", "namespace": namespace,
+                         "labels": labels},
             "spec": {"selector": {"matchLabels": labels}, "template": {
                 "metadata": {"labels": labels},
                 "spec": {"containers": [{"name": "probe", "image": "registry.invalid/probe:1",
@@ -182,7 +183,7 @@ class Kube:
                          "volumes": [{"name": "model", "image": {"reference": "registry.invalid/model:1"}}]}}},
         }
         try:
-            made = await self.request("POST", DEPLOYMENTS.path(namespace) + "?dryRun=All", probe)
+            made = await self.create(DEPLOYMENTS, probe, dry_run=True)
         except ApiError as exc:
             if exc.status == 422 and "volumes[0]" in exc.message:
                 self._image_volumes = False
@@ -209,8 +210,11 @@ class Kube:
         answer = await self.request("GET", resource.path(namespace) + query)
         return list(answer.get("items") or [])
 
-    async def create(self, resource: Resource, obj: Mapping[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", resource.path(obj["metadata"].get("namespace")), obj)
+    async def create(self, resource: Resource, obj: Mapping[str, Any], *, dry_run: bool = False,
+                     ) -> dict[str, Any]:
+        """POST; ``dry_run``: validated and admitted as a create, never stored (``dryRun=All``)."""
+        path = resource.path(obj["metadata"].get("namespace"))
+        return await self.request("POST", path + ("?dryRun=All" if dry_run else ""), obj)
 
     async def replace(self, resource: Resource, obj: Mapping[str, Any]) -> dict[str, Any]:
         """PUT; ``obj.metadata.resourceVersion`` makes it fail with 409 if the object moved."""
