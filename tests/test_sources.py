@@ -1037,3 +1037,49 @@ def test_a_split_gguf_model_is_refused_naming_its_shards_and_the_merge_before_do
     w.close()
     with pytest.raises(ModelLoadError, match="one of 2 shards of a split GGUF model.*llama-gguf-split --merge"):
         load_model(str(shard), torch.device("cpu"), torch.float32)
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+class _Terminal:
+    """A stderr that says it is a terminal and keeps what is written to it."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, []
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> int:
+        self.text.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_hub_and_s3_weights_draw_a_progress_bar_on_a_terminal_only(hub, env, s3, tmp_path, monkeypatch, tty):
+    for uri, cache in (("hf://org/tiny", env), ("s3://models/tiny", tmp_path / "s3-cache")):
+        stderr = _Terminal(tty)
+        monkeypatch.setattr(sys, "stderr", stderr)
+        fetch(parse_model_uri(uri), cache)
+        drawn = "".join(stderr.text)
+        if tty:
+            assert "model.safetensors:" in drawn and "/3.01M [" in drawn, (uri, drawn[-500:])  # name, total
+        else:
+            assert "%|" not in drawn, uri
+
+
+def test_a_slow_download_logs_progress_lines(hub, env, monkeypatch, caplog):
+    from slipstream.server.models import sources
+
+    monkeypatch.setattr(sources, "PROGRESS_INTERVAL_S", 0.1)
+    hub.trickle = (1 << 20, 0.3)
+    try:
+        with caplog.at_level(logging.INFO, logger="slipstream.sources"):
+            fetch(parse_model_uri("hf://org/tiny"), env)
+    finally:
+        hub.trickle = None
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fetching hf://org/tiny: ")]
+    assert lines and all("MB so far" in line and "MB/s" in line for line in lines), caplog.text[-1000:]

@@ -36,7 +36,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from .disk_cache import write_atomic
-from .sources import Interrupted, ModelSourceError, ModelURI, check_cancelled, several_ggufs, weights_path
+from .sources import (Interrupted, ModelSourceError, ModelURI, check_cancelled, progress_bar, several_ggufs,
+                      weights_path)
 
 log = logging.getLogger("slipstream.sources")
 
@@ -279,11 +280,16 @@ def _stream(uri: ModelURI, filename: str, url: str, headers: dict[str, str], hav
             digest, have = hashlib.sha256(), 0
         elif have:
             log.info("%s: resuming %s at byte %d", uri.text, filename, have)
-        for chunk in r.iter_bytes(chunk_size=CHUNK_BYTES):
-            check()
-            out.write(chunk)
-            digest.update(chunk)
-            have += len(chunk)
+        bar = progress_bar(filename, have + int(r.headers.get("Content-Length") or 0) or None, have)
+        try:
+            for chunk in r.iter_bytes(chunk_size=CHUNK_BYTES):
+                check()
+                out.write(chunk)
+                digest.update(chunk)
+                have += len(chunk)
+                bar.update(len(chunk))
+        finally:
+            bar.close()
     return digest, have
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .disk_cache import write_atomic
-from .sources import ModelSourceError, ModelURI, check_cancelled, weights_path
+from .sources import ModelSourceError, ModelURI, check_cancelled, progress_bar, weights_path
 
 log = logging.getLogger("slipstream.sources")
 
@@ -190,12 +190,17 @@ def _download(s3, bucket: str, key: str, etag: str, size: int, target: Path) -> 
                 args["Range"] = f"bytes={have}-"
                 log.info("resuming %s at %.1f of %.1f MB", key, have / 1e6, size / 1e6)
             body = s3.get_object(**args)["Body"]
-            with open(partial, "ab") as f:
-                for chunk in body.iter_chunks(_CHUNK):
-                    f.write(chunk)
-                    if digest is not None:
-                        digest.update(chunk)
-                    check_cancelled()  # after the write: what arrived is kept for the resume
+            bar = progress_bar(key.rsplit("/", 1)[-1], size, have)
+            try:
+                with open(partial, "ab") as f:
+                    for chunk in body.iter_chunks(_CHUNK):
+                        f.write(chunk)
+                        bar.update(len(chunk))
+                        if digest is not None:
+                            digest.update(chunk)
+                        check_cancelled()  # after the write: what arrived is kept for the resume
+            finally:
+                bar.close()
     except ClientError as e:
         if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (412, 416):
             partial.unlink(missing_ok=True)  # the object changed since it was listed

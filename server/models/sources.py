@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -573,12 +574,26 @@ def weights_path(folder: Path, files: list[str], *, model: str | None = None, ex
     return folder / ggufs[0]
 
 
+def progress_bar(name: str, total: int, initial: int = 0):
+    """A terminal progress bar over one file's ``total`` bytes (``initial`` of them already there:
+    a resumed download), updated with ``update(nbytes)`` and closed by ``close()``; disabled when
+    stderr is not a terminal, where :class:`_Progress`'s log lines report instead."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=name, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not sys.stderr.isatty(), leave=False)
+
+
+PROGRESS_INTERVAL_S = 10.0  # between progress lines in a fetch's log
+
+
 class _Progress:
     """Logs bytes arrived under ``cache_dir`` every ``interval`` seconds while a fetch runs (pod logs
     get lines, not a progress bar)."""
 
-    def __init__(self, what: str, cache_dir: Path, interval: float = 10.0):
-        self.what, self.cache_dir, self.interval = what, cache_dir, interval
+    def __init__(self, what: str, cache_dir: Path, interval: float | None = None):
+        self.what, self.cache_dir = what, cache_dir
+        self.interval = PROGRESS_INTERVAL_S if interval is None else interval
         self.stop = threading.Event()
 
     def _run(self) -> None:
