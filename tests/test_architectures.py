@@ -214,7 +214,7 @@ def test_experts_run_one_matmul_pair_per_expert_not_per_token(monkeypatch):
 
 # --- GGUF ---------------------------------------------------------------------------------
 
-_GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "llama": "llama"}
 _TENSOR_NAMES = {  # Hugging Face → llama.cpp, as convert_hf_to_gguf.py writes them
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -292,8 +292,10 @@ def _as_stored(t: torch.Tensor, dtype: str, name: str = "") -> torch.Tensor:
     return t
 
 
-def _write_gguf(path: Path, arch: str, checkpoint: Path, hf_cfg, dtype: str, tokenizer_fields: dict) -> None:
-    """The safetensors in ``checkpoint`` as a GGUF file of ``arch`` with ``tokenizer_fields``."""
+def _write_gguf(path: Path, arch: str, checkpoint: Path, hf_cfg, dtype: str, tokenizer_fields: dict,
+                extra: dict | None = None) -> None:
+    """The safetensors in ``checkpoint`` as a GGUF file of ``arch`` with ``tokenizer_fields``, and
+    ``extra`` tensors (name → fp32 array) after the model's."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -343,13 +345,15 @@ def _write_gguf(path: Path, arch: str, checkpoint: Path, hf_cfg, dtype: str, tok
                 e, proj = rest.split(".experts.")[1].split(".")
                 stacks.setdefault(_EXPERT_NAMES[proj], []).append((int(e), t))
                 continue
-            if arch == "mixtral" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("mixtral", "llama") and rest in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = hf_cfg.num_attention_heads if rest.endswith("q_proj") else hf_cfg.num_key_value_heads
                 t = _permute_rope(t, heads)
             add(f"blk.{i}.{_TENSOR_NAMES[rest]}.weight", t)
         for gguf_name, parts in stacks.items():
             add(f"blk.{i}.{gguf_name}.weight", torch.stack([t for _, t in sorted(parts, key=lambda x: x[0])]))
     assert not state, sorted(state)
+    for name, array in (extra or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -383,6 +387,62 @@ def test_gguf_matches_transformers_on_the_same_weights(tmp_path, tokenizer, gguf
     assert len(quant_experts) == (len(cfg.moe_layers) if dtype == "Q8_0" and ggml_cpu.available() else 0)
     llm = LLM(loaded=loaded, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    no_leaks(llm.engine)
+
+
+def _llama3_rope_factors(hf_cfg) -> "np.ndarray":
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3.1's rope scaling: per
+    rotary pair, the divisor that turns the unscaled frequency into the scaled one (1 for high
+    frequencies, ``factor`` for low ones, a smooth blend between)."""
+    import math
+
+    import numpy as np
+
+    rope = hf_cfg.rope_parameters
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    dim = hf_cfg.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_a_llama_3_gguf_applies_its_rope_frequency_factors(tmp_path, tokenizer, gguf_tokenizer, no_leaks,
+                                                          monkeypatch):
+    """Llama 3.1/3.2 GGUFs carry their rope scaling as a ``rope_freqs`` tensor, not as keys:
+    served with it, greedy tokens equal transformers' on the checkpoint's llama3 rope scaling."""
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = transformers.LlamaConfig(**COMMON, rope_parameters=rope, eos_token_id=tokenizer.eos_token_id,
+                                   bos_token_id=tokenizer.bos_token_id)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    _randomize(hf, seed=3)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    factors = _llama3_rope_factors(hf.config)
+    assert 1.0 < factors.max() and factors.min() == 1.0  # the scaling changes some pairs, not all
+    gguf_path = tmp_path / "llama3.gguf"
+    _write_gguf(gguf_path, "llama", tmp_path / "hf", hf.config, "F32", gguf_tokenizer,
+                extra={"rope_freqs.weight": factors})
+    loaded = load_model(str(gguf_path), torch.device("cpu"), torch.float32)
+    assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
+    expected = _generate(hf, PROMPTS[:4], tokenizer.eos_token_id)
+    unscaled = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)).eval()
+    unscaled.load_state_dict(hf.state_dict())
+    assert _generate(unscaled, PROMPTS[:4], tokenizer.eos_token_id) != expected  # the factors matter here
+    llm = LLM(loaded=loaded, max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20)
+    assert _tokens(llm.generate(PROMPTS[:4], GREEDY)) == expected
     no_leaks(llm.engine)
 
 
@@ -519,7 +579,9 @@ def test_a_gguf_tensor_of_a_type_nothing_can_dequantize_is_named(tmp_path, monke
     w.add_head_count(4)
     w.add_head_count_kv(4)
     w.add_layer_norm_rms_eps(1e-6)
+    w.add_token_list([f"t{i}" for i in range(32)])
     w.add_tensor("token_embd.weight", np.ones((32, 256), dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(256, dtype=np.float32))  # the one layer block_count names
     _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]  # bytes per 256 weights
     w.add_tensor("output.weight", np.zeros((32, type_size), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_K)
     w.write_header_to_file()

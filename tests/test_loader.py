@@ -115,8 +115,71 @@ def test_a_gguf_whose_tensor_type_was_edited_without_its_bytes_is_refused(tmp_pa
     data[at:at + 4] = int(gguf.GGMLQuantizationType.F16).to_bytes(4, "little")
     path.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match=r"tensor output_norm.weight \(F32, \(32, 64\)\) starts at byte \d+, "
-                                             r"but the tensors before it end at \d+"):
+                                             r"but tensor token_embd.weight \(F16, \(32, 64\)\) ends at \d+"):
         load_model(str(path), torch.device("cpu"), torch.float32)
+    # the last tensor's type edited: its data ends early, bytes follow it that no tensor claims
+    data = bytearray(path.read_bytes())
+    data[at:at + 4] = int(gguf.GGMLQuantizationType.F32).to_bytes(4, "little")
+    field = gguf.GGUFReader(str(path)).tensors[-1].field
+    last = field.offset + sum(int(part.nbytes) for part in field.parts[:4])
+    data[last:last + 4] = int(gguf.GGMLQuantizationType.Q4_0).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"tensor output.weight \(Q4_0, \(32, 64\)\) ends at byte \d+, but the "
+                                             r"file holds \d+ more bytes"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
+
+
+def _tiny_gguf(path, layers: int = 2, tensors_of: int | None = None, drop: tuple[str, ...] = (),
+               rename: dict[str, str] | None = None, **meta) -> None:
+    """A small llama GGUF (random F32 tensors of ``tensors_of`` layers, default ``layers``), its
+    metadata ``meta`` over the defaults (None drops a key), ``rename``-d tensors."""
+    import gguf
+
+    values = {"llama.block_count": layers, "llama.context_length": 128, "llama.embedding_length": 64,
+              "llama.feed_forward_length": 96, "llama.attention.head_count": 4,
+              "llama.attention.head_count_kv": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+              "tokenizer.ggml.eos_token_id": 2, **{k.replace("__", "."): v for k, v in meta.items()}}
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in values.items():
+        if value is None:
+            continue
+        kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+        w.add_key_value(key, value, kind)
+    if "tokens" not in drop:
+        w.add_token_list([f"t{i}" for i in range(8)])
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (8, 64), "output_norm": (64,), "output": (8, 64)}
+    for i in range(layers if tensors_of is None else tensors_of):
+        shapes.update({f"blk.{i}.attn_norm": (64,), f"blk.{i}.attn_q": (64, 64), f"blk.{i}.attn_k": (32, 64),
+                       f"blk.{i}.attn_v": (32, 64), f"blk.{i}.attn_output": (64, 64), f"blk.{i}.ffn_norm": (64,),
+                       f"blk.{i}.ffn_gate": (96, 64), f"blk.{i}.ffn_up": (96, 64), f"blk.{i}.ffn_down": (64, 96)})
+    for name, shape in shapes.items():
+        name = (rename or {}).get(name, name)
+        w.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("edit, said", [
+    (dict(llama__block_count=None), "GGUF key llama.block_count is missing"),
+    (dict(llama__attention__head_count=0), "GGUF key llama.attention.head_count is 0; it must be a positive"),
+    (dict(llama__context_length=0), "GGUF key llama.context_length is 0"),
+    (dict(llama__attention__layer_norm_rms_epsilon=None), "layer_norm_rms_epsilon is missing"),
+    (dict(layers=1, tensors_of=2), "llama.block_count says 1 layers, but the file holds tensors of layer 1"),
+    (dict(layers=3, tensors_of=2), "llama.block_count says 3 layers, but the file holds tensors of no layer 2"),
+    (dict(tokenizer__ggml__eos_token_id=10**9), "eos_token_id is 1000000000, outside the vocabulary of 8 tokens"),
+    (dict(drop=("tokens",)), "holds no tokenizer (GGUF key tokenizer.ggml.tokens is missing)"),
+    (dict(rename={"blk.0.attn_q": "blk.0.attn_X"}), "tensor blk.0.attn_X.weight is not one a GGUF llama model has"),
+    (dict(rename={"output_norm": "output_nxrm"}), "tensor output_nxrm.weight is not one a GGUF llama model has"),
+])
+def test_a_damaged_gguf_header_is_a_load_error_naming_what_is_wrong(tmp_path, monkeypatch, edit, said):
+    """Each of these was a traceback (TypeError, KeyError, ZeroDivisionError, AttributeError, IndexError)."""
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    _tiny_gguf(path, **edit)
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(path), torch.device("cpu"), torch.float32)
+    assert str(path) in str(err.value) and said in str(err.value), str(err.value)
 
 
 def test_checkpoint_missing_a_tensor_is_named(tmp_path, loaded):

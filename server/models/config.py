@@ -20,7 +20,8 @@ SUPPORTED_ARCHITECTURES = {
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM; Gemma 2 and 3 in :mod:`.gemma`).
 
-    ``rope_scaling`` is the checkpoint's dict (``rope_type`` ``"linear"`` or ``"llama3"``) or None.
+    ``rope_scaling`` is the checkpoint's dict (``rope_type`` ``"linear"``, ``"llama3"``, or a GGUF's
+    ``"freq_factors"``) or None.
     ``attention_bias`` is True for Qwen2 (biases on the q/k/v projections).
     """
 

@@ -47,6 +47,7 @@ GGUF_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+ROPE_FREQS = "rope_freqs"  # llama.cpp's per-pair RoPE frequency factors (Llama 3.1's rope scaling)
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the norm before the feed-forward there.
 _GEMMA_NAMES = {**GGUF_NAMES, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -143,22 +144,29 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
 def _check_layout(reader, path: Path) -> None:
     """llama.cpp's check of the tensor table (``gguf_init_from_file_impl``): each tensor's data
     starts where the one before it ends, padded to the file's alignment, and the last ends within
-    the file. A type or shape edited in the header without its bytes breaks this; served, it
+    the file; and, as every GGUF writer pads each tensor, at most one alignment of bytes follows
+    the last. A type or shape edited in the header without its bytes breaks this; served, it
     would read another tensor's bytes as its own.
 
-    Raises :class:`ModelLoadError` naming the first tensor out of place."""
+    Raises :class:`ModelLoadError` naming the tensor out of place and the one described before it."""
     expected, size = int(reader.data_offset), int(reader.data.size)
-    align = int(reader.alignment)
+    align, end, before = int(reader.alignment), int(reader.data_offset), "the header"
+
+    def described(t) -> str:
+        return f"tensor {t.name} ({t.tensor_type.name}, {tuple(int(d) for d in t.shape)})"
+
     for t in reader.tensors:
-        described = f"tensor {t.name} ({t.tensor_type.name}, {tuple(int(d) for d in t.shape)})"
         if int(t.data_offset) != expected:
-            raise ModelLoadError(f"{path}: {described} starts at byte {int(t.data_offset)}, but the tensors before "
-                                 f"it end at {expected}: the tensor table does not match the data (damaged file?)")
+            raise ModelLoadError(f"{path}: {described(t)} starts at byte {int(t.data_offset)}, but {before} ends at "
+                                 f"{expected}: the tensor table does not match the data (damaged file?)")
         end = expected + int(t.n_bytes)
         if end > size:
-            raise ModelLoadError(f"{path}: {described} ends at byte {end}, past the end of the file ({size} bytes; "
+            raise ModelLoadError(f"{path}: {described(t)} ends at byte {end}, past the end of the file ({size} bytes; "
                                  "truncated?)")
-        expected = -(-end // align) * align
+        expected, before = -(-end // align) * align, described(t)
+    if size - end >= align:
+        raise ModelLoadError(f"{path}: {before} ends at byte {end}, but the file holds {size - end} more bytes: the "
+                             "tensor table does not match the data (damaged file?)")
 
 
 # GGUF ``general.architecture`` → the Hugging Face architecture it is served as. llama.cpp writes
@@ -188,34 +196,57 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     def a(key: str, default=None):
         return field(f"{arch}.{key}", default)
 
-    num_heads = int(a("attention.head_count"))
-    num_kv_heads = int(a("attention.head_count_kv", num_heads))
-    hidden = int(a("embedding_length"))
-    num_layers = int(a("block_count"))
+    def need(key: str, default=None):
+        value = a(key, default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF key {arch}.{key} is missing; the model cannot be built without it")
+        return value
+
+    def positive(key: str, default=None) -> int:
+        value = need(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ModelLoadError(f"{path}: GGUF key {arch}.{key} is {value!r}; it must be a positive integer")
+        return int(value)
+
+    num_heads = positive("attention.head_count")
+    num_kv_heads = positive("attention.head_count_kv", num_heads)
+    hidden = positive("embedding_length")
+    num_layers = positive("block_count")
+    positive("context_length")
     tensors = {t.name: t for t in reader.tensors}
+    _check_tensor_names(tensors, num_layers, arch, path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelLoadError(f"{path}: the file holds no tokenizer (GGUF key tokenizer.ggml.tokens is missing)")
     embd = tensors.get("token_embd.weight")
     eos = field("tokenizer.ggml.eos_token_id")
+    if eos is not None and not 0 <= int(eos) < len(tokens.data):
+        raise ModelLoadError(f"{path}: GGUF key tokenizer.ggml.eos_token_id is {eos}, outside the vocabulary of "
+                             f"{len(tokens.data)} tokens")
     experts = int(a("expert_count", 0) or 0)
     hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else _GGUF_ARCHITECTURES[arch]
-    cfg = ModelConfig(
-        architecture=hf_arch,
-        # the embedding's rows, which a file may hold more or fewer of than tokenizer entries
-        vocab_size=int(embd.shape[1]) if embd is not None else int(a("vocab_size", 0)
-                                                                   or len(field("tokenizer.ggml.tokens"))),
-        hidden_size=hidden,
-        intermediate_size=int(a("feed_forward_length", 0)),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=int(a("attention.key_length", 0) or a("rope.dimension_count", hidden // num_heads)),
-        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(a("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(a("context_length")),
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        eos_token_ids=[int(eos)] if eos is not None else [],
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-    )
+    try:
+        cfg = ModelConfig(
+            architecture=hf_arch,
+            # the embedding's rows, which a file may hold more or fewer of than tokenizer entries
+            vocab_size=int(embd.shape[1]) if embd is not None else int(a("vocab_size", 0)
+                                                                       or len(field("tokenizer.ggml.tokens"))),
+            hidden_size=hidden,
+            intermediate_size=int(a("feed_forward_length", 0)),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(a("attention.key_length", 0) or a("rope.dimension_count", hidden // num_heads)),
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(a("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(a("context_length")),
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            eos_token_ids=[int(eos)] if eos is not None else [],
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        )
+    except ValueError as e:  # ModelConfig's own checks (heads dividing the hidden size, ...)
+        raise ModelLoadError(f"{path}: {e}") from None
     if experts:
         cfg.moe_layers = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
         legacy = [i for i in cfg.moe_layers if f"blk.{i}.ffn_gate_exps.weight" not in tensors]
@@ -223,7 +254,7 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: layer {legacy[0]} stores its experts one tensor each (an old llama.cpp "
                                  "layout); convert the model again with a current convert_hf_to_gguf.py")
         cfg.num_experts = experts
-        cfg.num_experts_per_tok = int(a("expert_used_count"))
+        cfg.num_experts_per_tok = positive("expert_used_count")
         cfg.moe_intermediate_size = int(a("expert_feed_forward_length", 0) or cfg.intermediate_size)
         # llama.cpp renormalizes the top-k weights of Mixtral and Qwen3-MoE unless the file says not to
         cfg.norm_topk_prob = bool(a("expert_weights_norm", True))
@@ -236,10 +267,40 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         if scaling_type != "linear":
             raise ModelLoadError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
         cfg.rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    freqs = tensors.get(f"{ROPE_FREQS}.weight")
+    if freqs is not None:
+        factors = np.asarray(freqs.data).reshape(-1)
+        if freqs.tensor_type.name != "F32" or factors.size != cfg.head_dim // 2 or cfg.rope_scaling:
+            raise ModelLoadError(f"{path}: tensor {ROPE_FREQS}.weight ({freqs.tensor_type.name}, {factors.size} "
+                                 f"values) is not one F32 factor per rotary pair ({cfg.head_dim // 2}) beside no "
+                                 "other rope scaling")
+        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
     if hf_arch in _GGUF_GEMMA:
         for name, value in _gemma_fields(a, hf_arch, cfg).items():
             setattr(cfg, name, value)
     return cfg
+
+
+def _check_tensor_names(tensors: dict, num_layers: int, arch: str, path: Path) -> None:
+    """Every tensor is one the model reads (``rope_freqs``: RoPE frequency factors, read into the
+    config), and the layers' tensors are those of layers 0 to ``block_count`` - 1.
+
+    Raises :class:`ModelLoadError` naming the first tensor that is not."""
+    names = _GEMMA_NAMES if arch in ("gemma2", "gemma3") else GGUF_NAMES
+    layers = set()
+    for name in tensors:
+        parts = name.split(".")
+        known = parts[0] == ROPE_FREQS or (parts[0] == "blk" and len(parts) >= 3 and parts[1].isdigit()
+                                           and parts[2] in names) or (parts[0] != "blk" and parts[0] in names)
+        if not known:
+            raise ModelLoadError(f"{path}: tensor {name} is not one a GGUF {arch} model has")
+        if parts[0] == "blk":
+            layers.add(int(parts[1]))
+    if layers != set(range(num_layers)):
+        extra = sorted(layers - set(range(num_layers)))
+        missing = sorted(set(range(num_layers)) - layers)
+        raise ModelLoadError(f"{path}: {arch}.block_count says {num_layers} layers, but the file holds tensors "
+                             + (f"of layer {extra[0]}" if extra else f"of no layer {missing[0]}"))
 
 
 def _gemma_fields(a, hf_arch: str, cfg: ModelConfig) -> dict:
@@ -275,6 +336,8 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
     weights: dict = {}
     dequantized: set[str] = set()
     for t in tensors:
+        if t.name == f"{ROPE_FREQS}.weight":  # read into cfg.rope_scaling by _gguf_config
+            continue
         qtype = t.qtype
         if t.offset + t.nbytes > data.size:
             raise ModelLoadError(f"{path}: tensor {t.name} lies past the end of the file (truncated?)")

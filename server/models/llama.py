@@ -38,8 +38,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` fp32 of rotary embeddings (Su et al., RoFormer, §3.4),
-    with the checkpoint's scaling: ``linear`` (position interpolation, Chen et al. 2023) or
-    ``llama3`` (Llama 3.1's frequency-band rescaling).
+    with the checkpoint's scaling: ``linear`` (position interpolation, Chen et al. 2023),
+    ``llama3`` (Llama 3.1's frequency-band rescaling) or ``freq_factors`` (the same as a GGUF
+    stores it: llama.cpp's ``rope_freqs`` tensor, one divisor per rotary pair).
 
     Raises:
         ValueError: a rope scaling type this engine does not implement.
@@ -53,6 +54,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # a GGUF's rope_freqs: llama.cpp divides each pair's frequency by its factor
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
