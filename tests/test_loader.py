@@ -5,6 +5,7 @@ is transformers' own greedy generate on the same files."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -180,6 +181,14 @@ def test_a_damaged_gguf_header_is_a_load_error_naming_what_is_wrong(tmp_path, mo
     with pytest.raises(ModelLoadError) as err:
         load_model(str(path), torch.device("cpu"), torch.float32)
     assert str(path) in str(err.value) and said in str(err.value), str(err.value)
+
+
+def test_a_gguf_tokenizer_transformers_cannot_convert_is_a_load_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    _tiny_gguf(path)  # tokens, but no tokenizer.ggml.model to say how they encode
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(path))}: its tokenizer could not be converted"):
+        load_model(str(path), torch.device("cpu"), torch.float32)
 
 
 def test_checkpoint_missing_a_tensor_is_named(tmp_path, loaded):

@@ -124,7 +124,8 @@ def _gguf_index(path: Path) -> tuple[ModelConfig, list[_TensorInfo]]:
     try:
         reader = open_reader(path)
     except Exception as e:  # a truncated or foreign file
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+        raise ModelLoadError(f"{path}: not a readable GGUF file, truncated or damaged? ({path.stat().st_size} bytes; "
+                             f"the gguf reader says: {e})") from None
     _check_layout(reader, path)
     _PARSED[path.resolve()] = reader  # for the tokenizer's conversion, next in the same load
     split = reader.fields.get("split.count")
@@ -456,8 +457,11 @@ def gguf_tokenizer(path: Path):
             log.warning("tokenizer cache %s unreadable (%s); rebuilding", cached, e)
     t0 = time.perf_counter()
     log.info("converting the GGUF tokenizer (once; cached in %s)", cached)
-    with _reader_reused(path, reader):
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        with _reader_reused(path, reader):
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers' conversion of a damaged or unusual tokenizer
+        raise ModelLoadError(f"{path}: its tokenizer could not be converted ({type(e).__name__}: {e})") from None
     disk_cache.fill_cache(cached, lambda tmp: tokenizer.save_pretrained(str(tmp)), path)
     log.info("tokenizer converted in %.1f s", time.perf_counter() - t0)
     return tokenizer
