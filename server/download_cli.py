@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -128,6 +129,9 @@ def main(argv: list[str]) -> int:
     except OSError as e:  # the cache volume: read-only, full, or not ours (hostPath without permissions)
         return _fail(args, f"model {args.model!r}: cannot write the model cache {cache_dir}: {e}",
                      "CacheNotWritable", None)
+    except Exception as e:  # a bug: the operator still gets a reason, the log the traceback
+        logging.getLogger("slipstream.sources").exception("slipstream download %s failed", args.model)
+        return _fail(args, f"model {args.model!r}: unexpected {type(e).__name__}: {e}", "Unexpected", None)
     finally:
         for signum, handler in previous.items():  # main() also runs inside tests' processes
             signal.signal(signum, handler)

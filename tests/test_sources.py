@@ -507,6 +507,44 @@ def test_download_writes_the_error_reason_and_status_on_failure(hub, env, tmp_pa
     assert "HF_TOKEN" in doc["error"] and "HF_TOKEN" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model, env_name, value, args", [
+    ("hf://org/tiny", "HF_ENDPOINT", "http://[::1", []),      # huggingface_hub's import raised ValueError
+    ("hf://org/tiny", "HF_ENDPOINT", "notaurl", []),
+    ("s3://models/tiny", "AWS_ENDPOINT_URL", "notaurl", []),  # boto3 raised ValueError
+    ("s3://models/tiny", None, None, ["--s3-endpoint", "ftp://store"]),
+])
+def test_download_with_an_endpoint_that_is_no_url_writes_its_reason(env, tmp_path, monkeypatch, capsys, model,
+                                                                     env_name, value, args):
+    from slipstream.server import cli
+
+    for name, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}.items():
+        monkeypatch.setenv(name, v)
+    if env_name:
+        monkeypatch.setenv(env_name, value)
+    msg = tmp_path / "termination-log"
+    assert cli.main(["download", model, "--cache-dir", str(env), "--termination-message-path", str(msg), *args]) == 1
+    doc = json.loads(msg.read_text())
+    assert doc["reason"] == "InvalidEndpoint" and doc["model"] == model, doc
+    assert f"model {model!r}: " in doc["error"] and "not an http:// or https:// URL" in doc["error"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_download_reports_an_unexpected_error_with_a_reason(env, tmp_path, monkeypatch, caplog):
+    from slipstream.server import cli
+    from slipstream.server.models import sources
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(sources, "fetch", broken)
+    msg = tmp_path / "termination-log"
+    assert cli.main(["download", "hf://org/tiny", "--cache-dir", str(env), "--termination-message-path",
+                     str(msg)]) == 1
+    doc = json.loads(msg.read_text())
+    assert (doc["reason"], doc["error"]) == ("Unexpected", "model 'hf://org/tiny': unexpected RuntimeError: a bug")
+    assert any(r.exc_info for r in caplog.records)  # the log keeps the traceback, for the bug report
+
+
 @pytest.mark.parametrize("model, says", [
     ("./no-such-dir", "no such local file or directory, and not a remote model: name one as hf://"),
     (".", "a local path: nothing to download"),

@@ -36,8 +36,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from .disk_cache import write_atomic
-from .sources import (Interrupted, ModelSourceError, ModelURI, check_cancelled, progress_bar, several_ggufs,
-                      weights_path)
+from .sources import (Interrupted, ModelSourceError, ModelURI, check_cancelled, check_endpoint, progress_bar,
+                      several_ggufs, weights_path)
 
 log = logging.getLogger("slipstream.sources")
 
@@ -108,13 +108,14 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
             (kept, and resumed by the next try).
         Interrupted: :func:`.sources.cancel_fetches` was called.
     """
+    # read here at each call (huggingface_hub reads it once, at import, and fails there on a bad one)
+    endpoint = check_endpoint(os.environ.get("HF_ENDPOINT") or None, "HF_ENDPOINT", uri.text)
     import huggingface_hub.constants
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
     if not sys.stderr.isatty():  # pod logs get sources.py's progress lines, not bars redrawn with \r
         disable_progress_bars()
-    endpoint = os.environ.get("HF_ENDPOINT") or None  # huggingface_hub reads it only once, at import
     token = os.environ.get("HF_TOKEN") or None
     try:
         if offline:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .disk_cache import write_atomic
-from .sources import ModelSourceError, ModelURI, check_cancelled, progress_bar, weights_path
+from .sources import ModelSourceError, ModelURI, check_cancelled, check_endpoint, progress_bar, weights_path
 
 log = logging.getLogger("slipstream.sources")
 
@@ -43,14 +43,17 @@ _CHUNK = 1 << 20
 CHECKSUM_MISMATCH = "ChecksumMismatch"
 
 
-def client(endpoint: str | None = None):
+def client(endpoint: str | None = None, model: str = "s3://"):
     """A boto3 S3 client for ``endpoint`` (default ``$AWS_ENDPOINT_URL``) in ``$AWS_REGION``, with
-    botocore's standard retries (3 tries, on network errors, 5xx and throttling only)."""
+    botocore's standard retries (3 tries, on network errors, 5xx and throttling only). Raises
+    ModelSourceError (``InvalidEndpoint``, naming ``model``) for an endpoint that is not a URL."""
     import boto3
     from botocore.config import Config
 
+    endpoint = check_endpoint(endpoint, "the S3 endpoint (--s3-endpoint, spec.model.s3.endpoint)", model) or \
+        check_endpoint(os.environ.get("AWS_ENDPOINT_URL") or None, "AWS_ENDPOINT_URL", model)
     return boto3.client(
-        "s3", endpoint_url=endpoint or os.environ.get("AWS_ENDPOINT_URL") or None,
+        "s3", endpoint_url=endpoint,
         region_name=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
         # response checks when_required: botocore would hash each GET a second time (ours, in
         # _download, also covers ranged GETs, which carry no checksum)
@@ -95,7 +98,7 @@ def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tu
             files checked before it stay).
         Interrupted: :func:`.sources.cancel_fetches` was called; the ``.partial`` file stays.
     """
-    s3 = client(endpoint)
+    s3 = client(endpoint, uri.text)
     try:
         objects, single = _list(s3, uri)
         dest = s3_root / uri.bucket / (uri.prefix or "")

@@ -62,13 +62,34 @@ log = logging.getLogger("slipstream.sources")
 
 SCHEMES = ("builtin", "sim", "local", "hf", "s3")
 REASONS = ("Unauthorized", "GatedRepo", "NotFound", "RevisionNotFound", "Unreachable", "RateLimited", "InvalidURI",
-           "NotCached", "ChecksumMismatch", "CacheNotWritable", "Interrupted")
+           "InvalidEndpoint", "NotCached", "ChecksumMismatch", "CacheNotWritable", "Interrupted", "Unexpected")
 RETRIED = ("Unreachable", "RateLimited")  # reasons a fetch tries again (with backoff) before giving up
 RETRY_AFTER_MAX_S = 300.0  # seconds: the longest Retry-After a fetch waits for before its next try
 ACCEPTED_FORMS = ("builtin, sim:PROFILE, a local path (a .gguf file or a checkpoint directory), "
                   "hf://ORG/NAME[@REVISION][:FILE], ORG/NAME[@REVISION][:FILE], s3://BUCKET/PREFIX")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def check_endpoint(url: str | None, what: str, model: str) -> str | None:
+    """``url`` (None: the client's default) if it is an http(s) URL with a host; else a
+    :class:`ModelSourceError` with reason ``InvalidEndpoint`` naming ``model`` and ``what`` set it (the
+    clients raised a bare ValueError, or took it as a host name and said only that it was
+    unreachable)."""
+    if url is None:
+        return None
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # a port out of range or not a number raises here
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ModelSourceError(f"model {model!r}: {what} is {url!r}, not an http:// or https:// URL with a host",
+                               reason="InvalidEndpoint")
+    return url
 
 
 class ModelSourceError(ModelLoadError):
