@@ -5,10 +5,33 @@ Shapes follow OpenAI's API reference: ``chat.completion`` / ``chat.completion.ch
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.server.engine.outputs import Logprob
+
+def json_text(body: Any) -> str:
+    """``body`` as strict JSON text (UTF-8 as is). Python's json writes ``NaN`` and ``Infinity``,
+    which JSON has not (jq, JavaScript and Go refuse the whole body); they come from a model
+    whose logits are not finite, so logprobs carry them: ``-inf`` becomes -9999.0 (vLLM's floor
+    for logprobs), ``inf`` 9999.0 and ``NaN`` null."""
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(body), ensure_ascii=False, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else math.copysign(9999.0, value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
 
 @dataclass
 class Choice:

@@ -157,7 +157,8 @@ class GenerationCall:
             error = failure(self.state, out) if out.finished or out.error else None
             if error is not None:
                 raise error
-        return web.json_response(self.response_body([self.choices[i] for i in sorted(self.choices)]))
+        return web.json_response(self.response_body([self.choices[i] for i in sorted(self.choices)]),
+                                 dumps=render.json_text)
 
     def chunk(self, choices: list[dict], usage: render.Usage | None = None) -> dict:
         """A stream chunk; with ``continuous_usage_stats`` each one that has choices carries the usage so far."""

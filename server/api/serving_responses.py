@@ -123,7 +123,7 @@ class EventStream(SSEStream):
 
     async def send(self, payload: dict) -> None:
         await self.response.write(f"event: {payload['type']}\n".encode() + b"data: "
-                                  + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+                                  + render.json_text(payload).encode() + b"\n\n")
 
     async def done(self) -> web.StreamResponse:
         await self.response.write_eof()

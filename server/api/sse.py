@@ -1,9 +1,9 @@
 """Server-sent events as OpenAI streams them: ``data: <json>\\n\\n`` per chunk, then ``data: [DONE]``."""
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
+
+from .render import json_text
 
 
 class SSEStream:
@@ -22,7 +22,7 @@ class SSEStream:
         await self.response.prepare(self._request)
 
     async def send(self, payload: dict) -> None:
-        await self.response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+        await self.response.write(b"data: " + json_text(payload).encode() + b"\n\n")
 
     async def done(self) -> web.StreamResponse:
         await self.response.write(b"data: [DONE]\n\n")

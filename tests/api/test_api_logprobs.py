@@ -3,6 +3,7 @@ need them; every entry is the token's own bytes, so the bytes add up to the text
 has no entry."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -101,3 +102,27 @@ def test_prompt_logprobs_come_back_as_vllm_returns_them(http, engine):
     assert [plp[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(echo[1:len(ids)])
     chunks = stream_chunks(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 0})
     assert [c["choices"][0].get("prompt_logprobs") is not None for c in chunks if c["choices"]][0]
+
+
+def _strict(text: str):
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is not JSON (jq, JavaScript and Go refuse the body)")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_non_finite_logits_are_still_json(http, server, monkeypatch):
+    """A model whose logits are NaN (damaged weights) made logprobs NaN, which Python's json
+    writes as a bare NaN: the body and the stream stay strict JSON, NaN as null."""
+    lm_head = server.llm.engine.runner.model.lm_head
+    handle = lm_head.register_forward_hook(lambda module, args, out: out * float("nan"))
+    try:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "logprobs": 2})
+        assert r.status_code == 200, r.text
+        body = _strict(r.text)
+        assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, None, None]
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "logprobs": 2, "stream": True},
+                      stream=True)
+        lines = [line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+        assert lines and all(_strict(line[len("data: "):]) for line in lines)
+    finally:
+        handle.remove()
