@@ -51,6 +51,8 @@ def _build(cc: str) -> Path:
     target = _cache_root() / f"slipstream_cpu-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
+    log.info("compiling the CPU kernels for this machine with %s (once; 15-20 s on two cores), into %s", cc,
+             target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)

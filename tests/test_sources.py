@@ -432,11 +432,21 @@ def test_a_pinned_revision_evicted_from_the_cache_is_an_error_naming_it_and_sayi
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
     hub.requests.clear()
-    with pytest.raises(ModelSourceError, match=f"revision {old}, which this pod's download step fetched, is no "
-                                               "longer in the model cache") as info:
+    with pytest.raises(ModelSourceError, match=rf"revision {old}, which the revision file names \(in a pod: what its "
+                                               "download step fetched\), is not in the model cache") as info:
         resolve_model_path("hf://org/evicted")
-    assert info.value.reason == "NotCached" and "recreate the pod" in str(info.value)
+    assert info.value.reason == "NotCached" and "In a pod, recreate it (kubectl delete pod)" in str(info.value)
     assert "to go online" not in str(info.value) and hub.requests == []  # online would not bring it back
+
+
+@pytest.mark.parametrize("model", ["builtin", "sim:tiny", "."])
+def test_a_revision_file_beside_a_model_that_is_not_downloaded_is_refused(tmp_path, monkeypatch, model):
+    from slipstream.server.models import sources
+    from slipstream.server.models.loader import ModelLoadError, resolve_model_path
+
+    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(tmp_path / "revision.json"))
+    with pytest.raises(ModelLoadError, match=r"--model-revision-file pins a downloaded model \(hf://, s3://\)"):
+        resolve_model_path(model)
 
 
 def test_a_revision_file_that_is_missing_or_for_another_model_is_refused(hub, env, tmp_path):
@@ -967,10 +977,10 @@ def test_s3_pinned_server_serves_its_pods_copy_and_refuses_one_a_later_fetch_rew
     monkeypatch.delenv(sources.REVISION_FILE_ENV)
     assert fetch(parse_model_uri("s3://models/pinned"), cache).revision == new  # unpinned: the rewritten copy
     monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
-    with pytest.raises(ModelSourceError, match=f"revision {old}, which this pod's download step fetched, is no "
-                                               f"longer in the model cache .*now holds revision {new}") as info:
+    with pytest.raises(ModelSourceError, match=f"revision {old}, which the revision file names .* is not in the "
+                                               f"model cache .*now holds revision {new}") as info:
         resolve_model_path("s3://models/pinned")
-    assert info.value.reason == "NotCached" and "recreate the pod" in str(info.value)
+    assert info.value.reason == "NotCached" and "In a pod, recreate it (kubectl delete pod)" in str(info.value)
 
 
 def test_a_directory_holding_one_gguf_file_loads_that_file(tmp_path):

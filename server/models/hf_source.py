@@ -126,7 +126,8 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
             sha, files = info.sha, [s.rfilename for s in info.siblings or []]
             lfs = _lfs_files(uri, info.siblings or [])
         selected = select_files(uri, files)
-        log.info("%s: revision %s, %d files: %s", uri.text, sha, len(selected), ", ".join(selected))
+        log.info("%s: revision %s, %d file%s: %s", uri.text, sha, len(selected), "" if len(selected) == 1 else "s",
+                 ", ".join(selected))
         huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE = min(huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE, CHUNK_BYTES)
         if not offline:
             _fetch_blobs(uri, hf_cache, sha, {f: lfs[f] for f in selected if f in lfs}, endpoint=endpoint,

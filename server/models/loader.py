@@ -70,11 +70,14 @@ def resolve_model_path(model: str) -> Path:
         ModelLoadError: a missing path; :class:`~.sources.ModelSourceError` (a subclass) for an
             invalid URI or a failed fetch.
     """
-    if model == "builtin":
-        return builtin_model_path()
     from . import sources
 
     uri = sources.parse_model_uri(model)
+    if os.environ.get(sources.REVISION_FILE_ENV) and uri.scheme not in ("hf", "s3"):
+        raise ModelLoadError(f"--model-revision-file pins a downloaded model (hf://, s3://), and {model!r} is not "
+                             "one; leave it out")
+    if model == "builtin":
+        return builtin_model_path()
     if uri.scheme in ("hf", "s3"):
         # in a pod: the revision its download step fetched ($SLIPSTREAM_MODEL_REVISION_FILE, set by
         # serve --model-revision-file), not whatever the shared cache's refs say now

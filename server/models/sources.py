@@ -538,10 +538,12 @@ def _pinned_gone(uri: ModelURI, revision: str, cache_dir: Path, detail: str) -> 
     """The error of a pinned revision the cache no longer holds: reason ``NotCached``, as a copy
     evicted while a server opens it (:func:`_hold`)."""
     return ModelSourceError(
-        f"model {uri.text!r}: revision {revision}, which this pod's download step fetched, is no longer in the "
-        f"model cache {cache_dir}{detail}: it was evicted (spec.model.cache.maxSize, --max-cache-bytes) or "
-        "replaced, and this server serves that revision only, from the cache; recreate the pod (kubectl delete "
-        "pod) so that its download step fetches the model again", reason="NotCached")
+        f"model {uri.text!r}: revision {revision}, which the revision file names (in a pod: what its download "
+        f"step fetched), is not in the model cache {cache_dir}{detail}: evicted (spec.model.cache.maxSize, "
+        "--max-cache-bytes), replaced, or fetched into another cache (--model-cache-dir); this server serves that "
+        "revision only, from the cache. In a pod, recreate it (kubectl delete pod) so that its download step "
+        "fetches the model again; by hand, run slipstream download --revision-file into this cache",
+        reason="NotCached")
 
 
 def _reuse(cache: ModelCache, entry: Entry, start: float, why: str, lease: bool) -> FetchResult:
