@@ -192,6 +192,14 @@ def run_serve(argv: list[str]) -> int:
     if args.model_cache_dir:  # read by the loader (models/sources.py) when it fetches the model
         os.environ["SLIPSTREAM_MODEL_CACHE"] = args.model_cache_dir
     if args.model_revision_file:  # read by the loader too (models/sources.py read_revision_file)
+        from slipstream.server.models.sources import ModelSourceError, parse_model_uri
+        try:
+            downloaded = parse_model_uri(args.model).scheme in ("hf", "s3")
+        except ModelSourceError:
+            downloaded = True  # the loader names what is wrong with the URI
+        if not downloaded:
+            raise SystemExit(f"slipstream serve: --model-revision-file pins a downloaded model (hf://, s3://), and "
+                             f"{args.model!r} is not one; leave it out")
         os.environ["SLIPSTREAM_MODEL_REVISION_FILE"] = args.model_revision_file
     from slipstream.server.api.server import serve
     from slipstream.server.api.state import ServerOptions

@@ -131,9 +131,9 @@ def test_a_gguf_whose_tensor_type_was_edited_without_its_bytes_is_refused(tmp_pa
 
 
 def _tiny_gguf(path, layers: int = 2, tensors_of: int | None = None, drop: tuple[str, ...] = (),
-               rename: dict[str, str] | None = None, **meta) -> None:
+               rename: dict[str, str] | None = None, extra: dict | None = None, **meta) -> None:
     """A small llama GGUF (random F32 tensors of ``tensors_of`` layers, default ``layers``), its
-    metadata ``meta`` over the defaults (None drops a key), ``rename``-d tensors."""
+    metadata ``meta`` over the defaults (None drops a key), ``rename``-d tensors, ``extra`` ones."""
     import gguf
 
     values = {"llama.block_count": layers, "llama.context_length": 128, "llama.embedding_length": 64,
@@ -157,6 +157,8 @@ def _tiny_gguf(path, layers: int = 2, tensors_of: int | None = None, drop: tuple
     for name, shape in shapes.items():
         name = (rename or {}).get(name, name)
         w.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    for name, array in (extra or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
 
@@ -172,6 +174,15 @@ def _tiny_gguf(path, layers: int = 2, tensors_of: int | None = None, drop: tuple
     (dict(drop=("tokens",)), "holds no tokenizer (GGUF key tokenizer.ggml.tokens is missing)"),
     (dict(rename={"blk.0.attn_q": "blk.0.attn_X"}), "tensor blk.0.attn_X.weight is not one a GGUF llama model has"),
     (dict(rename={"output_norm": "output_nxrm"}), "tensor output_nxrm.weight is not one a GGUF llama model has"),
+    (dict(llama__attention__layer_norm_rms_epsilon=float("nan")), "layer_norm_rms_epsilon is nan; it must be a finite"),
+    (dict(llama__attention__layer_norm_rms_epsilon=925353388), "layer_norm_rms_epsilon is 925353388; it must be a"),
+    (dict(llama__rope__freq_base=0.0), "GGUF key llama.rope.freq_base is 0.0; it must be a finite positive float"),
+    (dict(llama__rope__dimension_count=0), "GGUF key llama.rope.dimension_count is 0; it must be a positive"),
+    (dict(llama__attention__head_count_kv=3), "head_count (4) is not a multiple of llama.attention.head_count_kv (3)"),
+    (dict(llama__attention__head_count_kv=4), "tensor blk.0.attn_k.weight has 32 rows, but the header's "
+                                              "attention.head_count_kv (4) × head dim (16) is 64"),
+    (dict(extra={"rope_freqs.weight": -np.ones(8, dtype=np.float32)}), "holds factors that are not finite and pos"),
+    (dict(extra={"rope_freqs.weight": np.ones((2, 4), dtype=np.float32)}), "is F32 of shape (4, 2), not one F32"),
 ])
 def test_a_damaged_gguf_header_is_a_load_error_naming_what_is_wrong(tmp_path, monkeypatch, edit, said):
     """Each of these was a traceback (TypeError, KeyError, ZeroDivisionError, AttributeError, IndexError)."""
@@ -180,7 +191,7 @@ def test_a_damaged_gguf_header_is_a_load_error_naming_what_is_wrong(tmp_path, mo
     _tiny_gguf(path, **edit)
     with pytest.raises(ModelLoadError) as err:
         load_model(str(path), torch.device("cpu"), torch.float32)
-    assert str(path) in str(err.value) and said in str(err.value), str(err.value)
+    assert str(err.value).count(str(path)) == 1 and said in str(err.value), str(err.value)
 
 
 def test_a_gguf_tokenizer_transformers_cannot_convert_is_a_load_error(tmp_path, monkeypatch):

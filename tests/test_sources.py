@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -440,6 +441,15 @@ def test_a_pinned_revision_evicted_from_the_cache_is_an_error_naming_it_and_sayi
 
 
 @pytest.mark.parametrize("model", ["builtin", "sim:tiny", "."])
+def test_serve_refuses_a_revision_file_beside_a_model_that_is_not_downloaded(tmp_path, model):
+    from slipstream.server import cli
+
+    with pytest.raises(SystemExit, match=rf"--model-revision-file pins a downloaded model \(hf://, s3://\), and "
+                                         rf"'{re.escape(model)}' is not one"):
+        cli.main(["serve", "--model", model, "--model-revision-file", str(tmp_path / "revision.json")])
+
+
+@pytest.mark.parametrize("model", ["builtin", "sim:tiny", "."])
 def test_a_revision_file_beside_a_model_that_is_not_downloaded_is_refused(tmp_path, monkeypatch, model):
     from slipstream.server.models import sources
     from slipstream.server.models.loader import ModelLoadError, resolve_model_path
@@ -522,6 +532,9 @@ def test_download_writes_the_error_reason_and_status_on_failure(hub, env, tmp_pa
     ("hf://org/tiny", "HF_ENDPOINT", "notaurl", []),
     ("s3://models/tiny", "AWS_ENDPOINT_URL", "notaurl", []),  # boto3 raised ValueError
     ("s3://models/tiny", None, None, ["--s3-endpoint", "ftp://store"]),
+    ("hf://org/tiny", "HF_ENDPOINT", "", []),                      # set but empty: huggingface_hub used ""
+    ("hf://org/tiny", "HF_ENDPOINT", "http://127.0.0.1:99999", []),
+    ("s3://models/tiny", None, None, ["--s3-endpoint", "http://127.0.0.1:9/ x"]),
 ])
 def test_download_with_an_endpoint_that_is_no_url_writes_its_reason(env, tmp_path, monkeypatch, capsys, model,
                                                                      env_name, value, args):

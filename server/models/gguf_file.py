@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -209,11 +210,24 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: GGUF key {arch}.{key} is {value!r}; it must be a positive integer")
         return int(value)
 
+    def positive_float(key: str, default=None) -> float:
+        value = need(key, default)
+        if not isinstance(value, (float, np.floating)) or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(f"{path}: GGUF key {arch}.{key} is {value!r}; it must be a finite positive float")
+        return float(value)
+
     num_heads = positive("attention.head_count")
     num_kv_heads = positive("attention.head_count_kv", num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{path}: GGUF key {arch}.attention.head_count ({num_heads}) is not a multiple of "
+                             f"{arch}.attention.head_count_kv ({num_kv_heads})")
     hidden = positive("embedding_length")
     num_layers = positive("block_count")
     positive("context_length")
+    head_dim = positive("attention.key_length") if a("attention.key_length") else \
+        positive("rope.dimension_count", hidden // num_heads)
+    rms_norm_eps = positive_float("attention.layer_norm_rms_epsilon")
+    rope_theta = positive_float("rope.freq_base", 10000.0)
     tensors = {t.name: t for t in reader.tensors}
     _check_tensor_names(tensors, num_layers, arch, path)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -237,15 +251,17 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(a("attention.key_length", 0) or a("rope.dimension_count", hidden // num_heads)),
-            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(a("rope.freq_base", 10000.0)),
+            head_dim=head_dim,
+            rms_norm_eps=rms_norm_eps,
+            rope_theta=rope_theta,
             max_position_embeddings=int(a("context_length")),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             eos_token_ids=[int(eos)] if eos is not None else [],
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
         )
+    except ModelLoadError:
+        raise
     except ValueError as e:  # ModelConfig's own checks (heads dividing the hidden size, ...)
         raise ModelLoadError(f"{path}: {e}") from None
     if experts:
@@ -270,11 +286,17 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         cfg.rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
     freqs = tensors.get(f"{ROPE_FREQS}.weight")
     if freqs is not None:
-        factors = np.asarray(freqs.data).reshape(-1)
-        if freqs.tensor_type.name != "F32" or factors.size != cfg.head_dim // 2 or cfg.rope_scaling:
-            raise ModelLoadError(f"{path}: tensor {ROPE_FREQS}.weight ({freqs.tensor_type.name}, {factors.size} "
-                                 f"values) is not one F32 factor per rotary pair ({cfg.head_dim // 2}) beside no "
-                                 "other rope scaling")
+        shape = tuple(int(d) for d in freqs.shape)
+        if freqs.tensor_type.name != "F32" or shape != (cfg.head_dim // 2,):
+            raise ModelLoadError(f"{path}: tensor {ROPE_FREQS}.weight is {freqs.tensor_type.name} of shape {shape}, "
+                                 f"not one F32 factor per rotary pair ({cfg.head_dim // 2},)")
+        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise ModelLoadError(f"{path}: tensor {ROPE_FREQS}.weight holds factors that are not finite and "
+                                 f"positive (min {factors.min()!r}, max {factors.max()!r})")
+        if cfg.rope_scaling:
+            raise ModelLoadError(f"{path}: tensor {ROPE_FREQS}.weight and the key {arch}.rope.scaling.type both "
+                                 "scale RoPE; a file has one or the other")
         cfg.rope_scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
     if hf_arch in _GGUF_GEMMA:
         for name, value in _gemma_fields(a, hf_arch, cfg).items():
@@ -366,6 +388,10 @@ def _parse_gguf(path: Path, as_stored: bool = False) -> tuple[ModelConfig, dict]
             array = array - 1  # llama.cpp's converter stores Gemma's zero-centred norm weights + 1
         if cfg.architecture in _GGUF_ROPE_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+            if array.shape[0] != heads * cfg.head_dim:
+                key = "head_count" if name.endswith("q_proj.weight") else "head_count_kv"
+                raise ModelLoadError(f"{path}: tensor {t.name} has {array.shape[0]} rows, but the header's "
+                                     f"attention.{key} ({heads}) × head dim ({cfg.head_dim}) is {heads * cfg.head_dim}")
             array = _unpermute_rope(array, heads)  # permutes whole rows: blocks stay intact
         tensor = torch.from_numpy(array)
         weights[name] = quant.GGMLTensor(tensor, qtype, tuple(reversed(t.shape))) if keep else tensor

@@ -109,7 +109,7 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
         Interrupted: :func:`.sources.cancel_fetches` was called.
     """
     # read here at each call (huggingface_hub reads it once, at import, and fails there on a bad one)
-    endpoint = check_endpoint(os.environ.get("HF_ENDPOINT") or None, "HF_ENDPOINT", uri.text)
+    endpoint = check_endpoint(os.environ.get("HF_ENDPOINT"), "HF_ENDPOINT", uri.text)  # set but empty: invalid too
     import huggingface_hub.constants
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.utils import disable_progress_bars

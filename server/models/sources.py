@@ -82,13 +82,13 @@ def check_endpoint(url: str | None, what: str, model: str) -> str | None:
 
     try:
         parts = urllib.parse.urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
         parts.port  # a port out of range or not a number raises here
     except ValueError:
         ok = False
     if not ok:
-        raise ModelSourceError(f"model {model!r}: {what} is {url!r}, not an http:// or https:// URL with a host",
-                               reason="InvalidEndpoint")
+        raise ModelSourceError(f"model {model!r}: {what} is {url!r}, not an http:// or https:// URL with a host "
+                               "(and a port from 1 to 65535, if any)", reason="InvalidEndpoint")
     return url
 
 
