@@ -56,6 +56,10 @@ class _Group:
     ctx_blocks: int
     q_rows: torch.Tensor  # [B * max_q] int64, query row of each padded slot (clamped)
     mask: torch.Tensor  # [B, 1, max_q, ctx_blocks * block_size] bool, causal (and windowed) over the context
+    # [B, ctx_blocks * block_size, 1, 1] bool: gathered key slots no valid query of the member sees
+    # (past its context, behind its window, padding blocks). They hold other requests' or earlier
+    # owners' K/V; masked scores still multiply their values by 0, and 0 × NaN is NaN.
+    stale: torch.Tensor
     dest: torch.Tensor  # rows of ``out`` the valid slots fill: [B] for decode, [valid] for chunks
     valid: torch.Tensor | None  # [B, max_q] bool for chunks; None for decode (every slot valid)
 
@@ -78,9 +82,13 @@ def _group(members: list[int], max_q: int, bounds: list[int], q_lens: list[int],
     if window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
     mask = mask[:, None]
+    live = k_pos[None, :] < seq_len[:, None]
+    if window is not None:
+        live &= k_pos[None, :] > (seq_len - q_len)[:, None] - window
     valid = None if max_q == 1 else q_idx[None, :] < q_len[:, None]
     return _Group(max_q, tables[:, :ctx_blocks].reshape(-1).long(), ctx_blocks,
-                  rows.clamp(max=num_tokens - 1).reshape(-1), mask, starts if valid is None else rows[valid], valid)
+                  rows.clamp(max=num_tokens - 1).reshape(-1), mask, ~live[:, :, None, None],
+                  starts if valid is None else rows[valid], valid)
 
 
 def _plan(meta: AttentionMetadata, block_size: int, num_tokens: int, window: int | None = None) -> list[_Group]:
@@ -113,6 +121,8 @@ def _attend_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # element by element).
     keys = k_cache.index_select(0, g.block_ids).view(batch, ctx, num_kv_heads, head_dim)
     values = v_cache.index_select(0, g.block_ids).view(batch, ctx, num_kv_heads, head_dim)
+    keys.masked_fill_(g.stale, 0.0)  # a damaged request's NaN stays its own
+    values.masked_fill_(g.stale, 0.0)
     q = query.index_select(0, g.q_rows).view(batch, g.max_q, num_heads, head_dim)
     q, keys, values = q.transpose(1, 2).float(), keys.transpose(1, 2).float(), values.transpose(1, 2).float()
     if softcap is None:

@@ -616,3 +616,36 @@ def test_sliding_window_layers_follow_transformers(arch, raw, want):
     from slipstream.server.models.hf_checkpoint import layer_windows as _layer_windows
 
     assert _layer_windows(raw, arch, 3) == want
+
+
+def test_a_nan_embedding_row_fails_the_requests_that_read_it_and_spares_the_rest_of_the_batch(tmp_path, tokenizer,
+                                                                                            no_leaks):
+    """A damaged checkpoint: one token's embedding row is NaN. argmax over NaN logits picks an
+    index, so without a check the engine served it as text. A request whose prompt holds the token
+    fails with an error saying the logits are not finite (greedy or sampled); the requests batched
+    with it, and later ones given its freed blocks, get transformers' tokens; no block leaks."""
+    cfg = transformers.LlamaConfig(**COMMON, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    _randomize(hf, seed=11)
+    clean, later = PROMPTS[1:4], PROMPTS[4:6]
+    expected = _generate(hf, clean + later, tokenizer.eos_token_id)
+    seen = {t for p in clean + later for t in p} | {t for out in expected for t in out}
+    bad = next(t for t in PROMPTS[0] if t not in seen)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[bad] = float("nan")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=2048, trace=True)
+    damaged = [bad, *PROMPTS[0]]
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS)
+    outs = llm.generate([damaged, *clean, damaged], [GREEDY, GREEDY, GREEDY, GREEDY, sampled])
+    assert len(llm.engine.trace[0].scheduled) == 5, "all five should share the first step"
+    for out in (outs[0], outs[4]):
+        assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+        assert out.error and "not finite" in out.error and "NaN" in out.error
+    assert [o.error for o in outs[1:4]] == [None] * 3
+    assert _tokens(outs[1:4]) == expected[:3]
+    # The damaged requests' freed blocks, NaN and all, are reused: unwritten slots must not leak in.
+    outs = llm.generate([*later, damaged], GREEDY)
+    assert _tokens(outs[:2]) == expected[3:] and outs[2].error
+    no_leaks(llm.engine)

@@ -305,6 +305,41 @@ def test_entry_point_runs_a_mixed_batch_with_padding_through_triton(tk, device, 
 CPU_DEFAULT = "cpu_attention" if cpu_native.available() else "reference"
 
 
+def poison_unseen_slots(k_cache, v_cache, meta, window=None):
+    """Copies of the caches with NaN in every slot no query of the batch may see: past each
+    context, behind each window, and blocks no request owns (block 0 pads every table)."""
+    seen = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    bs = k_cache.shape[1]
+    bounds, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    for b, (q_len, seq_len) in enumerate(zip([e - s for s, e in zip(bounds, bounds[1:])], lens)):
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        for pos in range(first, seq_len):
+            seen[int(meta.block_tables[b, pos // bs]), pos % bs] = True
+    nan = torch.tensor(float("nan"), dtype=k_cache.dtype)
+    return (torch.where(seen[..., None, None].to(k_cache.device), k_cache, nan.to(k_cache.device)),
+            torch.where(seen[..., None, None].to(v_cache.device), v_cache, nan.to(v_cache.device)))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("mode", ["torch", "auto", "triton"])
+def test_nan_in_slots_a_request_cannot_see_never_reaches_its_output(tk, device, monkeypatch, mode, window):
+    """A damaged request's K/V (NaN) stays in its blocks after it is freed, and padding reads
+    other requests' blocks: every backend must give the same output as over clean slots, since
+    a masked score still multiplies its value by 0 and 0 × NaN is NaN."""
+    if mode == "triton" and DEVICE.type != "cuda" and not tk.triton_common.INTERPRETED:
+        pytest.skip("no Triton here")
+    dev = device if mode == "triton" else torch.device("cpu")
+    q_lens, seq_lens = [1, 1, 6, 19, 2, 1], [1, 50, 38, 19, 17, 16]  # decode rows, chunks, a cached prefix
+    query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, group=3, pad_tokens=2, device=dev)
+    monkeypatch.setenv("SLIPSTREAM_ATTENTION", mode)
+    clean = kernels.paged_attention(query, k_cache, v_cache, meta, 0.125, window)
+    k_bad, v_bad = poison_unseen_slots(k_cache.cpu(), v_cache.cpu(), on("cpu", meta), window)
+    meta.backend_cache.clear()
+    out = kernels.paged_attention(query, k_bad.to(dev), v_bad.to(dev), meta, 0.125, window)
+    assert not out.isnan().any(), f"{int(out.isnan().any(-1).any(-1).sum())} rows got NaN"
+    torch.testing.assert_close(out, clean, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode, expected", [("auto", CPU_DEFAULT), ("torch", "reference"),
                                             ("triton", "triton_attention"), (" Triton ", "triton_attention")])
 def test_slipstream_attention_selects_the_backend_for_cpu_tensors(tk, monkeypatch, mode, expected):

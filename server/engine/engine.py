@@ -20,7 +20,7 @@ from .memory import plan_kv_cache
 from .model_runner import ModelRunner, StepRunner, prompt_spans
 from .outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from .request import Request
-from .sampler import Sampler
+from .sampler import NON_FINITE, Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_outputs import GrammarCompiler, GrammarMatcher
@@ -306,22 +306,28 @@ class LLMEngine:
         (:meth:`Scheduler.update_from_output`: advance, cache blocks, append, EOS/stop-token/length).
 
         ``requests`` are the batch's sampled ones, ``tokens`` and ``logprobs`` aligned with them.
-        Before the update: the grammar's acceptance (a refused token is never appended) and
-        forking a first choice's siblings. After it: detokenization, stop strings, a complete
-        grammar, metrics and the outputs.
+        Before the update: a row whose logits are not finite, or whose token the grammar refuses,
+        fails its request (nothing is appended); a first choice's siblings are forked. After it:
+        detokenization, stop strings, a complete grammar, metrics and the outputs.
         """
         now = time.monotonic()
         changed: dict[str, list[CompletionOutput]] = {}
         prompt_logprobs: dict[str, list] = {}
-        failed: dict[str, Request] = {}
+        failed: dict[str, tuple[Request, str]] = {}
         accepted: dict[Request, int] = {}
         for req, tok in zip(requests, tokens):
             if req.finished:
                 continue
+            if tok == NON_FINITE:
+                log.error("request %s: the model's logits hold NaN or infinity (step %d)", req.request_id,
+                          self.num_steps)
+                failed.setdefault(req.group_id, (req, "internal error in model: the logits are not finite "
+                                                      "(NaN or infinity); the weights or the numerics are broken"))
+                continue
             if req.grammar is not None and not req.grammar.accept(tok):  # the mask allowed it: a bug, not the user's
                 log.error("request %s: structured output matcher refused token %d: %s", req.request_id, tok,
                           req.grammar.error)
-                failed.setdefault(req.group_id, req)
+                failed.setdefault(req.group_id, (req, f"internal error in structured output: {req.grammar.error}"))
                 continue
             accepted[req] = tok
             if req.metrics.first_token_time is None and req.index == 0 and req.params.n > 1:
@@ -343,8 +349,8 @@ class LLMEngine:
                 [lp] if lp is not None else None))
         outputs = [self._group_output(gid, outs, prompt_logprobs.get(gid)) for gid, outs in changed.items()
                    if gid not in failed]
-        for req in failed.values():
-            outputs += self._fail([req], f"internal error in structured output: {req.grammar.error}")
+        for req, message in failed.values():
+            outputs += self._fail([req], message)
         return outputs
 
     def _check_stop(self, req: Request, tok: int) -> None:

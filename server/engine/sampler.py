@@ -21,8 +21,13 @@ from .outputs import Logprob
 from .request import Request
 
 
+NON_FINITE = -1  # the token id of a row whose logits hold a NaN or an infinity
+
+
 @dataclass
 class SamplerOutput:
+    """``token_ids[i]`` is request i's next token, or :data:`NON_FINITE` where its logits were not
+    all finite (a damaged checkpoint or overflowing numerics): no token can be trusted from them."""
     token_ids: list[int]
     logprobs: list[Logprob | None]
 
@@ -165,6 +170,8 @@ class Sampler:
                     noise[row].exponential_(generator=req.generator)
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
+        # argmax treats NaN as the largest value: without this a broken model serves token ids as text
+        tokens = tokens.masked_fill(~torch.isfinite(raw).all(dim=-1), NON_FINITE)
         token_list = tokens.tolist()  # the step's one device→host copy
         return SamplerOutput(token_list, self._logprobs(raw, requests, token_list) if want_logprobs
                              else [None] * len(requests))
@@ -205,7 +212,7 @@ class Sampler:
         out: list[Logprob | None] = []
         for row, (req, tok) in enumerate(zip(requests, tokens)):
             n = req.params.logprobs
-            if n is None:
+            if n is None or tok == NON_FINITE:
                 out.append(None)
                 continue
             top = list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist()))
