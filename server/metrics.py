@@ -97,7 +97,8 @@ class ServerMetrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests served.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated and delivered.")
-        self.request_success = counter("request_success", "Finished choices, by finish reason.",
+        self.request_success = counter("request_success", "Finished choices, by finish reason (error: the "
+                                       "engine failed it, as a failed step or logits that are not finite).",
                                        _LABELS + ["finished_reason"])
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.", ITL_BUCKETS)
@@ -112,7 +113,7 @@ class ServerMetrics:
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time,
                        self.iteration_tokens):
             self.label(metric)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.label(self.request_success, reason)
 
     def label(self, metric: Any, *extra: str) -> Any:
@@ -173,7 +174,8 @@ class RequestRecord:
             self._last_token_time[key] = token_time
         for co in out.outputs:
             if co.finish_reason is not None:
-                reason = getattr(co.finish_reason, "value", co.finish_reason)
+                # the engine aborts what it fails; the error says it failed (vLLM v1 counts it as "error")
+                reason = "error" if out.error else getattr(co.finish_reason, "value", co.finish_reason)
                 self.finish_reasons.append(str(reason))
                 m.label(m.request_success, str(reason)).inc()
         if out.finished and metrics is not None:

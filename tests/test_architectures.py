@@ -618,34 +618,75 @@ def test_sliding_window_layers_follow_transformers(arch, raw, want):
     assert _layer_windows(raw, arch, 3) == want
 
 
-def test_a_nan_embedding_row_fails_the_requests_that_read_it_and_spares_the_rest_of_the_batch(tmp_path, tokenizer,
-                                                                                            no_leaks):
-    """A damaged checkpoint: one token's embedding row is NaN. argmax over NaN logits picks an
-    index, so without a check the engine served it as text. A request whose prompt holds the token
-    fails with an error saying the logits are not finite (greedy or sampled); the requests batched
-    with it, and later ones given its freed blocks, get transformers' tokens; no block leaks."""
+@dataclass
+class Damaged:
+    path: Path
+    bad: int  # the token whose embedding row is NaN
+    expected: dict[int, list[int]]  # PROMPTS index -> transformers' greedy tokens on the clean weights
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory, tokenizer) -> Damaged:
+    """A tiny Llama checkpoint with one token's embedding row NaN: a token of PROMPTS[0] that no
+    other prompt holds and no clean continuation produces."""
     cfg = transformers.LlamaConfig(**COMMON, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     _randomize(hf, seed=11)
-    clean, later = PROMPTS[1:4], PROMPTS[4:6]
-    expected = _generate(hf, clean + later, tokenizer.eos_token_id)
-    seen = {t for p in clean + later for t in p} | {t for out in expected for t in out}
+    clean = list(range(1, len(PROMPTS)))
+    expected = dict(zip(clean, _generate(hf, [PROMPTS[i] for i in clean], tokenizer.eos_token_id)))
+    seen = {t for i in clean for t in PROMPTS[i]} | {t for out in expected.values() for t in out}
     bad = next(t for t in PROMPTS[0] if t not in seen)
     with torch.no_grad():
         hf.model.embed_tokens.weight[bad] = float("nan")
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_path)
-    llm = LLM(model=str(tmp_path), kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=2048, trace=True)
-    damaged = [bad, *PROMPTS[0]]
+    path = tmp_path_factory.mktemp("damaged")
+    hf.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return Damaged(path, bad, expected)
+
+
+def _assert_non_finite_error(out) -> None:
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    assert out.error and "not finite" in out.error and "NaN" in out.error
+
+
+def test_a_nan_embedding_row_fails_the_requests_that_read_it_and_spares_the_rest_of_the_batch(damaged, no_leaks):
+    """argmax over NaN logits picks an index, so without a check the engine served it as text. A
+    request whose prompt holds the NaN token fails with an error saying the logits are not finite
+    (greedy or sampled); the requests batched with it, and later ones given its freed blocks, get
+    transformers' tokens; no block leaks."""
+    llm = LLM(model=str(damaged.path), kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=2048, trace=True)
+    bad_first = [damaged.bad, *PROMPTS[0]]
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS)
-    outs = llm.generate([damaged, *clean, damaged], [GREEDY, GREEDY, GREEDY, GREEDY, sampled])
+    outs = llm.generate([bad_first, *PROMPTS[1:4], bad_first], [GREEDY, GREEDY, GREEDY, GREEDY, sampled])
     assert len(llm.engine.trace[0].scheduled) == 5, "all five should share the first step"
-    for out in (outs[0], outs[4]):
-        assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
-        assert out.error and "not finite" in out.error and "NaN" in out.error
+    _assert_non_finite_error(outs[0])
+    _assert_non_finite_error(outs[4])
     assert [o.error for o in outs[1:4]] == [None] * 3
-    assert _tokens(outs[1:4]) == expected[:3]
+    assert _tokens(outs[1:4]) == [damaged.expected[i] for i in (1, 2, 3)]
     # The damaged requests' freed blocks, NaN and all, are reused: unwritten slots must not leak in.
-    outs = llm.generate([*later, damaged], GREEDY)
-    assert _tokens(outs[:2]) == expected[3:] and outs[2].error
+    outs = llm.generate([PROMPTS[4], PROMPTS[5], bad_first], GREEDY)
+    assert _tokens(outs[:2]) == [damaged.expected[4], damaged.expected[5]]
+    _assert_non_finite_error(outs[2])
+    no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("chunk", [None, 40])
+def test_a_damaged_request_leaves_no_nan_blocks_in_the_prefix_cache(damaged, no_leaks, chunk):
+    """The NaN token after a clean prefix: within its prefill chunk, attention's masked scores
+    still multiply the NaN values by 0, so the clean positions before it get NaN K/V too. Those
+    blocks carry the clean prefix's hashes: named for the prefix cache, every later request with
+    that prefix (a chat's system prompt) failed. The damaged request fails at the step its rows go
+    NaN, before its blocks are named; a clean request with the same prefix gets transformers'
+    tokens, reusing only blocks computed before the NaN (chunk 40: the first chunk's two)."""
+    llm = LLM(model=str(damaged.path), kv_cache_memory_bytes=4 << 20, trace=True,
+              max_num_batched_tokens=chunk or 2048)
+    prefix = PROMPTS[5][:50]  # PROMPTS[4] and [5] share it
+    assert PROMPTS[4][:50] == prefix
+    bad_later = [*prefix, damaged.bad, *PROMPTS[0][:30]]
+    first = llm.generate([bad_later, PROMPTS[5]], GREEDY)
+    _assert_non_finite_error(first[0])
+    assert first[1].error is None and _tokens(first[1:]) == [damaged.expected[5]]
+    assert first[1].num_cached_tokens == (32 if chunk else 0)
+    again = llm.generate(PROMPTS[4], GREEDY)[0]
+    assert again.error is None and _tokens([again]) == [damaged.expected[4]]
     no_leaks(llm.engine)

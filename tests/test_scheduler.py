@@ -7,6 +7,7 @@ import torch
 
 from slipstream.server.engine import SamplingParams
 from slipstream.server.engine.kv_cache import KVCacheManager
+from slipstream.server.engine.model_runner import StepOutput
 from slipstream.server.engine.outputs import RequestMetrics
 from slipstream.server.engine.request import Request
 from slipstream.server.engine.scheduler import Scheduler
@@ -25,7 +26,7 @@ class FakeRunner:
         self.calls += 1
         logits = torch.zeros(len(sample_rows), self.vocab)
         logits[:, TOKEN] = 1.0
-        return logits
+        return StepOutput(logits)
 
 
 @pytest.fixture

@@ -118,6 +118,8 @@ class GenerationCall:
                 for out in group.first_outputs:  # failed at its first step: a real status, not a 200 stream
                     error = failure(state, out)
                     if error is not None:
+                        for i, first in enumerate(group.first_outputs):  # counted and logged like any other
+                            record.observe(i, first)
                         raise error
                 self.on_first_outputs(group.first_outputs)
                 if self.req.stream:

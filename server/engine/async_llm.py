@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from ..models.errors import ModelLoadError
 from .config import EngineConfig
 from .engine import LLMEngine
 from .errors import RequestRejected
@@ -81,11 +82,17 @@ class AsyncLLM:
         self._thread.start()
 
     async def warmup(self) -> None:
-        """Run one tiny request through a step, so the first real request pays no first-call costs."""
-        async for _ in self.generate([self.engine.eos_token_ids[0] if self.engine.eos_token_ids else 0],
-                                     SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                                     request_id="warmup"):
-            pass
+        """Run one tiny request through a step, so the first real request pays no first-call costs.
+
+        Raises:
+            ModelLoadError: the step failed (a model whose every output is NaN, say): a server
+                that cannot answer one token must not report ready.
+        """
+        async for out in self.generate([self.engine.eos_token_ids[0] if self.engine.eos_token_ids else 0],
+                                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                       request_id="warmup"):
+            if out.error:
+                raise ModelLoadError(f"the model failed its warm-up step: {out.error}")
 
     async def shutdown(self) -> None:
         """Stop the step loop; unfinished requests are aborted."""

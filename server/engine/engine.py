@@ -29,6 +29,9 @@ from .trace import EngineStats, StepRecord
 
 log = logging.getLogger("slipstream.engine")
 
+NON_FINITE_ERROR = ("internal error in model: the logits are not finite (NaN or infinity); "
+                    "the weights or the numerics are broken")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -283,17 +286,19 @@ class LLMEngine:
         try:
             spans = prompt_spans(batch)  # only requests that asked for prompt logprobs pay for them
             if spans:
-                logits, computed = self.runner.run_with_prompt_logprobs(batch, sample_idx, spans)
-                for span, entries in zip(spans, computed):
+                out = self.runner.run_with_prompt_logprobs(batch, sample_idx, spans)
+                for span, entries in zip(spans, out.prompt_logprobs):
                     batch.requests[span.index].prompt_logprobs.extend(entries)
             else:
-                logits = self.runner.run(batch, sample_idx)
-            sampled = self.sampler(logits, to_sample)
+                out = self.runner.run(batch, sample_idx)
+            sampled = self.sampler(out.logits, to_sample)
+            damaged = out.non_finite_requests(batch)  # after the sampler's copy: the flag is already on the host
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step %d failed; aborting its %d requests", self.num_steps, len(batch.requests))
             return self._fail(batch.requests, f"internal error in engine step: {type(e).__name__}: {e}")
         t_fwd = time.perf_counter()
-        outputs = self._postprocess(batch, to_sample, sampled.token_ids, sampled.logprobs)
+        outputs = self._fail_damaged([batch.requests[i] for i in damaged])
+        outputs += self._postprocess(batch, to_sample, sampled.token_ids, sampled.logprobs)
         self.num_steps += 1
         record.forward_time = t_fwd - t_run
         record.step_time = time.perf_counter() - t0
@@ -318,11 +323,10 @@ class LLMEngine:
         for req, tok in zip(requests, tokens):
             if req.finished:
                 continue
-            if tok == NON_FINITE:
+            if tok == NON_FINITE:  # the hidden states were finite (else it failed already): the LM head's weights
                 log.error("request %s: the model's logits hold NaN or infinity (step %d)", req.request_id,
                           self.num_steps)
-                failed.setdefault(req.group_id, (req, "internal error in model: the logits are not finite "
-                                                      "(NaN or infinity); the weights or the numerics are broken"))
+                failed.setdefault(req.group_id, (req, NON_FINITE_ERROR))
                 continue
             if req.grammar is not None and not req.grammar.accept(tok):  # the mask allowed it: a bug, not the user's
                 log.error("request %s: structured output matcher refused token %d: %s", req.request_id, tok,
@@ -388,6 +392,15 @@ class LLMEngine:
         return RequestOutput(gid, first.prompt_token_ids, outs, done, first.metrics,
                              first.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
+    def _fail_damaged(self, requests: list[Request]) -> list[RequestOutput]:
+        """Fail the requests whose hidden states were not finite this step, before the scheduler's
+        update: finished first, their blocks are freed without being named, so no later request
+        reuses their suspect K/V from the prefix cache."""
+        for req in requests:
+            log.error("request %s: the model's hidden states hold NaN or infinity (step %d)", req.request_id,
+                      self.num_steps)
+        return self._fail(requests, NON_FINITE_ERROR)
+
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         outputs = []
         for gid in dict.fromkeys(r.group_id for r in requests):
@@ -396,7 +409,8 @@ class LLMEngine:
                 if not req.finished:
                     req.finish_reason = FinishReason.ABORT.value
                     self.scheduler.finish(req)
-            outs = [CompletionOutput(r.index, "", [], FinishReason.ABORT.value) for r in group]
+            # every choice, forked or not yet (a first step that failed): each of them failed
+            outs = [CompletionOutput(i, "", [], FinishReason.ABORT.value) for i in range(group[0].params.n)]
             outputs.append(RequestOutput(gid, group[0].prompt_token_ids, outs, True, group[0].metrics,
                                          error=message))
         return outputs

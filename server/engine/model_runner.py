@@ -9,7 +9,7 @@ import logging
 import math
 import mmap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -61,6 +61,40 @@ class PromptSpan:
     top_n: int
 
 
+@dataclass
+class StepOutput:
+    """What one step's forward pass gives the engine.
+
+    Attributes:
+        logits: ``[len(sample_rows), V]`` fp32 at each sampled request's last scheduled token
+            (``V`` ≤ the vocabulary).
+        prompt_logprobs: per :class:`PromptSpan` asked for, its ``count`` :class:`Logprob` entries.
+        non_finite_rows: ``[≥ num_tokens]`` bool on the device, the step's rows (batch order, each
+            request's ``num_new_tokens`` in turn, then padding) whose final hidden state holds a
+            NaN or an infinity; None where there are no hidden states (the simulator).
+    """
+
+    logits: torch.Tensor
+    prompt_logprobs: list[list[Logprob]] = field(default_factory=list)
+    non_finite_rows: torch.Tensor | None = None
+
+    def non_finite_requests(self, batch: SchedulerOutput) -> list[int]:
+        """Indices into ``batch.requests`` with a non-finite row this step: a damaged checkpoint or
+        overflowing numerics. Their K/V is suspect (and, through attention's ``0 × NaN``, so is
+        that of their earlier rows in the same chunk), so they fail before their blocks are named
+        for the prefix cache. Reads one flag back from the device; the full rows only when it is set.
+        """
+        rows = self.non_finite_rows
+        if rows is None or not bool(rows.any()):
+            return []
+        bad, found, start = rows.tolist(), [], 0
+        for i, n in enumerate(batch.num_new_tokens):
+            if any(bad[start:start + n]):
+                found.append(i)
+            start += n
+        return found
+
+
 def prompt_spans(batch: SchedulerOutput) -> list[PromptSpan]:
     """The prompt logprobs a step computes: for each scheduled request that still lacks some
     (``req.prompt_logprobs`` shorter than the prompt), the prompt tokens its scheduled positions
@@ -93,13 +127,13 @@ class StepRunner(Protocol):
         """Allocate the block pool (``num_blocks`` blocks) once the engine has sized it; the
         longest request is ``max_model_len`` tokens."""
 
-    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
-        """Run the step; fp32 logits ``[len(sample_rows), V]`` at each sampled request's last
-        scheduled token (``sample_rows`` index ``batch.requests``; ``V`` ≤ the vocabulary)."""
+    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> StepOutput:
+        """Run the step: the logits of the sampled requests (``sample_rows`` index
+        ``batch.requests``) and the rows that were not finite."""
 
     def run_with_prompt_logprobs(self, batch: SchedulerOutput, sample_rows: list[int],
-                                 spans: list[PromptSpan]) -> tuple[torch.Tensor, list[list[Logprob]]]:
-        """:meth:`run`'s logits and the prompt logprobs of ``spans`` (see :func:`prompt_spans`)."""
+                                 spans: list[PromptSpan]) -> StepOutput:
+        """:meth:`run`, with the prompt logprobs of ``spans`` (see :func:`prompt_spans`)."""
 
 
 class ModelRunner:
@@ -166,15 +200,15 @@ class ModelRunner:
         step = layout(batch, self.block_size, sample_rows)
         return step, unpack(self.transfer(step), step)
 
-    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
-        """Forward the step; returns fp32 logits ``[len(sample_rows), vocab]`` for the given
-        requests (indices into ``batch.requests``), taken at each one's last scheduled token."""
-        return self.run_with_prompt_logprobs(batch, sample_rows, [])[0]
+    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> StepOutput:
+        """Forward the step; the :class:`StepOutput` of the given requests (indices into
+        ``batch.requests``), logits taken at each one's last scheduled token."""
+        return self.run_with_prompt_logprobs(batch, sample_rows, [])
 
     @torch.inference_mode()
     def run_with_prompt_logprobs(self, batch: SchedulerOutput, sample_rows: list[int],
-                                 spans: list[PromptSpan]) -> tuple[torch.Tensor, list[list[Logprob]]]:
-        """Forward the step once; return :meth:`run`'s logits and, per span (see :func:`prompt_spans`),
+                                 spans: list[PromptSpan]) -> StepOutput:
+        """Forward the step once; return :meth:`run`'s output with, per span (see :func:`prompt_spans`),
         the :class:`Logprob` of each prompt token it covers (``span.count`` entries, in order).
 
         A logprob is the natural log of the softmax of the raw fp32 logits (as the sampler's).
@@ -187,6 +221,7 @@ class ModelRunner:
             step, inputs = self.prepare(batch, sample_rows)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.attention)
             rows = inputs.sample_rows
+        non_finite = ~torch.isfinite(hidden).all(dim=-1)  # every row: a NaN's K/V is written whether sampled or not
         if sample_rows:
             logits = self.model.logits(hidden.index_select(0, rows))
         else:
@@ -197,7 +232,7 @@ class ModelRunner:
             row0 = int(step.query_start_loc[span.index]) + (span.first - 1 - req.num_computed_tokens)
             targets = req.prompt_token_ids[span.first:span.first + span.count]
             computed.append(self._logprobs(hidden[row0:row0 + span.count], targets, span.top_n))
-        return logits, computed
+        return StepOutput(logits, computed, non_finite)
 
     @torch.inference_mode()
     def profile_memory(self, max_num_batched_tokens: int) -> MemoryProfile:

@@ -25,6 +25,7 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..engine.engine import LLMEngine
+from ..engine.model_runner import StepOutput
 from ..engine.request import Request
 from ..engine.scheduler import SchedulerOutput
 from ..models.config import ModelConfig
@@ -182,7 +183,7 @@ class SimRunner:
             return self.eos_token_id
         return self.words[_mix(seed + position) % len(self.words)]
 
-    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> StepOutput:
         """Logits ``[len(sample_rows), width]`` fp32 whose argmax is :meth:`next_token`, returned
         once the step's modelled time × ``time_scale`` has passed.
 
@@ -209,7 +210,7 @@ class SimRunner:
         else:
             self._overran()
         self._last_end, self._last_ids = self._clock(), ids
-        return logits
+        return StepOutput(logits)
 
     def _width(self, requests: list[Request]) -> int:
         # The sampler masks stop ids by index only while a request is short of min_tokens.

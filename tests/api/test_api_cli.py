@@ -110,6 +110,33 @@ async def test_a_model_that_cannot_load_is_one_error_line_and_exit_1(caplog):
     assert failed[0].exc_info is None  # the message names the problem; no traceback
 
 
+async def test_a_model_whose_every_output_is_nan_never_reports_ready_and_exits_1(tmp_path, caplog):
+    """A layer of NaN weights: the warm-up step already fails every request, so the server must not
+    take traffic (a pod would pass its readiness probe and fail everything sent to it)."""
+    import torch
+    import transformers
+
+    from slipstream.server.api.server import serve
+    from slipstream.server.api.state import ServerOptions
+    from slipstream.server.models.loader import load_tokenizer
+
+    tok = load_tokenizer("builtin")
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, eos_token_id=tok.eos_token_id)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for param in model.model.layers[1].parameters():
+            param.fill_(float("nan"))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    code = await serve(EngineConfig(model=str(tmp_path), kv_cache_memory_bytes=1 << 20), ServerOptions(log_interval=0),
+                       "127.0.0.1", 0)
+    assert code == 1
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading the model failed")]
+    assert len(failed) == 1 and "warm-up" in failed[0] and "not finite" in failed[0], failed
+    assert not [r for r in caplog.records if " ready" in r.getMessage()]
+
+
 def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     def interrupted(argv):
         raise KeyboardInterrupt

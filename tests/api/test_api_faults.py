@@ -7,6 +7,9 @@ import json
 import pytest
 
 from .harness import Http, assert_engine_idle, assert_error
+from .test_api_metrics import delta, scrape
+
+ERRORS = ("slipstream:request_success_total", {"finished_reason": "error"})
 
 POISON = [4093, 4093, 4093, 4093]  # a prompt the injected fault recognizes
 
@@ -41,9 +44,14 @@ def still_serves(http, server):
 
 
 def test_failed_step_is_a_500_for_a_non_streaming_request(faulty_runner, http, server):
-    r = http.post("/v1/completions", json={"prompt": POISON, "max_tokens": 4})
+    before = scrape(server)
+    r = http.post("/v1/completions", json={"prompt": POISON, "max_tokens": 4, "n": 2})
     error = assert_error(r, 500, code="engine_error")
     assert "injected fault" in error["message"] and error["type"] == "server_error"
+    after = scrape(server)
+    assert delta(before, after, ERRORS[0], **ERRORS[1]) == 2  # each choice, as vLLM v1 counts errors
+    assert delta(before, after, "slipstream:request_success_total", finished_reason="abort") == 0
+    assert delta(before, after, "slipstream:prompt_tokens_total") == len(POISON)
     still_serves(http, server)
 
 
@@ -57,6 +65,7 @@ def test_failed_first_step_of_a_stream_is_a_500_before_the_stream(faulty_runner,
 
 def test_step_failing_mid_stream_ends_the_stream_with_an_error_event(faulty_runner, http, server):
     faulty_runner["after"] = 3
+    before = scrape(server)
     r = http.post("/v1/completions", json={"prompt": POISON, "max_tokens": 20, "ignore_eos": True, "stream": True},
                   stream=True)
     assert r.status_code == 200
@@ -66,4 +75,5 @@ def test_step_failing_mid_stream_ends_the_stream_with_an_error_event(faulty_runn
     assert error["code"] == "engine_error" and "injected fault" in error["message"]
     texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
     assert len(texts) >= 2 and all(t is not None for t in texts)
+    assert delta(before, scrape(server), ERRORS[0], **ERRORS[1]) == 1
     still_serves(http, server)

@@ -110,19 +110,17 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def test_logprobs_of_non_finite_logits_are_still_json(http, server, monkeypatch):
-    """A model whose logits are NaN (damaged weights) made logprobs NaN, which Python's json
-    writes as a bare NaN: the body and the stream stay strict JSON, NaN as null."""
+def test_non_finite_logits_are_a_500_naming_them_not_nan_logprobs(http, server):
+    """A model whose logits are NaN (damaged weights) served argmax-of-NaN tokens with NaN
+    logprobs (which Python's json writes as a bare NaN): now the request fails, streamed or not,
+    with an error body that is strict JSON; the server goes on serving."""
     lm_head = server.llm.engine.runner.model.lm_head
     handle = lm_head.register_forward_hook(lambda module, args, out: out * float("nan"))
     try:
-        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "logprobs": 2})
-        assert r.status_code == 200, r.text
-        body = _strict(r.text)
-        assert body["choices"][0]["logprobs"]["token_logprobs"] == [None, None, None]
-        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "logprobs": 2, "stream": True},
-                      stream=True)
-        lines = [line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")]
-        assert lines and all(_strict(line[len("data: "):]) for line in lines)
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "logprobs": 2, "stream": stream})
+            assert r.status_code == 500, r.text
+            error = _strict(r.text)["error"]
+            assert error["code"] == "engine_error" and "not finite" in error["message"]
     finally:
         handle.remove()
