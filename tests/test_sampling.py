@@ -115,3 +115,47 @@ def test_min_tokens_and_stop_token_ids(make_llm):
     ignored = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n + 3, ignore_eos=True))[0].outputs[0]
     assert len(ignored.token_ids) == n + 3 and ignored.finish_reason == "length"
     assert ignored.token_ids[:n] == greedy.token_ids
+
+
+@pytest.mark.parametrize("fault", ["step", "grammar"])
+def test_a_failed_group_reports_each_choice_once(make_llm, fault):
+    """n=3, choice 1 stops at its first token; the group fails two steps later (a failed step) or
+    at that same step (choice 2's token refused by its grammar): choice 1 keeps its ``stop``,
+    the other two end ``abort``; no choice is reported twice (metrics count each report)."""
+    from slipstream.server.engine.sampling_params import StructuredOutputsParams as Constraint
+
+    llm = make_llm()
+    engine = llm.engine
+    sampler, real_run = engine.sampler, engine.runner.run
+    eos = engine.eos_token_ids[0]
+    letter_a = llm.tokenizer.encode("a", add_special_tokens=False)[0]
+    steps = {"n": 0}
+
+    def choice_1_stops_then_choice_2_breaks(logits, requests):
+        out = sampler(logits, requests)
+        for row, r in enumerate(requests):
+            if r.index == 1:
+                out.token_ids[row] = eos
+            elif r.index == 2 and steps["n"] == 2 and fault == "grammar":  # the step choice 1 stops at
+                out.token_ids[row] = letter_a
+        return out
+
+    def run(batch, rows):
+        steps["n"] += 1
+        if fault == "step" and steps["n"] == 4:
+            raise RuntimeError("injected fault")
+        return real_run(batch, rows)
+
+    engine.sampler, engine.runner.run = choice_1_stops_then_choice_2_breaks, run
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=10, ignore_eos=False,
+                            structured_outputs=Constraint(regex="[0-9 ]*") if fault == "grammar" else None)
+    try:
+        engine.add(engine.make_requests("Count:", params))
+        finishes, error = [], None
+        while engine.has_unfinished():
+            for out in engine.step():
+                finishes += [(co.index, co.finish_reason) for co in out.outputs if co.finish_reason is not None]
+                error = error or out.error
+    finally:
+        engine.sampler, engine.runner.run = sampler, real_run
+    assert error and sorted(finishes) == [(0, "abort"), (1, "stop"), (2, "abort")], finishes

@@ -354,7 +354,7 @@ class LLMEngine:
         outputs = [self._group_output(gid, outs, prompt_logprobs.get(gid)) for gid, outs in changed.items()
                    if gid not in failed]
         for req, message in failed.values():
-            outputs += self._fail([req], message)
+            outputs += self._fail([req], message, changed)
         return outputs
 
     def _check_stop(self, req: Request, tok: int) -> None:
@@ -401,16 +401,23 @@ class LLMEngine:
                       self.num_steps)
         return self._fail(requests, NON_FINITE_ERROR)
 
-    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+    def _fail(self, requests: list[Request], message: str,
+              finished_now: dict[str, list[CompletionOutput]] | None = None) -> list[RequestOutput]:
+        """Fail the groups of ``requests``: each choice not yet finished ends with reason ``abort``
+        and the output carries ``message`` as its error. ``finished_now``: per group, the outputs
+        of choices this step finished normally, reported with it (each choice finishes once)."""
         outputs = []
         for gid in dict.fromkeys(r.group_id for r in requests):
             group = self.groups.pop(gid, [])
+            outs = [co for co in (finished_now or {}).get(gid, []) if co.finish_reason is not None]
+            reported = {req.index for req in group if req.finished}  # output before, or in ``outs``
             for req in group:
                 if not req.finished:
                     req.finish_reason = FinishReason.ABORT.value
                     self.scheduler.finish(req)
-            # every choice, forked or not yet (a first step that failed): each of them failed
-            outs = [CompletionOutput(i, "", [], FinishReason.ABORT.value) for i in range(group[0].params.n)]
+            # every other choice, forked or not yet (a first step that failed), fails now
+            outs += [CompletionOutput(i, "", [], FinishReason.ABORT.value) for i in range(group[0].params.n)
+                     if i not in reported]
             outputs.append(RequestOutput(gid, group[0].prompt_token_ids, outs, True, group[0].metrics,
                                          error=message))
         return outputs
