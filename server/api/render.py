@@ -14,9 +14,9 @@ from slipstream.server.engine.outputs import Logprob
 
 def json_text(body: Any) -> str:
     """``body`` as strict JSON text (UTF-8 as is). Python's json writes ``NaN`` and ``Infinity``,
-    which JSON has not (jq, JavaScript and Go refuse the whole body); they come from a model
-    whose logits are not finite, so logprobs carry them: ``-inf`` becomes -9999.0 (vLLM's floor
-    for logprobs), ``inf`` 9999.0 and ``NaN`` null."""
+    which JSON has not (jq, JavaScript and Go refuse the whole body). The engine fails a request
+    whose logits are not finite, so logprobs should never carry them; this is the last guard:
+    ``-inf`` becomes -9999.0 (vLLM's floor for logprobs), ``inf`` 9999.0 and ``NaN`` null."""
     try:
         return json.dumps(body, ensure_ascii=False, allow_nan=False)
     except ValueError:
