@@ -10,30 +10,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
-typedef float f32x16 __attribute__((vector_size(64)));
+#include "simd.h"
 
 static inline float dot(const float *a, const float *b, int n) {
-    float s = 0.0f;
-    int i = 0;
-    if (n % 16 == 0) {
-        f32x16 acc = {0}, x, y;
-        for (; i < n; i += 16) {
-            memcpy(&x, a + i, 64);
-            memcpy(&y, b + i, 64);
-            acc += x * y;
-        }
-#ifdef __AVX512F__
-        return _mm512_reduce_add_ps((__m512)acc);
-#else
-        for (int j = 0; j < 16; j++) s += acc[j];
-        return s;
-#endif
+    if (n % VL == 0) {
+        vf acc = vsplat(0.0f);
+        for (int i = 0; i < n; i += VL) acc += vload(a + i) * vload(b + i);
+        return vhsum(acc);
     }
-    for (; i < n; i++) s += a[i] * b[i];
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
     return s;
 }
 

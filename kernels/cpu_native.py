@@ -1,97 +1,135 @@
 """The project's C kernels for the CPU (``ggml_cpu.c``: quantized products; ``cpu_attention.c``:
-paged decode attention; ``cpu_decode.c``: a decode step's layers in one call), built into one
-shared library.
+paged decode attention; ``cpu_decode.c``: a decode step's layers in one call), loaded for the
+instruction set of the CPU they run on.
 
-The sources are compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
-this CPU (``-march=native``), 15-20 s on two cores (``make install`` does it once), and kept
-under ``$SLIPSTREAM_CACHE_DIR/kernels`` keyed by the sources, the compiler and the CPU's flags.
-The library links the OpenMP runtime that torch has already loaded (same soname), so both share
-one thread pool. :func:`library` returns None where no compiler or OpenMP is available; callers
-then take their torch paths.
+Every path of the architecture (:data:`.cpu_build.VARIANTS`: AVX-512, AVX2 and generic on
+x86-64; NEON and generic on aarch64) is a library of its own, built at install time. When the
+library loads, the generic one asks the CPU what it can execute (CPUID, hwcaps) and the best
+path is loaded; ``SLIPSTREAM_CPU_ISA=avx512|avx2|neon|generic`` forces one (tests, mixed
+pools), and forcing one this CPU cannot execute is an error. A path missing from the install is
+built once per machine into the cache (:func:`.cpu_build.build`).
+
+The libraries link the OpenMP runtime that torch has already loaded (same soname), so both share
+one thread pool. :func:`library` returns None (a WARNING saying why and what to do) where the
+kernels cannot be had; callers then serve quantized weights dequantized to fp32 and take the torch
+attention. ``SLIPSTREAM_CPU_KERNELS=0`` turns them off on purpose.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+
+from . import cpu_build
 
 log = logging.getLogger("slipstream.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("ggml_cpu.c", "cpu_attention.c", "cpu_decode.c")]
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+ENV_ISA = "SLIPSTREAM_CPU_ISA"
+FEATURE_BITS = {"avx2": 1, "avx512": 2, "neon": 4}  # cpu_features.c
+_loaded: dict[str, str] = {}  # "isa": the path in use, or "none" when the kernels are unavailable
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("SLIPSTREAM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slipstream")
-    return Path(root) / "kernels"
+class CpuIsaError(RuntimeError):
+    """``SLIPSTREAM_CPU_ISA`` names a path this machine cannot run."""
 
 
-def _cpu_flags() -> str:
+def cpu_model() -> str:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it (the architecture where it gives none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+            if line.startswith(("model name", "Model", "CPU part")):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return cpu_build.machine_arch()
 
 
-def _build(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [s.read_text() for s in SOURCES]
-    key = hashlib.sha256("\0".join([*texts, cc, version, _cpu_flags(), *_FLAGS]).encode())
-    target = _cache_root() / f"slipstream_cpu-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    log.info("compiling the CPU kernels for this machine with %s (once; 15-20 s on two cores), into %s", cc,
-             target.parent)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        with tempfile.TemporaryDirectory() as src:
-            # Compile the very text that was hashed: sources changed meanwhile (an upgrade, an edit)
-            # must not land in a library cached under the old sources' key.
-            paths = [os.path.join(src, s.name) for s in SOURCES]
-            for path, text in zip(paths, texts):
-                Path(path).write_text(text)
-            done = subprocess.run([cc, *_FLAGS, *paths, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip()[-2000:])
-        os.replace(tmp, target)  # atomic: a concurrent build of the same key is harmless
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+def _load(isa: str) -> ctypes.CDLL:
+    v = cpu_build.variant(isa)
+    path = cpu_build.find(v) or cpu_build.build(v, cpu_build.cache_dir(), first_use=True)
+    lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during each call
+    lib.slipstream_cpu_isa.restype = ctypes.c_char_p
+    built_for = lib.slipstream_cpu_isa().decode()
+    if built_for != isa:
+        raise cpu_build.BuildError(f"{path} holds the {built_for} path, not {isa}")
+    lib.path = str(path)
+    return lib
+
+
+@functools.cache
+def _generic() -> ctypes.CDLL:
+    return _load("generic")
+
+
+def supported_isas() -> list[str]:
+    """The paths this CPU can execute, best first (``generic`` always last).
+
+    Raises:
+        cpu_build.BuildError: the generic library, which asks the CPU, cannot be built.
+    """
+    features = _generic().slipstream_cpu_features()
+    return [v.isa for v in cpu_build.variants() if v.isa == "generic" or features & FEATURE_BITS.get(v.isa, 0)]
+
+
+def best_isa() -> str:
+    """The path :func:`library` loads here unless ``SLIPSTREAM_CPU_ISA`` forces one."""
+    return supported_isas()[0]
+
+
+def chosen_isa() -> str:
+    """``SLIPSTREAM_CPU_ISA`` if set, checked, else :func:`best_isa`.
+
+    Raises:
+        CpuIsaError: an unknown name, a path of another architecture, or one this CPU lacks.
+    """
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    if not forced:
+        return best_isa()
+    arch = cpu_build.machine_arch()
+    paths = [v.isa for v in cpu_build.variants()]
+    if forced not in cpu_build.ALL_ISAS:
+        raise CpuIsaError(f"{ENV_ISA}={forced!r} is not a CPU kernel path (one of {', '.join(cpu_build.ALL_ISAS)})")
+    if forced not in paths:
+        raise CpuIsaError(f"{ENV_ISA}={forced}: there is no {forced} path on {arch} (paths here: {', '.join(paths)})")
+    can = supported_isas()
+    if forced not in can:
+        raise CpuIsaError(f"{ENV_ISA}={forced}: this CPU ({cpu_model()}) cannot execute the {forced} path "
+                          f"({cpu_build.variant(forced).description}); it can run {', '.join(can)}")
+    return forced
+
+
+def loaded_isa() -> str | None:
+    """The path in use (``"none"``: the kernels are unavailable), or None before :func:`library` ran."""
+    return _loaded.get("isa")
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (logged once) when they cannot be built or loaded here.
+    """The kernels for this CPU, or None (logged once as a WARNING) when they cannot be had.
 
-    ``SLIPSTREAM_CPU_KERNELS=0`` disables them.
+    Raises:
+        CpuIsaError: ``SLIPSTREAM_CPU_ISA`` names a path this machine cannot run.
     """
+    _loaded.pop("isa", None)
     if os.environ.get("SLIPSTREAM_CPU_KERNELS", "1") == "0":
-        return None
-    cc = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler: quantized GGUF weights will be served dequantized to fp32 and "
-                    "attention takes the torch path (install gcc, or pass --quantization none)")
+        log.info("CPU kernels off (SLIPSTREAM_CPU_KERNELS=0): quantized GGUF weights are served dequantized to fp32")
+        _loaded["isa"] = "none"
         return None
     try:
-        path = _build(cc)
-        lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during each call
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("could not build the CPU kernels (%s): serving dequantized fp32 weights", e)
+        isa = chosen_isa()
+        lib = _generic() if isa == "generic" else _load(isa)
+    except (OSError, cpu_build.BuildError) as e:
+        log.warning("CPU kernels unavailable (%s): quantized GGUF weights are served dequantized to fp32 (slower, "
+                    "4-8x the memory) and attention takes the torch path. To fix, install gcc and run "
+                    "`python -m slipstream.kernels.cpu_build` (make install does); SLIPSTREAM_CPU_KERNELS=0 "
+                    "accepts fp32 without this warning.", e)
+        _loaded["isa"] = "none"
         return None
+    how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA, "").strip() else "chosen from the CPU's features"
+    log.info("CPU kernels: the %s path (%s; %s) on %s, %s", isa, cpu_build.variant(isa).description, how,
+             cpu_model(), lib.path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ggml_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.ggml_dequantize.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, ctypes.c_int]
@@ -102,6 +140,7 @@ def library() -> ctypes.CDLL | None:
                                   ptr, i64, ptr, i32]
     for f in (lib.ggml_matmul, lib.ggml_dequantize, lib.paged_decode_attention, lib.decode_layers):
         f.restype = ctypes.c_int
+    _loaded["isa"] = isa
     return lib
 
 

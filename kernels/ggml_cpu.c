@@ -16,20 +16,20 @@
  * Built with -ffp-contract=off, so a dequantized weight is computed exactly as the gguf package
  * (and transformers' GGUF loader, the oracle) computes it: one fp32 multiply, then one add. The
  * products then differ from a dense fp32 GEMM on those weights only in summation order.
- * GCC vector extensions keep this portable; -march=native picks the widest registers. */
+ * The vector primitives come from simd.h, once per instruction set; AVX-512 also gathers 4-bit
+ * weights from a table of their 16 possible values (vpermps), fewer operations than per weight. */
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }; /* GGML type ids, as gguf.GGMLQuantizationType */
 #define PREFETCH_BLOCKS 16             /* chunks ahead of the one being read: ~320 bytes */
 #define MAX_ROWS 8                     /* activation rows per pass over a weight row */
+#define CV (2 * NV)                    /* vectors per chunk of 32 weights */
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
+/* The path this library was built for (cpu_native.py checks it after loading). */
+const char *slipstream_cpu_isa(void) { return SLIPSTREAM_ISA_NAME; }
 
 /* Bytes per block (K-quants: per super-block of 256 weights); 0 for a type without a kernel. */
 int ggml_block_bytes(int type) {
@@ -47,65 +47,44 @@ int ggml_block_bytes(int type) {
 /* Chunks of 32 weights per block: 8 for the K-quants' super-blocks. */
 static inline int chunks_per_block(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 8 : 1; }
 
-/* 16 bytes → 16 floats; GCC scalarizes __builtin_convertvector from bytes, so AVX-512 spells it out. */
-static inline f32x16 u8_to_f32(u8x16 q) {
-#ifdef __AVX512F__
-    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)q));
-#else
-    return __builtin_convertvector(q, f32x16);
-#endif
-}
-
-static inline f32x16 i8_to_f32(i8x16 q) {
-#ifdef __AVX512F__
-    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)q));
-#else
-    return __builtin_convertvector(q, f32x16);
-#endif
-}
-
-static inline float fp16(const uint8_t *p) {
-    _Float16 h;
-    memcpy(&h, p, 2);
-    return (float)h;
-}
-
-/* An fp16 scale in all 16 lanes. On AVX-512 a vector conversion: the scalar vcvtsh2ss merges into
- * its destination, which chains every block's conversion to the previous one. */
-static inline f32x16 fp16x16(const uint8_t *p) {
-#ifdef __AVX512F__
+#ifdef SLIPSTREAM_ISA_AVX512
+/* An fp16 scale in all 16 lanes as a vector conversion: a scalar one merges into its
+ * destination, which chains every block's conversion to the previous one. */
+static inline vf fp16x16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    return (f32x16)_mm512_cvtph_ps(_mm256_set1_epi16((short)h));
-#else
-    return (f32x16){0} + fp16(p);
-#endif
+    return (vf)_mm512_cvtph_ps(_mm256_set1_epi16((short)h));
 }
+#define SPLAT_FP16(p) fp16x16(p)
+#else
+#define SPLAT_FP16(p) vsplat(fp16(p))
+#endif
 
-/* Weights 0-15 of the block into *lo, 16-31 into *hi. `type` is a constant at every call site. */
-static inline __attribute__((always_inline)) void dequant_block(int type, const uint8_t *b, f32x16 *lo, f32x16 *hi) {
-    const f32x16 d = fp16x16(b);
+/* The block's 32 weights into w[0 .. CV-1]. `type` is a constant at every call site. */
+static inline __attribute__((always_inline)) void dequant_block(int type, const uint8_t *b, vf *w) {
+    const vf d = SPLAT_FP16(b);
     if (type == Q8_0) {
         i8x16 q0, q1;
         memcpy(&q0, b + 2, 16);
         memcpy(&q1, b + 18, 16);
-        *lo = i8_to_f32(q0) * d;
-        *hi = i8_to_f32(q1) * d;
+        cvt_i8(q0, w);
+        cvt_i8(q1, w + NV);
+        for (int i = 0; i < CV; i++) w[i] = w[i] * d;
         return;
     }
     u8x16 q;
     memcpy(&q, b + (type == Q4_1 ? 4 : 2), 16);
-#ifdef __AVX512F__
+#ifdef SLIPSTREAM_ISA_AVX512
     /* A 4-bit weight takes one of 16 values: compute those (same multiply and add, so the same
-     * roundings) and gather the block's weights from them, fewer operations than per weight. */
-    const f32x16 nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    f32x16 table;
+     * roundings) and gather the block's weights from them. */
+    const vf nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vf table;
     if (type == Q4_1) { /* d and m side by side: one conversion of both, then each in all lanes */
         uint32_t dm;
         memcpy(&dm, b, 4);
         const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
-        const f32x16 dv = (f32x16)_mm512_permutexvar_ps(_mm512_setzero_si512(), both);
-        const f32x16 mv = (f32x16)_mm512_permutexvar_ps(_mm512_set1_epi32(1), both);
+        const vf dv = (vf)_mm512_permutexvar_ps(_mm512_setzero_si512(), both);
+        const vf mv = (vf)_mm512_permutexvar_ps(_mm512_set1_epi32(1), both);
         table = nibbles * dv + mv;
     } else {
         table = (nibbles - 8) * d;
@@ -113,18 +92,20 @@ static inline __attribute__((always_inline)) void dequant_block(int type, const 
     /* vpermps reads only the low 4 bits of each index: the widened bytes index the low nibbles as
      * they are, and shifted right by 4 the high ones (no masking of the bytes first). */
     const __m512i bytes = _mm512_cvtepu8_epi32((__m128i)q);
-    *lo = (f32x16)_mm512_permutexvar_ps(bytes, (__m512)table);
-    *hi = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), (__m512)table);
-    return;
-#endif
+    w[0] = (vf)_mm512_permutexvar_ps(bytes, (__m512)table);
+    w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), (__m512)table);
+#else
     if (type == Q4_1) {
-        const f32x16 m = fp16x16(b + 2);
-        *lo = u8_to_f32(q & 15) * d + m;
-        *hi = u8_to_f32(q >> 4) * d + m;
+        const vf m = SPLAT_FP16(b + 2);
+        cvt_u8(q & 15, w);
+        cvt_u8(q >> 4, w + NV);
+        for (int i = 0; i < CV; i++) w[i] = w[i] * d + m;
     } else {
-        *lo = i8_to_f32((i8x16)(q & 15) - 8) * d;
-        *hi = i8_to_f32((i8x16)(q >> 4) - 8) * d;
+        cvt_i8((i8x16)(q & 15) - 8, w);
+        cvt_i8((i8x16)(q >> 4) - 8, w + NV);
+        for (int i = 0; i < CV; i++) w[i] = w[i] * d;
     }
+#endif
 }
 
 /* Q4_K/Q5_K: sub-block c's 6-bit scale and min from the 12 packed bytes (ggml's get_scale_min_k4). */
@@ -138,24 +119,25 @@ static inline void scale_min_k4(const uint8_t *s, int c, uint8_t *sc, uint8_t *m
     }
 }
 
-/* Sub-block c (0-7) of a K-quant super-block `b`: weights 32c..32c+15 into *lo, the next 16 into
- * *hi. Scales are multiplied as the gguf package does: d * sc and dmin * m first, each rounded. */
-static inline __attribute__((always_inline)) void dequant_k_chunk(int type, const uint8_t *b, int c, f32x16 *lo,
-                                                                 f32x16 *hi) {
+/* Sub-block c (0-7) of a K-quant super-block `b`: weights 32c .. 32c+31 into w[0 .. CV-1].
+ * Scales are multiplied as the gguf package does: d * sc and dmin * m first, each rounded. */
+static inline __attribute__((always_inline)) void dequant_k_chunk(int type, const uint8_t *b, int c, vf *w) {
     if (type == Q6_K) {
         const uint8_t *ql = b + 64 * (c / 4) + 32 * (c % 2), *qh = b + 128 + 32 * (c / 4);
         const int lshift = 4 * ((c / 2) % 2), hshift = 2 * (c % 4);
-        const f32x16 d = fp16x16(b + 208);
+        const float d = fp16(b + 208);
         u8x16 l0, l1, h0, h1;
         memcpy(&l0, ql, 16);
         memcpy(&l1, ql + 16, 16);
         memcpy(&h0, qh, 16);
         memcpy(&h1, qh + 16, 16);
-        const i8x16 q0 = (i8x16)(((l0 >> lshift) & 15) | (((h0 >> hshift) & 3) << 4)) - 32;
-        const i8x16 q1 = (i8x16)(((l1 >> lshift) & 15) | (((h1 >> hshift) & 3) << 4)) - 32;
-        const f32x16 s0 = d * (float)(int8_t)b[192 + 2 * c], s1 = d * (float)(int8_t)b[192 + 2 * c + 1];
-        *lo = i8_to_f32(q0) * s0;
-        *hi = i8_to_f32(q1) * s1;
+        cvt_i8((i8x16)(((l0 >> lshift) & 15) | (((h0 >> hshift) & 3) << 4)) - 32, w);
+        cvt_i8((i8x16)(((l1 >> lshift) & 15) | (((h1 >> hshift) & 3) << 4)) - 32, w + NV);
+        const vf s0 = vsplat(d * (float)(int8_t)b[192 + 2 * c]), s1 = vsplat(d * (float)(int8_t)b[192 + 2 * c + 1]);
+        for (int i = 0; i < NV; i++) {
+            w[i] = w[i] * s0;
+            w[NV + i] = w[NV + i] * s1;
+        }
         return;
     }
     uint8_t sc, m;
@@ -165,11 +147,11 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
     u8x16 q0, q1;
     memcpy(&q0, qs, 16);
     memcpy(&q1, qs + 16, 16);
-#ifdef __AVX512F__
+#ifdef SLIPSTREAM_ISA_AVX512
     /* As dequant_block: the 16 (Q4_K) or 32 (Q5_K) values a weight can take, computed with the
      * same multiply and subtract, then gathered by index (vpermps reads 4 index bits, vpermi2ps 5). */
-    const f32x16 dsc_v = fp16x16(b) * (float)sc, dm_v = fp16x16(b + 2) * (float)m;
-    const f32x16 nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vf dsc_v = fp16x16(b) * (float)sc, dm_v = fp16x16(b + 2) * (float)m;
+    const vf nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const __m512 t0 = (__m512)(nibbles * dsc_v - dm_v);
     __m512i i0 = _mm512_cvtepu8_epi32((__m128i)q0), i1 = _mm512_cvtepu8_epi32((__m128i)q1);
     if (shift) {
@@ -177,8 +159,8 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
         i1 = _mm512_srli_epi32(i1, 4);
     }
     if (type == Q4_K) {
-        *lo = (f32x16)_mm512_permutexvar_ps(i0, t0);
-        *hi = (f32x16)_mm512_permutexvar_ps(i1, t0);
+        w[0] = (vf)_mm512_permutexvar_ps(i0, t0);
+        w[1] = (vf)_mm512_permutexvar_ps(i1, t0);
         return;
     }
     const __m512 t1 = (__m512)((nibbles + 16) * dsc_v - dm_v);
@@ -191,11 +173,10 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
         _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32((__m128i)h0), cv), one), 4));
     const __m512i x1 = _mm512_or_si512(_mm512_and_si512(i1, fifteen), _mm512_slli_epi32(
         _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32((__m128i)h1), cv), one), 4));
-    *lo = (f32x16)_mm512_permutex2var_ps(t0, x0, t1);
-    *hi = (f32x16)_mm512_permutex2var_ps(t0, x1, t1);
-    return;
-#endif
-    const float dsc = fp16(b) * (float)sc, dm = fp16(b + 2) * (float)m;
+    w[0] = (vf)_mm512_permutex2var_ps(t0, x0, t1);
+    w[1] = (vf)_mm512_permutex2var_ps(t0, x1, t1);
+#else
+    const vf dsc = vsplat(fp16(b) * (float)sc), dm = vsplat(fp16(b + 2) * (float)m);
     q0 = (q0 >> shift) & 15;
     q1 = (q1 >> shift) & 15;
     if (type == Q5_K) { /* bit c of byte l is weight l's fifth bit */
@@ -205,68 +186,49 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
         q0 |= ((h0 >> c) & 1) << 4;
         q1 |= ((h1 >> c) & 1) << 4;
     }
-    *lo = u8_to_f32(q0) * dsc - dm;
-    *hi = u8_to_f32(q1) * dsc - dm;
+    cvt_u8(q0, w);
+    cvt_u8(q1, w + NV);
+    for (int i = 0; i < CV; i++) w[i] = w[i] * dsc - dm;
+#endif
 }
 
 /* Chunk c of block b: the one place that knows both layouts. `type` is a constant at every call. */
-static inline __attribute__((always_inline)) void dequant_chunk(int type, const uint8_t *b, int c, f32x16 *lo,
-                                                               f32x16 *hi) {
-    if (chunks_per_block(type) == 1) dequant_block(type, b, lo, hi);
-    else dequant_k_chunk(type, b, c, lo, hi);
-}
-
-/* a * b + c, fused where the CPU has it (the dot product's rounding, never a dequantization's). */
-static inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 c) {
-#ifdef __AVX512F__
-    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#else
-    return a * b + c;
-#endif
-}
-
-static inline float hsum(f32x16 v) {
-#ifdef __AVX512F__
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-#endif
+static inline __attribute__((always_inline)) void dequant_chunk(int type, const uint8_t *b, int c, vf *w) {
+    if (chunks_per_block(type) == 1) dequant_block(type, b, w);
+    else dequant_k_chunk(type, b, c, w);
 }
 
 /* y[r, j] for `nr` weight rows (w, w + row_bytes, ...) against `rows` rows of x, every weight
  * dequantized once for all of them. `type`, `nr` and `rows` are constants at each call, so the
- * accumulators (nr * rows) and x's blocks (2 * rows) stay in registers. */
+ * accumulators (nr * rows vectors) stay in registers; x is read from L1 by the FMAs. */
 static inline __attribute__((always_inline)) void dot_tile(int type, int nr, int rows, const uint8_t *w,
                                                            int64_t row_bytes, int64_t nb, int bytes,
                                                            const float *x, int64_t K, float *y, int64_t N) {
     const int cpb = chunks_per_block(type);
-    f32x16 acc[4][MAX_ROWS];
+    vf acc[4][MAX_ROWS];
     for (int j = 0; j < nr; j++)
-        for (int r = 0; r < rows; r++) acc[j][r] = (f32x16){0};
-    for (int64_t bb = 0; bb < nb / cpb; bb++) { /* bb: block; its chunks unrolled so each c is a
-                                                  * constant (a K-quant's shifts by c are then
-                                                  * immediates, not per-byte variable shifts) */
+        for (int r = 0; r < rows; r++) acc[j][r] = vsplat(0.0f);
+    /* bb: a block. On AVX2/AVX-512 its chunks are unrolled so each c is a constant (a K-quant's
+     * shifts by c are then immediates, not per-byte variable shifts); the generic path keeps the
+     * loop, which builds 4x faster, as a fallback should. */
+    for (int64_t bb = 0; bb < nb / cpb; bb++) {
+#if VL >= 8
 #pragma GCC unroll 8
+#endif
         for (int c = 0; c < cpb; c++) {
             const int64_t b = bb * cpb + c; /* chunk of 32 weights */
-            f32x16 xl[MAX_ROWS], xh[MAX_ROWS];
-            for (int r = 0; r < rows; r++) {
-                memcpy(&xl[r], x + r * K + b * 32, 64);
-                memcpy(&xh[r], x + r * K + b * 32 + 16, 64);
-            }
             for (int j = 0; j < nr; j++) {
-                f32x16 lo, hi;
+                vf wv[CV];
                 const uint8_t *block = w + j * row_bytes + bb * bytes;
                 __builtin_prefetch(w + j * row_bytes + (b + PREFETCH_BLOCKS) * bytes / cpb);
-                dequant_chunk(type, block, c, &lo, &hi);
-                for (int r = 0; r < rows; r++) acc[j][r] = fma16(hi, xh[r], fma16(lo, xl[r], acc[j][r]));
+                dequant_chunk(type, block, c, wv);
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < CV; i++) acc[j][r] = vfma(wv[i], vload(x + r * K + b * 32 + i * VL), acc[j][r]);
             }
         }
     }
     for (int j = 0; j < nr; j++)
-        for (int r = 0; r < rows; r++) y[r * N + j] = hsum(acc[j][r]);
+        for (int r = 0; r < rows; r++) y[r * N + j] = vhsum(acc[j][r]);
 }
 
 /* Weight rows per tile for a given number of x rows: as many as the registers hold. */
@@ -332,19 +294,18 @@ int ggml_dequantize(int type, const uint8_t *w, int64_t K, const int64_t *ids, i
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *wr = w + (ids ? ids[r] : r) * (nb / cpb) * bytes;
         for (int64_t b = 0; b < nb; b++) {
-            f32x16 lo, hi;
+            vf wv[CV];
             const uint8_t *block = wr + b / cpb * bytes;
             const int c = (int)(b % cpb);
             switch (type) {
-            case Q4_1: dequant_chunk(Q4_1, block, c, &lo, &hi); break;
-            case Q4_0: dequant_chunk(Q4_0, block, c, &lo, &hi); break;
-            case Q8_0: dequant_chunk(Q8_0, block, c, &lo, &hi); break;
-            case Q4_K: dequant_chunk(Q4_K, block, c, &lo, &hi); break;
-            case Q5_K: dequant_chunk(Q5_K, block, c, &lo, &hi); break;
-            default: dequant_chunk(Q6_K, block, c, &lo, &hi); break;
+            case Q4_1: dequant_chunk(Q4_1, block, c, wv); break;
+            case Q4_0: dequant_chunk(Q4_0, block, c, wv); break;
+            case Q8_0: dequant_chunk(Q8_0, block, c, wv); break;
+            case Q4_K: dequant_chunk(Q4_K, block, c, wv); break;
+            case Q5_K: dequant_chunk(Q5_K, block, c, wv); break;
+            default: dequant_chunk(Q6_K, block, c, wv); break;
             }
-            memcpy(out + r * K + b * 32, &lo, 64);
-            memcpy(out + r * K + b * 32 + 16, &hi, 64);
+            memcpy(out + r * K + b * 32, wv, sizeof wv);
         }
     }
     return 0;

@@ -49,3 +49,27 @@ def make_llm(loaded):
 def no_leaks():
     """The leak check as a function, for tests that drive an engine directly."""
     return assert_no_leaks
+
+
+def _cpu_isas() -> list:
+    """The CPU kernel paths this machine can execute, best first, as test parameters."""
+    from slipstream.kernels import cpu_build, cpu_native
+
+    try:
+        return cpu_native.supported_isas()
+    except (cpu_build.BuildError, OSError) as e:
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no CPU kernels here: {e}"))]
+
+
+@pytest.fixture(params=_cpu_isas())
+def cpu_isa(request, monkeypatch):
+    """Each CPU kernel path this CPU executes, forced through SLIPSTREAM_CPU_ISA (an AVX-512
+    machine also runs the AVX2 and generic paths); the default path again afterwards."""
+    from slipstream.kernels import cpu_native
+
+    monkeypatch.setenv(cpu_native.ENV_ISA, request.param)
+    cpu_native.library.cache_clear()
+    assert cpu_native.library() is not None and cpu_native.loaded_isa() == request.param
+    yield request.param
+    monkeypatch.undo()
+    cpu_native.library.cache_clear()

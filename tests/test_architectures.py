@@ -452,7 +452,7 @@ K_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, n
 
 @pytest.mark.parametrize("dtype", ["Q4_K_M", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_gguf_is_served_as_stored_and_matches_transformers(tmp_path, tokenizer, gguf_tokenizer, dtype,
-                                                                  no_leaks, monkeypatch):
+                                                                  no_leaks, monkeypatch, cpu_isa):
     """llama.cpp's K-quants kept as the file's blocks (the C kernels, and the one-call decode step
     where one type serves each product), greedy tokens equal to transformers' on their dequantization."""
     from slipstream.kernels import ggml_cpu

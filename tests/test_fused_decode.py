@@ -88,7 +88,7 @@ def _step(cfg: ModelConfig, context_lens: list[int], seed: int = 1, pad_last: bo
                                 {"qk_norm": True, "architecture": "Qwen3ForCausalLM"},
                                 {"layer_windows": [5, None, 3]}], ids=["llama", "qwen2-bias", "qwen3-qk-norm", "window"])
 @pytest.mark.parametrize("lens", [[7], [1, 9, 13], [30, 2, 17, 5, 11, 8, 21, 3, 14]])
-def test_one_call_decode_equals_the_modules_torch_path(kw, lens):
+def test_one_call_decode_equals_the_modules_torch_path(kw, lens, cpu_isa):
     cfg = _cfg(**kw)
     model = _model(cfg)
     attention = kernels.resolve_backend("cpu")

@@ -356,7 +356,7 @@ def test_default_backend_on_cpu_is_the_c_decode_kernel_where_it_builds(monkeypat
 
 
 @pytest.mark.parametrize("group", [1, 3])
-def test_cpu_decode_kernel_matches_the_reference(group):
+def test_cpu_decode_kernel_matches_the_reference(group, cpu_isa):
     from slipstream.kernels import cpu_attention
     if not cpu_native.available():
         pytest.skip("no C compiler: the CPU kernels cannot be built")

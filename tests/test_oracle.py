@@ -85,6 +85,13 @@ def test_one_batch_matches_transformers(make_llm, prompts, expected):
     assert len(first.scheduled) == len(prompts), "all prompts should share the first step"
 
 
+def test_every_cpu_kernel_path_matches_transformers(make_llm, prompts, expected, cpu_isa):
+    """The batch on each path this CPU executes (AVX-512, AVX2, generic on x86-64), forced: the
+    quantized products, the one-call decode step and the decode attention of that path."""
+    llm = make_llm(max_num_batched_tokens=2048)
+    assert _tokens(llm.generate(prompts, GREEDY)) == expected
+
+
 def test_dequantized_fp32_weights_match_transformers_too(prompts, expected, no_leaks):
     from slipstream.server.engine import LLM
     from slipstream.server.models.loader import load_model

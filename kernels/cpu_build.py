@@ -1,0 +1,287 @@
+"""Building the CPU kernels: one shared library per instruction-set path (``simd.h``), compiled
+at install time into the package (``make install``, the server image) and, only where an install
+skipped that, once per machine into the cache on first use.
+
+Each path is built with flags that name its instruction set (never ``-march=native``), so a
+library built on one node runs on every node of its architecture that has that instruction set;
+:mod:`.cpu_native` asks the CPU which it has and loads the best (llama.cpp's
+``GGML_CPU_ALL_VARIANTS`` and PyTorch's CPU capability dispatch do the same).
+
+Run ``python -m slipstream.kernels.cpu_build`` to build every path of this machine's
+architecture into the package (``--out DIR`` elsewhere; ``--arch aarch64 --cc
+aarch64-linux-gnu-gcc`` cross-compiles). It exits 1 when a path fails to build, unless
+``SLIPSTREAM_CPU_KERNELS=0`` says to serve dequantized fp32 weights instead.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("slipstream.kernels")
+
+HERE = Path(__file__).resolve().parent
+SOURCES = ("ggml_cpu.c", "cpu_attention.c", "cpu_decode.c")
+HEADERS = ("simd.h",)
+FEATURES_SOURCE = "cpu_features.c"  # CPUID / hwcaps: the generic library only (baseline code)
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+PACKAGE_DIR = HERE / "lib"
+ENV_TIMEOUT = "SLIPSTREAM_KERNEL_BUILD_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One path: ``isa`` (the name ``SLIPSTREAM_CPU_ISA`` takes), the architecture it runs on,
+    and the compiler flags that select its instruction set."""
+    isa: str
+    arch: str
+    flags: tuple[str, ...]
+    description: str
+
+    @property
+    def define(self) -> str:
+        return f"-DSLIPSTREAM_ISA_{self.isa.upper()}"
+
+
+_X86 = ("-march=x86-64", "-mtune=generic")
+_AVX2 = (*_X86, "-mavx2", "-mfma", "-mf16c")
+# Best first: the loader takes the first one the CPU can execute.
+VARIANTS: dict[str, tuple[Variant, ...]] = {
+    "x86_64": (
+        Variant("avx512", "x86_64", (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"),
+                "x86-64 AVX-512 F/BW/DQ/VL + FMA"),
+        Variant("avx2", "x86_64", _AVX2, "x86-64 AVX2 + FMA + F16C"),
+        Variant("generic", "x86_64", _X86, "x86-64 baseline (SSE2), compiler-vectorized C"),
+    ),
+    "aarch64": (
+        Variant("neon", "aarch64", ("-march=armv8-a",), "ARMv8-A Advanced SIMD (NEON)"),
+        Variant("generic", "aarch64", ("-march=armv8-a",), "ARMv8-A baseline, compiler-vectorized C"),
+    ),
+}
+ALL_ISAS = ("avx512", "avx2", "neon", "generic")
+
+
+class BuildError(RuntimeError):
+    """A path could not be built (no compiler, a compile error, a timeout, or a remembered failure)."""
+
+
+def machine_arch() -> str:
+    """This machine's architecture as :data:`VARIANTS` names it (``x86_64``, ``aarch64``, or
+    the raw name of one with a generic path only)."""
+    arch = platform.machine().lower()
+    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+
+
+def variants(arch: str | None = None) -> tuple[Variant, ...]:
+    """The paths of ``arch`` (default: this machine's), best first; an architecture without
+    vector code of its own gets the generic path at the compiler's default flags."""
+    arch = arch or machine_arch()
+    return VARIANTS.get(arch, (Variant("generic", arch, (), f"{arch} baseline, compiler-vectorized C"),))
+
+
+def variant(isa: str, arch: str | None = None) -> Variant:
+    for v in variants(arch):
+        if v.isa == isa:
+            return v
+    raise KeyError(isa)
+
+
+def _texts(v: Variant) -> dict[str, str]:
+    names = (*SOURCES, *HEADERS, *((FEATURES_SOURCE,) if v.isa == "generic" else ()))
+    return {name: (HERE / name).read_text() for name in names}
+
+
+def library_name(v: Variant) -> str:
+    """``slipstream_cpu-{isa}-{key}.so``, the key hashing the sources and flags: a library is
+    never used for sources other than those it was built from."""
+    texts = _texts(v)
+    key = hashlib.sha256("\0".join([v.arch, v.isa, *COMMON_FLAGS, *v.flags,
+                                    *(f"{n}\0{t}" for n, t in sorted(texts.items()))]).encode())
+    return f"slipstream_cpu-{v.isa}-{key.hexdigest()[:16]}.so"
+
+
+def cache_dir() -> Path:
+    """Where a build on first use goes: ``$SLIPSTREAM_CACHE_DIR/kernels`` (default
+    ``~/.cache/slipstream/kernels``)."""
+    root = os.environ.get("SLIPSTREAM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slipstream")
+    return Path(root) / "kernels"
+
+
+def find(v: Variant) -> Path | None:
+    """The built library of ``v`` for the current sources: the package's, else the cache's."""
+    name = library_name(v)
+    for folder in (PACKAGE_DIR, cache_dir()):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def compiler(cc: str | None = None) -> str | None:
+    """The C compiler to use: ``cc``, else ``$CC``, else ``cc``/``gcc`` on the PATH; None if none."""
+    name = cc or os.environ.get("CC") or "cc"
+    return shutil.which(name) or (None if cc or os.environ.get("CC") else shutil.which("gcc"))
+
+
+def _compiler_id(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{cc}: {out.splitlines()[0] if out else '?'}"
+
+
+def timeout_s() -> float:
+    return float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
+
+
+def _run_compiler(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` in its own process group, all of which (the driver and its cc1, as, ld) is killed
+    when ``timeout`` passes: killing the driver alone leaves cc1 running."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def build(v: Variant, out_dir: Path, cc: str | None = None, timeout: float | None = None,
+          first_use: bool = False) -> Path:
+    """Compile ``v`` into ``out_dir`` (if not there already) and return the library's path.
+
+    One build per library name at a time on this machine (a file lock beside it): a process
+    that waited finds the other's result. With ``first_use`` (a server that found no built
+    library) the build is logged as a WARNING, and a failed build leaves a
+    ``.failed`` note and later calls raise it again without compiling, until the sources or the
+    compiler change (or the note is deleted).
+
+    Raises:
+        BuildError: no compiler, a compile error, ``timeout`` seconds passed (default
+            ``$SLIPSTREAM_KERNEL_BUILD_TIMEOUT`` or 300; the compiler's process group is killed),
+            or a remembered failure.
+    """
+    path = compiler(cc)
+    if path is None:
+        raise BuildError(f"no C compiler ({cc or os.environ.get('CC') or 'cc'} not found; install gcc)")
+    timeout = timeout_s() if timeout is None else timeout
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts = _texts(v)  # read once: the name hashes exactly the text that is compiled
+    target = out_dir / library_name(v)
+    failed = target.with_suffix(".failed")
+    who = _compiler_id(path)
+    with open(out_dir / f".{target.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        if first_use and failed.is_file():
+            note = json.loads(failed.read_text())
+            if note.get("compiler") == who:
+                raise BuildError(f"{note['error']} (remembered from an earlier start: delete {failed} to try again)")
+        if first_use:
+            log.warning("compiling the %s CPU kernels with %s into %s (once per machine; run `python -m "
+                        "slipstream.kernels.cpu_build` at install time to skip this)", v.isa, path, out_dir)
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory() as src:
+            for name, text in texts.items():
+                Path(src, name).write_text(text)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+            os.close(fd)
+            sources = [os.path.join(src, n) for n in texts if n.endswith(".c")]
+            cmd = [path, *COMMON_FLAGS, *v.flags, v.define, *sources, "-o", tmp, "-lm"]
+            try:
+                try:
+                    done = _run_compiler(cmd, timeout)
+                except subprocess.TimeoutExpired:
+                    error = f"the {v.isa} build timed out after {timeout:.0f} s (${ENV_TIMEOUT} sets the limit)"
+                else:
+                    error = None if done.returncode == 0 else \
+                        f"the {v.isa} build failed: {done.stderr.strip()[-2000:] or f'exit {done.returncode}'}"
+                if error is None:
+                    os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        if error is not None:
+            if first_use:
+                failed.write_text(json.dumps({"compiler": who, "error": error}))
+            raise BuildError(error)
+        log.info("built the %s CPU kernels in %.1f s", v.isa, time.monotonic() - started)
+        return target
+
+
+def build_all(out_dir: Path = PACKAGE_DIR, arch: str | None = None, cc: str | None = None,
+              timeout: float | None = None) -> dict[str, Path | BuildError]:
+    """Every path of ``arch`` built into ``out_dir``, in parallel; older builds there removed.
+
+    Returns ``{isa: path or the BuildError}``.
+    """
+    todo = variants(arch)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        futures = {v.isa: pool.submit(build, v, out_dir, cc, timeout) for v in todo}
+    results: dict[str, Path | BuildError] = {}
+    for isa, fut in futures.items():
+        try:
+            results[isa] = fut.result()
+        except BuildError as e:
+            results[isa] = e
+    keep = {p.name for p in results.values() if isinstance(p, Path)}
+    for old in out_dir.glob("slipstream_cpu-*.so"):
+        if old.name not in keep:
+            old.unlink()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slipstream.kernels.cpu_build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=PACKAGE_DIR, help="folder for the libraries (default: the package's)")
+    parser.add_argument("--arch", default=None, help=f"architecture to build for (default: {machine_arch()})")
+    parser.add_argument("--cc", default=None, help="C compiler (default: $CC, else cc)")
+    args = parser.parse_args(argv)
+    if os.environ.get("SLIPSTREAM_CPU_KERNELS", "1") == "0":
+        print("CPU kernels: not built (SLIPSTREAM_CPU_KERNELS=0): quantized GGUF weights will be served "
+              "dequantized to fp32")
+        return 0
+    started = time.monotonic()
+    results = build_all(args.out, args.arch, args.cc)
+    took = time.monotonic() - started
+    failed = {isa: r for isa, r in results.items() if isinstance(r, BuildError)}
+    for isa, r in results.items():
+        print(f"CPU kernels [{isa}]: {r if isa in failed else r.name}")
+    if failed:
+        print(f"CPU kernels: {len(failed)} of {len(results)} paths failed to build. Install a C compiler with "
+              "OpenMP (gcc), or set SLIPSTREAM_CPU_KERNELS=0 to serve quantized weights dequantized to fp32.",
+              file=sys.stderr)
+        return 1
+    print(f"CPU kernels: {', '.join(results)} built into {args.out} in {took:.1f} s")
+    if (args.arch or machine_arch()) == machine_arch():
+        from . import cpu_native  # noqa: PLC0415 - reports what the loader will choose here
+
+        isa = cpu_native.best_isa()
+        cpu = cpu_native.cpu_model()
+        print(f"CPU kernels: this machine ({cpu}) will use the {isa} path ({variant(isa).description})")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    sys.exit(main())

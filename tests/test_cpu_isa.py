@@ -1,0 +1,303 @@
+"""The CPU kernels per instruction set: every path built with its own flags and chosen from the
+CPU's features when the library loads; the aarch64 paths cross-compiled and run under qemu-user
+against the gguf package and the attention reference; the build at install time, the lock,
+the killed process group of a timed-out build and a remembered failure.
+
+The x86 paths' oracle tests (greedy tokens equal to transformers') run per path through the
+``cpu_isa`` fixture (tests/conftest.py) in test_oracle.py, test_architectures.py, test_quant.py,
+test_kernels.py and test_fused_decode.py."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slipstream.kernels import cpu_build, cpu_native, reference
+from test_kernels import make_batch
+from test_quant import TYPES, _blocks, _cols
+
+HERE = Path(__file__).resolve().parent
+CROSS_CC = "aarch64-linux-gnu-gcc"
+QEMU = "qemu-aarch64"
+SYSROOT = "/usr/aarch64-linux-gnu"
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+@pytest.fixture
+def fresh_library(monkeypatch):
+    """library() re-read after the test changed its environment, and again after it."""
+    cpu_native.library.cache_clear()
+    cpu_native._generic.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_native.library.cache_clear()
+    cpu_native._generic.cache_clear()
+
+
+# --- choosing the path ----------------------------------------------------------------------
+
+def test_the_best_path_this_cpu_executes_is_chosen_and_reported(fresh_library, monkeypatch, caplog):
+    monkeypatch.delenv(cpu_native.ENV_ISA, raising=False)
+    flags = Path("/proc/cpuinfo").read_text()
+    isas = cpu_native.supported_isas()
+    assert isas[-1] == "generic"
+    if cpu_build.machine_arch() == "x86_64":  # what the CPU itself says, against what Linux lists
+        assert ("avx512" in isas) == all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl"))
+        assert ("avx2" in isas) == all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+    caplog.set_level(logging.INFO, logger="slipstream.kernels")
+    lib = cpu_native.library()
+    assert lib is not None and cpu_native.loaded_isa() == isas[0]
+    assert lib.slipstream_cpu_isa() == isas[0].encode()
+    assert f"the {isas[0]} path" in caplog.text and "chosen from the CPU's features" in caplog.text
+
+
+@pytest.mark.parametrize("forced, message", [
+    ("sse9", "not a CPU kernel path"),
+    ("neon" if cpu_build.machine_arch() == "x86_64" else "avx2", "there is no .* path on"),
+])
+def test_forcing_a_path_this_machine_cannot_run_is_an_error(fresh_library, monkeypatch, forced, message):
+    monkeypatch.setenv(cpu_native.ENV_ISA, forced)
+    with pytest.raises(cpu_native.CpuIsaError, match=message):
+        cpu_native.library()
+
+
+def test_forcing_a_path_the_cpu_lacks_names_what_it_can_run(fresh_library, monkeypatch):
+    """An AVX2-only CPU (the generic library's feature query answering AVX2 alone)."""
+    if cpu_build.machine_arch() != "x86_64":
+        pytest.skip("x86-64 paths")
+    real = cpu_native._generic()
+
+    class Avx2Only:
+        path = real.path
+
+        def slipstream_cpu_features(self):
+            return cpu_native.FEATURE_BITS["avx2"]
+
+    monkeypatch.setattr(cpu_native, "_generic", lambda: Avx2Only())
+    assert cpu_native.supported_isas() == ["avx2", "generic"] and cpu_native.best_isa() == "avx2"
+    monkeypatch.setenv(cpu_native.ENV_ISA, "avx512")
+    with pytest.raises(cpu_native.CpuIsaError, match="cannot execute the avx512 path .* it can run avx2, generic"):
+        cpu_native.library()
+
+
+def test_prebuilt_paths_load_without_a_compiler(fresh_library, monkeypatch, tmp_path):
+    """Built at install time: a node with no compiler (the server image has none) loads them."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "empty-cache"))
+    for v in cpu_build.variants():
+        assert cpu_build.find(v) is not None and cpu_build.find(v).parent == cpu_build.PACKAGE_DIR, \
+            f"{v.isa} was not built into the package (make install runs python -m slipstream.kernels.cpu_build)"
+    assert cpu_native.library() is not None
+
+
+def test_nothing_built_and_no_compiler_is_a_warning_naming_the_fix(fresh_library, monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_build, "PACKAGE_DIR", tmp_path / "not-installed")
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    caplog.set_level(logging.WARNING, logger="slipstream.kernels")
+    assert cpu_native.library() is None and cpu_native.loaded_isa() == "none"
+    record = next(r for r in caplog.records if "CPU kernels unavailable" in r.message)
+    assert record.levelno == logging.WARNING
+    assert "no C compiler" in record.message and "dequantized to fp32" in record.message
+    assert "python -m slipstream.kernels.cpu_build" in record.message and "SLIPSTREAM_CPU_KERNELS=0" in record.message
+
+
+# --- building -----------------------------------------------------------------------------
+
+def _fake_cc(tmp_path: Path, body: str) -> Path:
+    """A compiler stand-in: a shell script that counts its calls in ``calls`` and runs ``body``
+    (``$out``: the -o argument)."""
+    cc = tmp_path / "fake-cc"
+    cc.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$1" in --version) echo fake-cc 1.0; exit 0;; esac
+        echo call >> {tmp_path}/calls
+        out=""; prev=""
+        for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+        """) + textwrap.dedent(body))
+    cc.chmod(0o755)
+    return cc
+
+
+def _calls(tmp_path: Path) -> int:
+    return len((tmp_path / "calls").read_text().splitlines()) if (tmp_path / "calls").exists() else 0
+
+
+def test_a_timed_out_build_leaves_no_compiler_running_and_is_remembered(tmp_path):
+    """The driver's child (cc1 in a real build) is killed with it; the next start does not wait again."""
+    cc = _fake_cc(tmp_path, f"""\
+        sleep 300 &
+        echo $! > {tmp_path}/child
+        wait
+        """)
+    v = cpu_build.variant("generic")
+    started = time.monotonic()
+    with pytest.raises(cpu_build.BuildError, match="timed out after 2 s"):
+        cpu_build.build(v, tmp_path / "out", cc=str(cc), timeout=2, first_use=True)
+    assert time.monotonic() - started < 30
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # SIGKILL is asynchronous; the child is reparented and reaped by init
+    alive = Path(f"/proc/{child}/stat").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z"
+    assert not alive, "the compiler's child outlived the timeout"
+    assert not list((tmp_path / "out").glob("*.so")) and not list((tmp_path / "out").glob("tmp*"))
+    with pytest.raises(cpu_build.BuildError, match="remembered from an earlier start"):
+        cpu_build.build(v, tmp_path / "out", cc=str(cc), timeout=2, first_use=True)
+    assert _calls(tmp_path) == 1
+
+
+def test_one_build_per_machine_at_a_time(tmp_path):
+    """Two servers starting together: one compiles, the other waits for it and loads its result."""
+    cc = _fake_cc(tmp_path, """\
+        sleep 1
+        printf built > "$out"
+        """)
+    v = cpu_build.variant("generic")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cpu_build.build(v, tmp_path / "out", cc=str(cc))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and results[0] == results[1] and results[0].read_text() == "built"
+    assert _calls(tmp_path) == 1
+
+
+def test_a_library_is_compiled_from_the_text_its_name_hashes(tmp_path, monkeypatch):
+    """A source edited between the name's hash and the compile (an upgrade under a starting
+    server) must not be cached under the old text's name."""
+    cc = cpu_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "one.c").write_text("int version(void) { return 1; }\n")
+    monkeypatch.setattr(cpu_build, "HERE", src)
+    monkeypatch.setattr(cpu_build, "SOURCES", ("one.c",))
+    monkeypatch.setattr(cpu_build, "HEADERS", ())
+    monkeypatch.setattr(cpu_build, "FEATURES_SOURCE", "one.c")
+    real = cpu_build._run_compiler
+
+    def run(cmd, timeout):
+        (src / "one.c").write_text("int version(void) { return 2; }\n")  # changes under the compile
+        return real(cmd, timeout)
+
+    monkeypatch.setattr(cpu_build, "_run_compiler", run)
+    v = cpu_build.variant("generic")
+    first = cpu_build.build(v, tmp_path / "out")
+    assert ctypes.CDLL(str(first)).version() == 1
+    monkeypatch.setattr(cpu_build, "_run_compiler", real)
+    second = cpu_build.build(v, tmp_path / "out")
+    assert second != first and ctypes.CDLL(str(second)).version() == 2
+
+
+def test_the_install_step_fails_loudly_unless_fp32_is_accepted(tmp_path, monkeypatch, capsys):
+    cc = _fake_cc(tmp_path, """\
+        echo 'error: this compiler cannot' >&2
+        exit 1
+        """)
+    monkeypatch.delenv("SLIPSTREAM_CPU_KERNELS", raising=False)
+    assert cpu_build.main(["--out", str(tmp_path / "out"), "--cc", str(cc)]) == 1
+    err = capsys.readouterr().err
+    assert "failed to build" in err and "SLIPSTREAM_CPU_KERNELS=0" in err
+    monkeypatch.setenv("SLIPSTREAM_CPU_KERNELS", "0")
+    assert cpu_build.main(["--out", str(tmp_path / "out"), "--cc", str(cc)]) == 0
+    assert "dequantized to fp32" in capsys.readouterr().out
+
+
+# --- aarch64 under qemu-user --------------------------------------------------------------
+
+def _arm64_tools() -> str | None:
+    missing = [t for t in (CROSS_CC, QEMU) if shutil.which(t) is None]
+    if not Path(SYSROOT, "lib", "libgomp.so.1").exists():
+        missing.append(f"{SYSROOT}/lib/libgomp.so.1 (libgomp1-arm64-cross)")
+    return ", ".join(missing) or None
+
+
+@pytest.fixture(scope="module")
+def arm64(tmp_path_factory):
+    """The aarch64 paths and the driver, cross-compiled once: ``(run, {isa: library})``."""
+    missing = _arm64_tools()
+    if missing:
+        if os.environ.get("SLIPSTREAM_REQUIRE_ARM64") == "1":
+            pytest.fail(f"missing {missing}: make test installs them (make arm64-tools)")
+        pytest.skip(f"missing {missing} (make arm64-tools installs them)")
+    out = tmp_path_factory.mktemp("arm64")
+    libs = {v.isa: cpu_build.build(v, out, cc=CROSS_CC, timeout=300) for v in cpu_build.variants("aarch64")}
+    driver = out / "kernel_driver"
+    subprocess.run([CROSS_CC, "-O2", str(HERE / "arm64" / "kernel_driver.c"), "-o", str(driver), "-ldl"], check=True)
+
+    def run(lib: Path, records: bytes) -> np.ndarray:
+        src, dst = out / "in.bin", out / "out.bin"
+        src.write_bytes(records)
+        done = subprocess.run([QEMU, "-L", SYSROOT, str(driver), str(lib), str(src), str(dst)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return np.fromfile(dst, dtype=np.float32)
+
+    return run, libs
+
+
+def _matmul_cases():
+    cases = []
+    for qtype in TYPES:
+        k = _cols(qtype, 5) * (2 if qtype.endswith("_K") else 1)
+        blocks, w = _blocks(qtype, 37, k, seed=3)
+        for rows in (1, 3, 8, 9):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            cases.append((qtype, k, blocks, w, x))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["neon", "generic"])
+def test_arm64_products_equal_the_gguf_package_and_the_generic_path(arm64, isa):
+    run, libs = arm64
+    records, want = b"", []
+    for qtype in TYPES:  # dequantization: bit for bit the gguf package's
+        k = _cols(qtype, 6)
+        blocks, w = _blocks(qtype, 11, k)
+        records += struct.pack("<iiqq", 1, TYPE_IDS[qtype], 11, k) + blocks.numpy().tobytes()
+        want.append(("dequantize " + qtype, w, None))
+    for qtype, k, blocks, w, x in _matmul_cases():
+        records += struct.pack("<iiqqq", 2, TYPE_IDS[qtype], 37, k, x.shape[0]) + blocks.numpy().tobytes() + \
+            x.numpy().tobytes()
+        want.append((f"matmul {qtype} x{x.shape[0]}", (x.double() @ w.double().t()).float(), 1e-5 * k / 32))
+    for group, window in ((1, 0), (3, 0), (2, 5)):
+        q_lens, seq_lens = [1, 1, 1, 1], [1, 17, 40, 9]
+        query, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, group=group, head_dim=32)
+        T, H, D = query.shape
+        nb, bs, KVH = k_cache.shape[:3]
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        records += struct.pack("<i9qff", 3, T, 4, H, KVH, D, bs, nb, tables.shape[1], window, 0.125, 0.0) + \
+            query.numpy().tobytes() + np.arange(4, dtype=np.int64).tobytes() + k_cache.numpy().tobytes() + \
+            v_cache.numpy().tobytes() + tables.numpy().tobytes() + meta.seq_lens.to(torch.int32).numpy().tobytes()
+        expected = reference.paged_attention(query, k_cache, v_cache, meta, 0.125, window or None)
+        want.append((f"attention group {group} window {window}", expected, 1e-5))
+    got = torch.from_numpy(run(libs[isa], records))
+    at = 0
+    for name, expected, atol in want:
+        part = got[at:at + expected.numel()].view(expected.shape)
+        at += expected.numel()
+        if atol is None:
+            assert torch.equal(part, expected), name
+        else:
+            torch.testing.assert_close(part, expected, rtol=1e-5, atol=atol, msg=name)
+    assert at == got.numel()
+    if isa == "neon":  # and the NEON path against the generic one on the same inputs
+        torch.testing.assert_close(got, torch.from_numpy(run(libs["generic"], records)), rtol=1e-5, atol=1e-4)
