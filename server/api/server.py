@@ -29,6 +29,10 @@ def _build_engine(engine_config):
     if engine_config.model.startswith("sim:"):  # a cost model in place of the forward pass
         from slipstream.server.sim.backend import build_engine
         return AsyncLLM(engine=build_engine(engine_config))
+    if engine_config.device == "cpu":
+        from slipstream.kernels import cpu_native
+
+        cpu_native.library()  # the path in use logged first; a SLIPSTREAM_CPU_ISA it cannot run fails the start
     return AsyncLLM(engine_config)
 
 

@@ -159,8 +159,10 @@ def _projections(model: nn.Module, kind: type) -> list[nn.Module]:
 
 
 def _key(threads: int, dense: Sequence[nn.Module], blocks: Sequence[nn.Module]) -> str:
-    from slipstream.kernels.cpu_native import SOURCES, _cpu_flags
+    from slipstream.kernels import cpu_native
 
     shapes = [[list(m.weight.shape) for m in dense], [[m.out_features, m.in_features, m.qtype] for m in blocks]]
-    text = json.dumps([_cpu_flags(), torch.__version__, threads, shapes, [s.read_text() for s in SOURCES]])
+    lib = cpu_native.library()  # its name holds the path (ISA) and the hash of its sources
+    text = json.dumps([cpu_native.cpu_flags(), torch.__version__, threads, shapes,
+                       os.path.basename(lib.path) if lib is not None else None])
     return hashlib.sha256(text.encode()).hexdigest()[:16]

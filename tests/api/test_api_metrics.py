@@ -44,6 +44,15 @@ def test_all_design_metrics_are_exported(server):
         assert f"slipstream:{histogram}_count" in names
 
 
+def test_the_cpu_kernel_path_in_use_is_exported(server):
+    from slipstream.kernels import cpu_native
+
+    isa = cpu_native.loaded_isa()
+    assert isa is not None, "a CPU engine resolved its kernels"
+    kernels = {labels for name, labels in scrape(server) if name == "slipstream:cpu_kernel_info"}
+    assert kernels == {(("isa", isa),)}
+
+
 def test_vllm_names_only_when_asked(loop_thread, engine):
     with serve_app(loop_thread, engine) as plain:
         text = Http(plain.url).get("/metrics").text
