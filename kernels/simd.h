@@ -113,9 +113,11 @@ static inline void cvt_u8(u8x16 q, vf *out) {
     out[1] = (vf)vcvtq_f32_u32(vmovl_high_u16(lo));
     out[2] = (vf)vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
     out[3] = (vf)vcvtq_f32_u32(vmovl_high_u16(hi));
-#else
+#else /* through arrays: GCC vectorizes the loop, not element reads of a vector */
+    uint8_t b[16];
     float f[16];
-    for (int i = 0; i < 16; i++) f[i] = (float)q[i];
+    memcpy(b, &q, 16);
+    for (int i = 0; i < 16; i++) f[i] = (float)b[i];
     memcpy(out, f, sizeof f);
 #endif
 }
@@ -133,8 +135,10 @@ static inline void cvt_i8(i8x16 q, vf *out) {
     out[2] = (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
     out[3] = (vf)vcvtq_f32_s32(vmovl_high_s16(hi));
 #else
+    int8_t b[16];
     float f[16];
-    for (int i = 0; i < 16; i++) f[i] = (float)q[i];
+    memcpy(b, &q, 16);
+    for (int i = 0; i < 16; i++) f[i] = (float)b[i];
     memcpy(out, f, sizeof f);
 #endif
 }
