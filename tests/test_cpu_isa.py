@@ -1,6 +1,7 @@
 """The CPU kernels per instruction set: every path built with its own flags and chosen from the
-CPU's features when the library loads; the aarch64 paths cross-compiled and run under qemu-user
-against the gguf package and the attention reference; the build at install time, the lock,
+CPU's features when the library loads; under qemu-user, the aarch64 paths (cross-compiled) and the
+x86-64 ones on CPUs without AVX-512 (Haswell) and without AVX (qemu64), against the gguf package
+and the attention reference; the build at install time, the lock,
 the killed process group of a timed-out build and a remembered failure.
 
 The x86 paths' oracle tests (greedy tokens equal to transformers') run per path through the
@@ -29,7 +30,6 @@ from test_quant import TYPES, _blocks, _cols
 
 HERE = Path(__file__).resolve().parent
 CROSS_CC = "aarch64-linux-gnu-gcc"
-QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"
 TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
@@ -220,37 +220,70 @@ def test_the_install_step_fails_loudly_unless_fp32_is_accepted(tmp_path, monkeyp
     assert "dequantized to fp32" in capsys.readouterr().out
 
 
-# --- aarch64 under qemu-user --------------------------------------------------------------
+# --- emulated CPUs: aarch64, and x86-64 without AVX-512 or without AVX -----------------------
 
-def _arm64_tools() -> str | None:
-    missing = [t for t in (CROSS_CC, QEMU) if shutil.which(t) is None]
+# (name, qemu binary, qemu -cpu, the paths it runs, the feature bits it must report)
+EMULATED = {
+    "aarch64": ("qemu-aarch64", None, ("neon", "generic"), cpu_native.FEATURE_BITS["neon"]),
+    "x86_64-haswell": ("qemu-x86_64", "Haswell", ("avx2", "generic"), cpu_native.FEATURE_BITS["avx2"]),
+    "x86_64-baseline": ("qemu-x86_64", "qemu64", ("generic",), 0),
+}
+
+
+def _emulator_tools() -> str | None:
+    missing = [t for t in (CROSS_CC, "qemu-aarch64", "qemu-x86_64") if shutil.which(t) is None]
     if not Path(SYSROOT, "lib", "libgomp.so.1").exists():
         missing.append(f"{SYSROOT}/lib/libgomp.so.1 (libgomp1-arm64-cross)")
     return ", ".join(missing) or None
 
 
 @pytest.fixture(scope="module")
-def arm64(tmp_path_factory):
-    """The aarch64 paths and the driver, cross-compiled once: ``(run, {isa: library})``."""
-    missing = _arm64_tools()
+def emulated(tmp_path_factory):
+    """Each emulated CPU's libraries and driver: ``{name: (run, features, {isa: library})}``,
+    ``run(lib, records)`` the driver's output as float32. The aarch64 paths are cross-compiled;
+    the x86-64 ones are the package's, as make install built them."""
+    missing = _emulator_tools()
     if missing:
-        if os.environ.get("SLIPSTREAM_REQUIRE_ARM64") == "1":
-            pytest.fail(f"missing {missing}: make test installs them (make arm64-tools)")
-        pytest.skip(f"missing {missing} (make arm64-tools installs them)")
-    out = tmp_path_factory.mktemp("arm64")
-    libs = {v.isa: cpu_build.build(v, out, cc=CROSS_CC, timeout=300) for v in cpu_build.variants("aarch64")}
-    driver = out / "kernel_driver"
-    subprocess.run([CROSS_CC, "-O2", str(HERE / "arm64" / "kernel_driver.c"), "-o", str(driver), "-ldl"], check=True)
+        if os.environ.get("SLIPSTREAM_REQUIRE_EMULATORS") == "1":
+            pytest.fail(f"missing {missing}: make test installs them (make emulators)")
+        pytest.skip(f"missing {missing} (make emulators installs them)")
+    if cpu_build.machine_arch() != "x86_64":
+        pytest.skip("the emulated CPUs run on an x86-64 host")
+    out = tmp_path_factory.mktemp("emulated")
+    drivers, libs = {}, {"aarch64": {}, "x86_64": {}}
+    for arch, cc in (("aarch64", CROSS_CC), ("x86_64", cpu_build.compiler())):
+        drivers[arch] = out / f"kernel_driver-{arch}"
+        subprocess.run([cc, "-O2", str(HERE / "emulated" / "kernel_driver.c"), "-o", str(drivers[arch]), "-ldl"],
+                       check=True)
+    for v in cpu_build.variants("aarch64"):
+        libs["aarch64"][v.isa] = cpu_build.build(v, out / "aarch64", cc=CROSS_CC, timeout=300)
+    for v in cpu_build.variants("x86_64"):
+        libs["x86_64"][v.isa] = cpu_build.find(v)
+        assert libs["x86_64"][v.isa] is not None, f"{v.isa} is not built (make install)"
+    machines = {}
+    for name, (qemu, cpu, isas, _) in EMULATED.items():
+        arch = name.split("-")[0]
+        prefix = [qemu, *(["-L", SYSROOT] if arch == "aarch64" else ["-cpu", cpu])]
 
-    def run(lib: Path, records: bytes) -> np.ndarray:
-        src, dst = out / "in.bin", out / "out.bin"
-        src.write_bytes(records)
-        done = subprocess.run([QEMU, "-L", SYSROOT, str(driver), str(lib), str(src), str(dst)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return np.fromfile(dst, dtype=np.float32)
+        def run(lib: Path, records: bytes, prefix=prefix, arch=arch) -> np.ndarray:
+            src, dst = out / "in.bin", out / "out.bin"
+            src.write_bytes(records)
+            done = subprocess.run([*prefix, str(drivers[arch]), str(lib), str(src), str(dst)],
+                                  capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-2000:]
+            return np.fromfile(dst, dtype=np.float32)
 
-    return run, libs
+        done = subprocess.run([*prefix, str(drivers[arch]), "--features", str(libs[arch]["generic"])],
+                              capture_output=True, text=True, timeout=120, check=True)
+        machines[name] = (run, int(done.stdout.split()[-1]), {isa: libs[arch][isa] for isa in isas})
+    return machines
+
+
+@pytest.mark.parametrize("machine", EMULATED)
+def test_an_emulated_cpu_reports_the_paths_it_can_execute(emulated, machine):
+    """CPUID / hwcaps as the generic library reads them on an AVX2-only, a pre-AVX and an aarch64 CPU."""
+    _, features, _ = emulated[machine]
+    assert features == EMULATED[machine][3]
 
 
 def _matmul_cases():
@@ -265,9 +298,12 @@ def _matmul_cases():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["neon", "generic"])
-def test_arm64_products_equal_the_gguf_package_and_the_generic_path(arm64, isa):
-    run, libs = arm64
+@pytest.mark.parametrize("machine, isa", [(m, isa) for m, spec in EMULATED.items() for isa in spec[2]])
+def test_emulated_products_equal_the_gguf_package_and_the_reference(emulated, machine, isa):
+    """Each path on a CPU that has only what it needs (an AVX-512 instruction in the AVX2 path
+    would be SIGILL on the emulated Haswell), against the gguf package's dequantization, a dense
+    fp64 product and the attention reference; the vector path against the generic one too."""
+    run, _, libs = emulated[machine]
     records, want = b"", []
     for qtype in TYPES:  # dequantization: bit for bit the gguf package's
         k = _cols(qtype, 6)
@@ -299,5 +335,5 @@ def test_arm64_products_equal_the_gguf_package_and_the_generic_path(arm64, isa):
         else:
             torch.testing.assert_close(part, expected, rtol=1e-5, atol=atol, msg=name)
     assert at == got.numel()
-    if isa == "neon":  # and the NEON path against the generic one on the same inputs
+    if isa != "generic":  # and the vector path against the generic one on the same inputs
         torch.testing.assert_close(got, torch.from_numpy(run(libs["generic"], records)), rtol=1e-5, atol=1e-4)

@@ -1,7 +1,10 @@
-/* Runs one CPU-kernel library's products on inputs written by tests/test_cpu_isa.py, for a
- * library Python cannot load: the aarch64 paths, cross-compiled and run under qemu-user.
+/* Runs one CPU-kernel library's products on inputs written by tests/test_cpu_isa.py under
+ * qemu-user: the aarch64 paths (cross-compiled; Python cannot load them), and the x86-64 paths on
+ * an emulated CPU without AVX-512 (Haswell) or without AVX (qemu64), where any instruction the
+ * CPU lacks is SIGILL.
  *
  *   kernel_driver LIB.so IN OUT
+ *   kernel_driver --features GENERIC_LIB.so     prints slipstream_cpu_features() of this CPU
  *
  * IN is a sequence of records, each an int32 op then its operands (little-endian, packed):
  *   1 dequantize: int32 type, int64 N, int64 K, uint8 blocks[N * row_bytes]         -> float [N, K]
@@ -46,8 +49,17 @@ static void *sym(void *lib, const char *name) {
 }
 
 int main(int argc, char **argv) {
+    if (argc == 3 && !strcmp(argv[1], "--features")) {
+        void *generic = dlopen(argv[2], RTLD_NOW);
+        if (!generic) {
+            fprintf(stderr, "%s\n", dlerror());
+            return 1;
+        }
+        printf("%d\n", ((int (*)(void))sym(generic, "slipstream_cpu_features"))());
+        return 0;
+    }
     if (argc != 4) {
-        fprintf(stderr, "usage: %s LIB IN OUT\n", argv[0]);
+        fprintf(stderr, "usage: %s LIB IN OUT | --features GENERIC_LIB\n", argv[0]);
         return 1;
     }
     void *lib = dlopen(argv[1], RTLD_NOW);
