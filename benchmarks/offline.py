@@ -178,18 +178,23 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _online():
+    """online.py beside this file, loaded by path (this folder is off sys.path)."""
+    if "online" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("online", os.path.join(_HERE, "online.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["online"] = module  # its dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    return sys.modules["online"]
+
+
 def run_llama_cpp(workload, args) -> Result:
     import argparse as _argparse
     import asyncio
 
     from slipstream.server.bench.client import run_rate
 
-    # online.py beside this file starts llama-server (loaded by path: this folder is off sys.path)
-    spec = importlib.util.spec_from_file_location("online", os.path.join(_HERE, "online.py"))
-    online = importlib.util.module_from_spec(spec)
-    sys.modules["online"] = online  # its dataclasses look their module up by name
-    spec.loader.exec_module(online)
-
+    online = _online()  # starts llama-server
     longest = max(len(r.prompt) + r.max_tokens for r in workload)
     opts = _argparse.Namespace(max_num_seqs=args.max_num_seqs, max_model_len=max(1024, longest),
                                llama_threads=args.threads, slipstream_threads=None)
@@ -322,7 +327,8 @@ def machine() -> str:
     return (f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}\n"
             f"machine: {cpu}; {os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable); "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; transformers {transformers.__version__}; "
-            f"Python {platform.python_version()}\nslipstream commit: {git}\nload average at start (1, 5, 15 min): {load}")
+            f"Python {platform.python_version()}\n{_online().cpu_line()}\nslipstream commit: {git}\n"
+            f"load average at start (1, 5, 15 min): {load}")
 
 
 def print_table(results: list[Result]) -> None:

