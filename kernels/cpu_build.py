@@ -22,11 +22,14 @@ import json
 import logging
 import os
 import platform
+import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +82,40 @@ class BuildError(RuntimeError):
     """A path could not be built (no compiler, a compile error, a timeout, or a remembered failure)."""
 
 
+class BuildCancelled(BaseException):
+    """A build stopped by :func:`cancel_builds` (the process is stopping). A BaseException, like
+    KeyboardInterrupt, so that no fallback to fp32 takes it for a failed build."""
+
+
+_cancel = threading.Event()
+_running: set[subprocess.Popen] = set()
+_running_guard = threading.Lock()
+
+
+def cancel_builds() -> bool:
+    """Kill every running compiler of this process (its whole process group) and make this and
+    later builds raise :class:`BuildCancelled`. Returns whether one was running. Safe from a
+    signal handler."""
+    _cancel.set()
+    with _running_guard:
+        procs = list(_running)
+    for proc in procs:
+        _kill_group(proc)
+    return bool(procs)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def enabled() -> bool:
+    """False where ``SLIPSTREAM_CPU_KERNELS`` is 0, off, false or no: serve dequantized fp32."""
+    return os.environ.get("SLIPSTREAM_CPU_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def machine_arch() -> str:
     """This machine's architecture as :data:`VARIANTS` names it (``x86_64``, ``aarch64``, or
     the raw name of one with a generic path only)."""
@@ -106,12 +143,12 @@ def _texts(v: Variant) -> dict[str, str]:
 
 
 def library_name(v: Variant) -> str:
-    """``slipstream_cpu-{isa}-{key}.so``, the key hashing the sources and flags: a library is
-    never used for sources other than those it was built from."""
+    """``slipstream_cpu-{arch}-{isa}-{key}.so``, the key hashing the sources and flags: a library
+    is never used for sources other than those it was built from."""
     texts = _texts(v)
     key = hashlib.sha256("\0".join([v.arch, v.isa, *COMMON_FLAGS, *v.flags,
                                     *(f"{n}\0{t}" for n, t in sorted(texts.items()))]).encode())
-    return f"slipstream_cpu-{v.isa}-{key.hexdigest()[:16]}.so"
+    return f"slipstream_cpu-{v.arch}-{v.isa}-{key.hexdigest()[:16]}.so"
 
 
 def cache_dir() -> Path:
@@ -131,37 +168,56 @@ def find(v: Variant) -> Path | None:
     return None
 
 
-def compiler(cc: str | None = None) -> str | None:
-    """The C compiler to use: ``cc``, else ``$CC``, else ``cc``/``gcc`` on the PATH; None if none."""
-    name = cc or os.environ.get("CC") or "cc"
-    return shutil.which(name) or (None if cc or os.environ.get("CC") else shutil.which("gcc"))
+def compiler(cc: str | None = None) -> list[str] | None:
+    """The C compiler command to use: ``cc``, else ``$CC`` (words, as make splits it: ``ccache
+    gcc``), else ``cc``/``gcc`` on the PATH; None if its program is not found."""
+    words = shlex.split(cc or os.environ.get("CC") or "cc")
+    program = shutil.which(words[0]) if words else None
+    if program is None and not (cc or os.environ.get("CC")):
+        program = shutil.which("gcc")
+    return [program, *words[1:]] if program else None
 
 
-def _compiler_id(cc: str) -> str:
+def _compiler_id(cc: list[str], timeout: float) -> str:
     try:
-        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        out = _run_compiler([*cc, "--version"], min(30.0, timeout)).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
-    return f"{cc}: {out.splitlines()[0] if out else '?'}"
+    return f"{' '.join(cc)}: {out.splitlines()[0] if out else '?'}"
 
 
 def timeout_s() -> float:
-    return float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S)
+    """``$SLIPSTREAM_KERNEL_BUILD_TIMEOUT`` seconds, default 300. Raises BuildError if not a positive number."""
+    text = os.environ.get(ENV_TIMEOUT) or str(DEFAULT_TIMEOUT_S)
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise BuildError(f"{ENV_TIMEOUT}={text!r} is not a positive number of seconds")
+    return value
 
 
 def _run_compiler(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """``cmd`` in its own process group, all of which (the driver and its cc1, as, ld) is killed
     when ``timeout`` passes: killing the driver alone leaves cc1 running."""
+    if _cancel.is_set():
+        raise BuildCancelled()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with _running_guard:
+        _running.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
         proc.communicate()
         raise
+    finally:
+        with _running_guard:
+            _running.discard(proc)
+    if _cancel.is_set():
+        _kill_group(proc)  # what the driver left, if it exited first
+        raise BuildCancelled()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -173,33 +229,35 @@ def build(v: Variant, out_dir: Path, cc: str | None = None, timeout: float | Non
     that waited finds the other's result. With ``first_use`` (a server that found no built
     library) the build is logged as a WARNING, and a failed build leaves a
     ``.failed`` note and later calls raise it again without compiling, until the sources or the
-    compiler change (or the note is deleted).
+    compiler change, a timed-out build is given more time, or the note is deleted. The library
+    is readable by every user (an image builds as root and serves as another user).
 
     Raises:
         BuildError: no compiler, a compile error, ``timeout`` seconds passed (default
             ``$SLIPSTREAM_KERNEL_BUILD_TIMEOUT`` or 300; the compiler's process group is killed),
             or a remembered failure.
+        BuildCancelled: :func:`cancel_builds` was called.
     """
+    timeout = timeout_s() if timeout is None else timeout
     path = compiler(cc)
     if path is None:
         raise BuildError(f"no C compiler ({cc or os.environ.get('CC') or 'cc'} not found; install gcc)")
-    timeout = timeout_s() if timeout is None else timeout
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = _texts(v)  # read once: the name hashes exactly the text that is compiled
     target = out_dir / library_name(v)
     failed = target.with_suffix(".failed")
-    who = _compiler_id(path)
+    who = _compiler_id(path, timeout)
     with open(out_dir / f".{target.stem}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():
             return target
         if first_use and failed.is_file():
             note = json.loads(failed.read_text())
-            if note.get("compiler") == who:
+            if note.get("compiler") == who and not timeout > note.get("timeout_s", timeout):
                 raise BuildError(f"{note['error']} (remembered from an earlier start: delete {failed} to try again)")
         if first_use:
             log.warning("compiling the %s CPU kernels with %s into %s (once per machine; run `python -m "
-                        "slipstream.kernels.cpu_build` at install time to skip this)", v.isa, path, out_dir)
+                        "slipstream.kernels.cpu_build` at install time to skip this)", v.isa, who, out_dir)
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as src:
             for name, text in texts.items():
@@ -207,23 +265,26 @@ def build(v: Variant, out_dir: Path, cc: str | None = None, timeout: float | Non
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
             os.close(fd)
             sources = [os.path.join(src, n) for n in texts if n.endswith(".c")]
-            cmd = [path, *COMMON_FLAGS, *v.flags, v.define, *sources, "-o", tmp, "-lm"]
+            cmd = [*path, *COMMON_FLAGS, *v.flags, v.define, *sources, "-o", tmp, "-lm"]
             try:
                 try:
                     done = _run_compiler(cmd, timeout)
                 except subprocess.TimeoutExpired:
-                    error = f"the {v.isa} build timed out after {timeout:.0f} s (${ENV_TIMEOUT} sets the limit)"
+                    error = (f"the {v.isa} build with {' '.join(path)} timed out after {timeout:.0f} s "
+                             f"(${ENV_TIMEOUT} sets the limit)")
                 else:
-                    error = None if done.returncode == 0 else \
-                        f"the {v.isa} build failed: {done.stderr.strip()[-2000:] or f'exit {done.returncode}'}"
+                    error = None if done.returncode == 0 else (f"the {v.isa} build with {' '.join(path)} failed: "
+                                                               f"{done.stderr.strip()[-2000:] or f'exit {done.returncode}'}")
                 if error is None:
+                    # mkstemp made it 0600 and the linker kept that: every user must be able to load it
+                    os.chmod(tmp, stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
                     os.replace(tmp, target)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         if error is not None:
             if first_use:
-                failed.write_text(json.dumps({"compiler": who, "error": error}))
+                failed.write_text(json.dumps({"compiler": who, "error": error, "timeout_s": timeout}))
             raise BuildError(error)
         log.info("built the %s CPU kernels in %.1f s", v.isa, time.monotonic() - started)
         return target
@@ -244,10 +305,11 @@ def build_all(out_dir: Path = PACKAGE_DIR, arch: str | None = None, cc: str | No
             results[isa] = fut.result()
         except BuildError as e:
             results[isa] = e
-    keep = {p.name for p in results.values() if isinstance(p, Path)}
-    for old in out_dir.glob("slipstream_cpu-*.so"):
-        if old.name not in keep:
-            old.unlink()
+    keep = {p.stem for p in results.values() if isinstance(p, Path)}
+    arch = todo[0].arch
+    for old in [*out_dir.glob(f"slipstream_cpu-{arch}-*"), *out_dir.glob(f".slipstream_cpu-{arch}-*.lock")]:
+        if old.name.lstrip(".").split(".")[0] not in keep:  # other sources' libraries, notes and locks
+            old.unlink(missing_ok=True)
     return results
 
 
@@ -257,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default=None, help=f"architecture to build for (default: {machine_arch()})")
     parser.add_argument("--cc", default=None, help="C compiler (default: $CC, else cc)")
     args = parser.parse_args(argv)
-    if os.environ.get("SLIPSTREAM_CPU_KERNELS", "1") == "0":
+    if not enabled():
         print("CPU kernels: not built (SLIPSTREAM_CPU_KERNELS=0): quantized GGUF weights will be served "
               "dequantized to fp32")
         return 0

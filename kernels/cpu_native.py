@@ -124,21 +124,36 @@ def library() -> ctypes.CDLL | None:
         CpuIsaError: ``SLIPSTREAM_CPU_ISA`` names a path this machine cannot run.
     """
     _loaded.pop("isa", None)
-    if os.environ.get("SLIPSTREAM_CPU_KERNELS", "1") == "0":
+    forced = os.environ.get(ENV_ISA, "").strip()
+    if not cpu_build.enabled():
+        if forced and forced.lower() not in cpu_build.ALL_ISAS:
+            raise CpuIsaError(f"{ENV_ISA}={forced!r} is not a CPU kernel path (one of {', '.join(cpu_build.ALL_ISAS)})")
         log.info("CPU kernels off (SLIPSTREAM_CPU_KERNELS=0): quantized GGUF weights are served dequantized to fp32")
         _loaded["isa"] = "none"
         return None
     try:
         isa = chosen_isa()
-        lib = _generic() if isa == "generic" else _load(isa)
+        lib = None
+        for candidate in [isa] if forced else supported_isas()[supported_isas().index(isa):]:
+            try:
+                lib = _generic() if candidate == "generic" else _load(candidate)
+                break
+            except (OSError, cpu_build.BuildError) as e:
+                if forced:
+                    raise CpuIsaError(f"{ENV_ISA}={isa}: the {isa} path cannot be loaded: {e}") from None
+                log.warning("the %s CPU kernels are unavailable (%s): trying a slower path", candidate, e)
+        if lib is None:
+            raise cpu_build.BuildError("no path could be loaded")
+        isa = candidate
     except (OSError, cpu_build.BuildError) as e:
         log.warning("CPU kernels unavailable (%s): quantized GGUF weights are served dequantized to fp32 (slower, "
-                    "4-8x the memory) and attention takes the torch path. To fix, install gcc and run "
-                    "`python -m slipstream.kernels.cpu_build` (make install does); SLIPSTREAM_CPU_KERNELS=0 "
-                    "accepts fp32 without this warning.", e)
+                    "4-8x the memory) and attention takes the torch path. To fix that cause: `python -m "
+                    "slipstream.kernels.cpu_build` (make install) builds them where a C compiler is installed, and "
+                    "the built libraries must be readable; SLIPSTREAM_CPU_KERNELS=0 accepts fp32 without this "
+                    "warning.", e)
         _loaded["isa"] = "none"
         return None
-    how = f"forced by {ENV_ISA}" if os.environ.get(ENV_ISA, "").strip() else "chosen from the CPU's features"
+    how = f"forced by {ENV_ISA}" if forced else "chosen from the CPU's features"
     log.info("CPU kernels: the %s path (%s; %s) on %s, %s", isa, cpu_build.variant(isa).description, how,
              cpu_model(), lib.path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -178,6 +178,106 @@ def test_one_build_per_machine_at_a_time(tmp_path):
     assert _calls(tmp_path) == 1
 
 
+def test_a_remembered_timeout_is_retried_with_more_time_and_a_failure_with_another_compiler(tmp_path):
+    slow = _fake_cc(tmp_path, """\
+        sleep 3
+        printf built > "$out"
+        """)
+    v = cpu_build.variant("generic")
+    with pytest.raises(cpu_build.BuildError, match="timed out after 1 s"):
+        cpu_build.build(v, tmp_path / "out", cc=str(slow), timeout=1, first_use=True)
+    with pytest.raises(cpu_build.BuildError, match="remembered"):
+        cpu_build.build(v, tmp_path / "out", cc=str(slow), timeout=1, first_use=True)
+    assert cpu_build.build(v, tmp_path / "out", cc=str(slow), timeout=30, first_use=True).read_text() == "built"
+    assert _calls(tmp_path) == 2
+
+
+def test_a_built_library_is_readable_by_every_user(tmp_path):
+    """The image builds as root and serves as uid 10001: a 0700 library would mean fp32 in every pod."""
+    cc = _fake_cc(tmp_path, """\
+        printf built > "$out"
+        """)
+    built = cpu_build.build(cpu_build.variant("generic"), tmp_path / "out", cc=str(cc))
+    assert built.stat().st_mode & 0o555 == 0o555
+    for v in cpu_build.variants():
+        installed = cpu_build.find(v)
+        assert installed is not None and installed.stat().st_mode & 0o555 == 0o555, installed
+
+
+def test_cc_may_be_a_command_with_words(tmp_path, monkeypatch):
+    cc = _fake_cc(tmp_path, """\
+        printf built > "$out"
+        """)
+    monkeypatch.setenv("CC", f"env {cc}")
+    assert cpu_build.compiler() == [shutil.which("env"), str(cc)]
+    assert cpu_build.build(cpu_build.variant("generic"), tmp_path / "out").read_text() == "built"
+
+
+def test_a_timeout_that_is_not_a_number_names_the_variable(monkeypatch):
+    monkeypatch.setenv(cpu_build.ENV_TIMEOUT, "abc")
+    with pytest.raises(cpu_build.BuildError, match="SLIPSTREAM_KERNEL_BUILD_TIMEOUT='abc' is not a positive number"):
+        cpu_build.timeout_s()
+
+
+def test_cancel_builds_kills_the_compiler_and_remembers_nothing(tmp_path, monkeypatch):
+    """A server stopped while it compiles on first use exits now, not when the build ends."""
+    cc = _fake_cc(tmp_path, f"""\
+        sleep 300 &
+        echo $! > {tmp_path}/child
+        wait
+        """)
+    monkeypatch.setattr(cpu_build, "_cancel", threading.Event())
+    result = []
+
+    def run():
+        try:
+            cpu_build.build(cpu_build.variant("generic"), tmp_path / "out", cc=str(cc), timeout=120, first_use=True)
+        except BaseException as e:  # noqa: BLE001 - BuildCancelled is a BaseException
+            result.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    assert cpu_build.cancel_builds()
+    thread.join(30)
+    assert time.monotonic() - started < 10 and isinstance(result[0], cpu_build.BuildCancelled)
+    assert not list((tmp_path / "out").glob("*.failed"))
+    child = int((tmp_path / "child").read_text())
+    time.sleep(0.5)
+    assert not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_missing_faster_path_falls_back_to_a_slower_one_unless_forced(fresh_library, monkeypatch, tmp_path, caplog):
+    isas = cpu_native.supported_isas()
+    if len(isas) < 2:
+        pytest.skip("this CPU runs the generic path only")
+    real_find = cpu_build.find
+    monkeypatch.setattr(cpu_build, "find", lambda v: None if v.isa == isas[0] else real_find(v))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(cpu_native.ENV_ISA, raising=False)
+    caplog.set_level(logging.WARNING, logger="slipstream.kernels")
+    assert cpu_native.library() is not None and cpu_native.loaded_isa() == isas[1]
+    assert f"the {isas[0]} CPU kernels are unavailable" in caplog.text
+    cpu_native.library.cache_clear()
+    monkeypatch.setenv(cpu_native.ENV_ISA, isas[0])
+    with pytest.raises(cpu_native.CpuIsaError, match=f"the {isas[0]} path cannot be loaded: no C compiler"):
+        cpu_native.library()
+
+
+def test_building_for_another_architecture_keeps_this_ones_libraries(tmp_path):
+    cc = _fake_cc(tmp_path, """\
+        printf built > "$out"
+        """)
+    mine = cpu_build.build_all(tmp_path, cc=str(cc))
+    other = "aarch64" if cpu_build.machine_arch() == "x86_64" else "x86_64"
+    theirs = cpu_build.build_all(tmp_path, arch=other, cc=str(cc))
+    assert all(p.exists() for p in (*mine.values(), *theirs.values()))
+
+
 def test_a_library_is_compiled_from_the_text_its_name_hashes(tmp_path, monkeypatch):
     """A source edited between the name's hash and the compile (an upgrade under a starting
     server) must not be cached under the old text's name."""
@@ -251,9 +351,9 @@ def emulated(tmp_path_factory):
         pytest.skip("the emulated CPUs run on an x86-64 host")
     out = tmp_path_factory.mktemp("emulated")
     drivers, libs = {}, {"aarch64": {}, "x86_64": {}}
-    for arch, cc in (("aarch64", CROSS_CC), ("x86_64", cpu_build.compiler())):
+    for arch, cc in (("aarch64", [CROSS_CC]), ("x86_64", cpu_build.compiler())):
         drivers[arch] = out / f"kernel_driver-{arch}"
-        subprocess.run([cc, "-O2", str(HERE / "emulated" / "kernel_driver.c"), "-o", str(drivers[arch]), "-ldl"],
+        subprocess.run([*cc, "-O2", str(HERE / "emulated" / "kernel_driver.c"), "-o", str(drivers[arch]), "-ldl"],
                        check=True)
     for v in cpu_build.variants("aarch64"):
         libs["aarch64"][v.isa] = cpu_build.build(v, out / "aarch64", cc=CROSS_CC, timeout=300)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 
 from aiohttp import web
 
@@ -87,8 +88,10 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
         if stop.is_set():
             logger.warning("second %s: exiting now", signal.Signals(signum).name)
             os._exit(1)
-        # still loading: a fetch in the loader's thread would otherwise run to its end before exit
-        if state.llm is None and cancel_fetches(signum):
+        # still loading: a fetch or a first-use kernel build in the loader's thread would otherwise
+        # run to its end before exit (the build's module is there only if the loader imported it)
+        builds = sys.modules.get("slipstream.kernels.cpu_build")
+        if state.llm is None and (cancel_fetches(signum) | bool(builds and builds.cancel_builds())):
             interrupted.append(signum)
         logger.info("%s: draining (up to %.0fs for in-flight requests)", signal.Signals(signum).name,
                     options.shutdown_timeout)
@@ -103,7 +106,7 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
-    if loader.done() and loader.exception() is not None:
+    if loader.done() and loader.exception() is not None and not interrupted:
         exc = loader.exception()
         if isinstance(exc, ValueError):  # ModelLoadError or a bad setting: the message says which
             logger.error("loading the model failed: %s", exc)
@@ -113,7 +116,7 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
     else:
         await stopper
         if interrupted and not state.ready:
-            logger.error("%s while fetching the model: stopped", signal.Signals(interrupted[0]).name)
+            logger.error("%s while loading the model: stopped", signal.Signals(interrupted[0]).name)
             code = 128 + interrupted[0]
         if state.ready:
             finished = await state.drain(options.shutdown_timeout)

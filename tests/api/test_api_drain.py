@@ -3,6 +3,7 @@ pods this way): /ready turns 503, new requests get 503, in-flight streams comple
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -134,5 +135,36 @@ def test_drain_that_runs_out_of_time_aborts_with_503_and_exits_0():
             assert result["done"] and result["finish"] is None
         assert server.proc.wait(60) == 0
         assert "aborted the rest" in server.log()
+    finally:
+        server.kill()
+
+
+def test_sigterm_during_a_first_use_kernel_build_stops_the_compiler_and_exits_143(tmp_path):
+    """An install without built CPU kernels compiles them on first start; a pod deleted meanwhile
+    must not wait for the compiler (nor leave it running), as a model download does not."""
+    (tmp_path / "sitecustomize.py").write_text(  # this install has no built kernels
+        "from pathlib import Path\nfrom slipstream.kernels import cpu_build\n"
+        f"cpu_build.PACKAGE_DIR = Path({str(tmp_path / 'none')!r})\n")
+    cc = tmp_path / "hanging-cc"
+    cc.write_text(f"#!/bin/sh\ncase \"$1\" in --version) echo hang 1; exit 0;; esac\n"
+                  f"sleep 300 &\necho $! > {tmp_path}/child\nwait\n")
+    cc.chmod(0o755)
+    env = {"PYTHONPATH": str(tmp_path), "CC": str(cc), "SLIPSTREAM_CACHE_DIR": str(tmp_path / "cache")}
+    server = ServeProcess.__new__(ServeProcess)
+    server.port = _free_port()
+    server.proc = subprocess.Popen(
+        [sys.executable, "-m", "slipstream.server", "serve", "--host", "127.0.0.1", "--port", str(server.port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir(),
+        env={**os.environ, **env})
+    try:
+        assert wait_until(lambda: (tmp_path / "child").exists(), timeout=120), server.proc.poll()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 143
+        log = server.log()
+        assert "compiling the generic CPU kernels" in log and "SIGTERM while loading the model" in log, log
+        child = int((tmp_path / "child").read_text())
+        assert wait_until(lambda: not os.path.exists(f"/proc/{child}/stat")
+                          or open(f"/proc/{child}/stat").read().split()[2] == "Z", timeout=10), "the compiler lives on"
+        assert not list((tmp_path / "cache" / "kernels").glob("*.failed")), "a stop is not a failed build"
     finally:
         server.kill()
