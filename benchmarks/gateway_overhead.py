@@ -17,7 +17,7 @@ holds requests back). No engine: what is measured is HTTP and the gateway.
 
 The client is one aiohttp process. Loopback addresses only; not part of ``make test``.
 
-Usage: ``python -I benchmarks/gateway_overhead.py [--rate 200] [--duration 20] [--streams 2000]``
+Usage: ``python benchmarks/gateway_overhead.py [--rate 200] [--duration 20] [--streams 2000]``
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ async def stream_run(url: str, streams: int, chunks: int) -> tuple[int, list[str
 async def main_async(args: argparse.Namespace) -> int:
     raise_nofile()
     OUT.mkdir(exist_ok=True)
-    backend = spawn([sys.executable, "-I", "-c", BACKEND_CODE, BACKEND[0], str(BACKEND[1]), str(args.chunks),
+    backend = spawn([sys.executable, "-c", BACKEND_CODE, BACKEND[0], str(BACKEND[1]), str(args.chunks),
                      str(args.chunk_interval)], OUT / "overhead-backend.log")
     procs = [backend]
     backend_url = f"http://{BACKEND[0]}:{BACKEND[1]}"
@@ -222,7 +222,7 @@ async def main_async(args: argparse.Namespace) -> int:
             lat, failed, achieved = await latency_run(session, backend_url, args.rate, args.duration, prompt, args.seed)
             rows.append(("direct", lat, failed, achieved))
             for policy in args.policies.split(","):
-                gw = spawn([sys.executable, "-I", "-m", "slipstream.server", "gateway", "--routing", policy,
+                gw = spawn([sys.executable, "-m", "slipstream.server", "gateway", "--routing", policy,
                             "--endpoint", backend_url, "--host", GATEWAY[0], "--port", str(GATEWAY[1]),
                             "--log-level", "WARNING"], OUT / f"overhead-gateway-{policy}.log")
                 try:
@@ -245,7 +245,7 @@ async def main_async(args: argparse.Namespace) -> int:
                   f"{pct(lat, .99) * 1e3:.2f} | {(pct(lat, .5) - pct(base, .5)) * 1e3:.2f} | "
                   f"{(pct(lat, .99) - pct(base, .99)) * 1e3:.2f} |", flush=True)
 
-        gw = spawn([sys.executable, "-I", "-m", "slipstream.server", "gateway", "--routing", "round-robin",
+        gw = spawn([sys.executable, "-m", "slipstream.server", "gateway", "--routing", "round-robin",
                     "--endpoint", backend_url, "--host", GATEWAY[0], "--port", str(GATEWAY[1]),
                     "--log-level", "WARNING"], OUT / "overhead-gateway-streams.log")
         procs.append(gw)
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-interval", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    print(f"python -I benchmarks/gateway_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"python benchmarks/gateway_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     return asyncio.run(main_async(args))
 
 

@@ -17,7 +17,6 @@ Usage: ``python benchmarks/load_time.py [--runs 5] [--model GGUF] [--threads N]`
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import shutil
@@ -30,7 +29,6 @@ import urllib.request
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # benchmarks/kernels.py shadows `kernels`
 
 PHASES = {  # slipstream log line -> phase name
     r"read \d+ GGUF tensors in ([\d.]+) s": "GGUF tensors",
@@ -41,10 +39,7 @@ PHASES = {  # slipstream log line -> phase name
 
 
 def _online():
-    spec = importlib.util.spec_from_file_location("online", _HERE / "online.py")
-    online = importlib.util.module_from_spec(spec)
-    sys.modules["online"] = online  # its dataclasses look their module up by name
-    spec.loader.exec_module(online)
+    import online  # beside this file
     return online
 
 

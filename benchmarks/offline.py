@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
-import importlib.util
 import io
 import math
 import os
@@ -40,10 +39,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-# Run as a script, this folder comes first on sys.path, and its kernels.py would shadow the Hub's
-# `kernels` package that transformers imports when it is installed.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 import torch
 
@@ -179,13 +174,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _online():
-    """online.py beside this file, loaded by path (this folder is off sys.path)."""
-    if "online" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("online", os.path.join(_HERE, "online.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["online"] = module  # its dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules["online"]
+    """online.py beside this file (a script's folder is first on sys.path)."""
+    import online
+    return online
 
 
 def run_llama_cpp(workload, args) -> Result:

@@ -43,8 +43,7 @@ from slipstream.server.bench.client import run_rate
 from slipstream.server.bench.workload import FIRST_ORDINARY_ID, WorkloadRequest, describe, make_workload
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "out"  # also the working directory of every subprocess: the repository root has a folder
-                    # named operator/, which would shadow the standard library's operator module
+OUT = HERE / "out"  # also the working directory of every subprocess
 LLAMA_VENV = OUT / "llama-venv"
 SYSTEMS = ("slipstream", "llama.cpp")
 NONCE_TOKENS = 4  # redrawn at the start of each prompt per rate: no cached prefix survives the first token
@@ -261,8 +260,7 @@ def roofline(rows: list[dict], model: str, threads: int) -> str:
     copy bandwidth of this machine at ``threads`` torch threads."""
     import torch
 
-    sys.path.insert(0, str(HERE))  # offline.py beside this file (under -I not on sys.path)
-    from offline import copy_bandwidth
+    from offline import copy_bandwidth  # beside this file
 
     torch.set_num_threads(threads)
     nbytes, copy = decode_weight_bytes(model), copy_bandwidth()

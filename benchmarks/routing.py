@@ -21,7 +21,7 @@ arrivals (in process, virtual time) for comparison. Capacity: round-robin's satu
 throughput in the simulator (requests finished per modelled second while overloaded); the rate
 points are multiples of it.
 
-Usage: ``python -I benchmarks/routing.py [--policies all] [--loads 0.8,1,1.25,1.6,2,2.5]
+Usage: ``python benchmarks/routing.py [--policies all] [--loads 0.8,1,1.25,1.6,2,2.5]
 [--time-scale 8] [--duration 6] [--threshold 0.5] [--no-real]``. Loopback addresses only;
 not part of ``make test``.
 """
@@ -50,7 +50,7 @@ from slipstream.server.sim.trace import Arrival, Phase
 from slipstream.server.sim.workloads import PrefixGroups, Turn
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "out"  # cwd of the subprocesses: the repository root's operator/ shadows the stdlib's
+OUT = HERE / "out"  # cwd of the subprocesses
 POD_HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 POD_PORT, GATEWAY = 8100, ("127.0.0.1", 8199)
 WARMUP_SESSION = 10**6  # session numbers of the warm-up requests (never reused by a point)
@@ -159,7 +159,7 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, procs: list[subpr
 
 
 def pod_command(args: argparse.Namespace, host: str) -> list[str]:
-    return [sys.executable, "-I", "-m", "slipstream.server", "serve",
+    return [sys.executable, "-m", "slipstream.server", "serve",
             "--model", f"sim:{args.profile},time_scale={args.time_scale:g}", "--host", host, "--port", str(POD_PORT),
             "--kv-cache-memory-bytes", str(args.kv_bytes), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-waiting", "100000",
@@ -167,7 +167,7 @@ def pod_command(args: argparse.Namespace, host: str) -> list[str]:
 
 
 def gateway_command(policy: str) -> list[str]:
-    cmd = [sys.executable, "-I", "-m", "slipstream.server", "gateway", "--routing", policy,
+    cmd = [sys.executable, "-m", "slipstream.server", "gateway", "--routing", policy,
            "--host", GATEWAY[0], "--port", str(GATEWAY[1]), "--log-level", "WARNING"]
     for host in POD_HOSTS:
         cmd += ["--endpoint", f"http://{host}:{POD_PORT}"]
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     capacity = args.capacity or sim_capacity(args, workload)
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load avg {os.getloadavg()[0]:.1f}; "
-          f"python -I benchmarks/routing.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+          f"python benchmarks/routing.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"profile {args.profile}, time scale {args.time_scale:g}, {len(POD_HOSTS)} pods × {blocks * 16} KV tokens "
           f"({args.kv_bytes / 2**30:.2f} GiB; working set {working_set} prefix tokens), max_num_seqs "
           f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")

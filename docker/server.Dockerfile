@@ -22,10 +22,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY server ./server
-COPY kernels ./kernels
-COPY operator ./operator
-RUN pip install . && python -I -m slipstream.kernels.cpu_build && pip uninstall -y pip
+COPY src ./src
+RUN pip install . && python -m slipstream.kernels.cpu_build && pip uninstall -y pip
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG VERSION=0.1.0

@@ -37,7 +37,7 @@ print(json.dumps({"builtin": builtin, "guard": calls[len(builtin):]}))
 def test_the_builtin_model_loads_without_the_network_and_without_offline_mode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(SLIPSTREAM_CACHE_DIR=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"))
-    out = subprocess.run([sys.executable, "-I", "-c", SCRIPT], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     calls = json.loads(out.stdout.strip().splitlines()[-1])

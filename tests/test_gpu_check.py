@@ -19,13 +19,12 @@ import env  # noqa: E402
 
 
 def guarded_import(tmp_path, modules: list[str], shipped_here: bool) -> subprocess.CompletedProcess:
-    shim = env.write_shim(tmp_path / "shim")
-    guard = env.write_guard(tmp_path / "guard.json", [shim], shipped_here, tmp_path / "refused.txt")
+    guard = env.write_guard(tmp_path / "guard.json", [env.SRC], shipped_here, tmp_path / "refused.txt")
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
     script = tmp_path / "imp.py"
     script.write_text(code)
     return subprocess.run([sys.executable, "-P", str(script), *modules], capture_output=True, text=True, cwd=tmp_path,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{guard}:{shim}",
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{guard}:{env.SRC}",
                                "SLIPSTREAM_GPU_GUARD": str(tmp_path / "guard.json")})
 
 

@@ -38,7 +38,7 @@ def _hold_lease(root: Path, name: str, path: Path, hostname: str | None = None) 
             "ModelCache(Path(sys.argv[1])).lease(sys.argv[2], 'r', Path(sys.argv[3]))\n"
             "print('leased', flush=True); sys.stdin.readline()")
     env = {**os.environ, "HOSTNAME": hostname} if hostname else None
-    p = subprocess.Popen([sys.executable, "-I", "-c", code, str(root), name, str(path)], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", code, str(root), name, str(path)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=env)
     assert p.stdout.readline().strip() == "leased"
     return p
@@ -332,7 +332,7 @@ def test_an_s3_prefix_of_several_ggufs_is_refused_before_downloading_any(env, tm
 # --- a download stopped by a signal --------------------------------------------------------------
 
 def _download(env: Path, tmp_path: Path, model: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-I", "-m", "slipstream.server", "download", model,
+    return subprocess.Popen([sys.executable, "-m", "slipstream.server", "download", model,
                              "--cache-dir", str(env), "--termination-message-path", str(tmp_path / "t")],
                             env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -407,7 +407,7 @@ def test_a_download_killed_midway_resumes_its_partial_file_with_a_range_request(
 def test_a_signal_while_serve_fetches_its_model_stops_the_fetch_and_exits_143(hub, env, tmp_path):
     hub.trickle = (1 << 20, 0.15)
     hub.sent.clear()
-    p = subprocess.Popen([sys.executable, "-I", "-m", "slipstream.server", "serve", "--model", "hf://org/big",
+    p = subprocess.Popen([sys.executable, "-m", "slipstream.server", "serve", "--model", "hf://org/big",
                           "--model-cache-dir", str(env), "--host", "127.0.0.1", "--port", "0"],
                          env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for_bytes(hub, 1 << 20)

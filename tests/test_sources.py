@@ -686,7 +686,7 @@ def test_a_long_error_is_shortened_to_fit_the_kubelets_4096_byte_termination_mes
 
 def test_concurrent_download_processes_fetch_each_file_once(hub, env, tmp_path):
     """Three init containers on one shared volume: one downloads, two wait and reuse its copy."""
-    procs = [subprocess.Popen([sys.executable, "-I", "-m", "slipstream.server", "download", "hf://org/tiny",
+    procs = [subprocess.Popen([sys.executable, "-m", "slipstream.server", "download", "hf://org/tiny",
                                "--cache-dir", str(env), "--termination-message-path", str(tmp_path / f"t{i}")],
                               env={**os.environ}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(3)]
@@ -738,7 +738,7 @@ def test_a_lock_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path)
     code = ("import sys, time; from pathlib import Path; from slipstream.server.models.model_cache import ModelCache;"
             "c = ModelCache(Path(sys.argv[1]), stale_after_s=60, heartbeat_s=1)\n"
             "with c.lock('m'):\n    print('held', flush=True); time.sleep(60)")
-    p = subprocess.Popen([sys.executable, "-I", "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
     p.kill()
     p.wait()

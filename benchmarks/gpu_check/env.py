@@ -25,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WHEEL_DIR = REPO / ".whl"
+SRC = REPO / "src"  # the importable package (slipstream), for PYTHONPATH: no install needed
 GUARD_DIR = Path(__file__).resolve().parent / "guard"
 
 # Distributions the GPU machine has (with their requirements); never shipped, never shadowed.
@@ -114,23 +115,11 @@ def install_wheels(wheel_dir: Path, target: Path) -> list[str]:
     return [w.name for w in wheels]
 
 
-def write_shim(root: Path) -> Path:
-    """A ``slipstream`` package under ``root`` whose ``__path__`` is the repository, so
-    ``slipstream.server`` is ``server/`` and ``slipstream.kernels`` is ``kernels/`` as pyproject's
-    package-dir maps them, with no install (setuptools, the build backend, may be absent) and
-    without putting the repository root on ``sys.path`` (its ``operator/`` would shadow the
-    standard library's). Returns ``root``, for ``PYTHONPATH``."""
-    pkg = root / "slipstream"
-    pkg.mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").write_text(f'"""slipstream from the source tree (gpu_check shim)."""\n__path__ = [{str(REPO)!r}]\n')
-    return root
-
-
 def write_guard(config: Path, allowed_dirs: list[Path], shipped_here: bool, refused_log: Path) -> Path:
     """Write the import guard's config; returns the folder to put first on ``PYTHONPATH``.
 
     The guard (``guard/sitecustomize.py``) hides site-packages: a top-level import resolves from
-    the standard library, ``allowed_dirs`` (the wheels' target, the shim, the scripts), or a
+    the standard library, ``allowed_dirs`` (the wheels' target, src/, the scripts), or a
     module of an :data:`ASSUMED` distribution; anything else is not found, as on the GPU machine.
     ``shipped_here`` also allows :data:`SHIPPED` from site-packages (no ``.whl`` here: proves the
     list, not the wheels).

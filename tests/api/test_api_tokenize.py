@@ -84,7 +84,7 @@ def test_tokenizer_info_describes_the_served_tokenizer(http, engine):
 def test_exported_tokenizer_encodes_like_the_server(http, tmp_path):
     from transformers import AutoTokenizer
 
-    run = subprocess.run([sys.executable, "-I", "-m", "slipstream.server", "tokenizer", "export", str(tmp_path)],
+    run = subprocess.run([sys.executable, "-m", "slipstream.server", "tokenizer", "export", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     local = AutoTokenizer.from_pretrained(str(tmp_path))

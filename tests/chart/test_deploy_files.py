@@ -75,7 +75,7 @@ def test_images_run_as_the_charts_non_root_uid(dockerfile):
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_build_context_holds_every_copy_source(dockerfile):
     """BuildKit reads <Dockerfile>.dockerignore; it must let through what COPY takes, and the
-    images must copy every folder pyproject maps into the package."""
+    images must copy the folder pyproject finds the package in."""
     ignore = dockerfile.with_name(dockerfile.name + ".dockerignore").read_text().splitlines()
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     assert "*" in ignore
@@ -83,7 +83,7 @@ def test_build_context_holds_every_copy_source(dockerfile):
                if op == "COPY" and not args.startswith("--from") for source in args.split()[:-1]}
     assert sources <= allowed
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert set(pyproject["tool"]["setuptools"]["package-dir"].values()) <= sources
+    assert set(pyproject["tool"]["setuptools"]["packages"]["find"]["where"]) <= sources
     assert {"pyproject.toml", "README.md"} <= sources
 
 
@@ -117,10 +117,11 @@ def test_cpu_image_takes_cpu_torch_and_cuda_image_the_triton_kernels():
 
 def operator_imports() -> set[str]:
     """Top-level names of the third-party modules `slipstream operator run` can import: those
-    of server/cli.py (the `slipstream` command) and of every operator module reachable from
-    operator/cli.py."""
+    of slipstream.server.cli (the `slipstream` command) and of every slipstream module reachable
+    from slipstream.operator.cli."""
     names: set[str] = set()
-    todo, seen = [ROOT / "server" / "cli.py", ROOT / "operator" / "cli.py"], set()
+    pkg = ROOT / "src"
+    todo, seen = [pkg / "slipstream" / "server" / "cli.py", pkg / "slipstream" / "operator" / "cli.py"], set()
     while todo:
         path = todo.pop()
         if path in seen:
@@ -130,11 +131,11 @@ def operator_imports() -> set[str]:
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
             for module in modules:
-                if module.startswith("slipstream.operator."):
-                    todo.append(ROOT / "operator" / (module.split(".")[2] + ".py"))
-                elif module == "slipstream.operator" and isinstance(node, ast.ImportFrom):
-                    todo += [ROOT / "operator" / f"{a.name}.py" for a in node.names
-                             if (ROOT / "operator" / f"{a.name}.py").exists()]
+                base = pkg.joinpath(*module.split("."))
+                if module.startswith(("slipstream.operator", "slipstream.api_types")):
+                    todo += [p for p in (base.with_suffix(".py"), base / "__init__.py") if p.exists()]
+                    if isinstance(node, ast.ImportFrom):
+                        todo += [base / f"{a.name}.py" for a in node.names if (base / f"{a.name}.py").exists()]
                 names.add(module.split(".")[0])
     return names - set(sys.stdlib_module_names) - {"slipstream", "__future__"}
 

@@ -78,8 +78,7 @@ def server() -> Iterator[Server]:
         [sys.executable, "-m", "slipstream.server", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--served-model-name", MODEL, "--api-key", API_KEY, "--max-model-len", "2048",
          "--kv-cache-memory-bytes", "128MiB", "--max-num-seqs", "8", "--seed", "0"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE_ENV},
-        cwd=tempfile.gettempdir())  # not the repository root, whose operator/ shadows the stdlib's
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE_ENV})
     try:
         _wait_ready(proc, url, log.name)
         yield Server(url=url, model=MODEL, api_key=API_KEY)

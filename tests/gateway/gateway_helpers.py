@@ -61,8 +61,7 @@ def start_pods(addresses: dict[str, str], timeout: float = 90) -> dict[str, Pod]
             [sys.executable, "-m", "slipstream.server", "serve", "--model", "sim:tiny,time_scale=1",
              "--host", address, "--port", str(port), "--max-num-seqs", "8", "--log-interval", "0",
              "--shutdown-timeout", "5", "--api-key", API_KEY],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-            cwd=tempfile.gettempdir())  # not the repository root, whose operator/ shadows the stdlib's
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         started[name] = Pod(name, f"http://{address}:{port}", process, log)
     try:
         deadline = time.monotonic() + timeout

@@ -44,6 +44,6 @@ def test_the_gateway_imports_no_engine_torch_or_api():
     code = ("import sys, slipstream.server.gateway.app, slipstream.server.gateway.cli; "
             "print(','.join(m for m in ('torch', 'slipstream.server.engine', 'slipstream.server.api', "
             "'slipstream.server.models', 'slipstream.operator') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""

@@ -290,7 +290,7 @@ def test_the_spec_clamps_replicas_into_min_and_max():
 
 def test_replica_counts_have_one_clamp():
     """status.py and autoscaler.py each had their own; every caller now uses AutoscalingSpec.clamp."""
-    root = Path(__file__).resolve().parents[2] / "operator"
+    root = Path(__file__).resolve().parents[2] / "src" / "slipstream" / "operator"
     defined = [(p.name, m.group(0)) for p in sorted(root.glob("*.py"))
                for m in re.finditer(r"def _?clamp\w*\(\w*", p.read_text())]
     assert defined == [("autoscaler.py", "def clamp(self")]
