@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 from kubernetes.utils.quantity import parse_quantity
 
+from slipstream.api_types.routing import DEFAULT_POLICY, DEFAULT_WEIGHTS, POLICIES, check_weights, crd_key
+
 from .autoscaler import AutoscalingSpec
 from .model_spec import (MODEL_SOURCES, SIM_PROFILE, ModelCacheSpec, ModelSpec, OCISpec,  # noqa: F401
                          S3Spec, SecretRef, model_location, validate_model)
@@ -67,13 +69,12 @@ class ResourcesSpec:
     gpus: int = 0
 
 
-ROUTING_POLICIES = ("round-robin", "least-loaded", "prefix", "kv-events")
+ROUTING_POLICIES = POLICIES
 # camelCase key of ``spec.routing`` (and of ``spec.routing.weights``) → RoutingSpec attribute.
 ROUTING_KEYS: Mapping[str, str] = MappingProxyType({
     "enabled": "enabled", "policy": "policy", "weights": "weights", "queueSize": "queue_size",
     "queueTimeoutSeconds": "queue_timeout_seconds", "replicas": "replicas"})
-WEIGHT_KEYS: Mapping[str, str] = MappingProxyType({
-    "prefix": "prefix", "queue": "queue", "kvCache": "kv_cache", "affinity": "affinity"})
+WEIGHT_KEYS: Mapping[str, str] = MappingProxyType({crd_key(name): name for name in DEFAULT_WEIGHTS})
 
 
 def _unknown_keys(raw: Any, keys: Mapping[str, str], where: str) -> Mapping[str, Any]:
@@ -93,19 +94,13 @@ class RoutingWeights:
     --weight-*``): prompt blocks an endpoint already holds, a short queue, free KV cache, the
     endpoint a session used before. Numbers ≥ 0, at least one > 0."""
 
-    prefix: float = 3.0
-    queue: float = 1.0
-    kv_cache: float = 0.5
-    affinity: float = 0.5
+    prefix: float = DEFAULT_WEIGHTS["prefix"]
+    queue: float = DEFAULT_WEIGHTS["queue"]
+    kv_cache: float = DEFAULT_WEIGHTS["kv_cache"]
+    affinity: float = DEFAULT_WEIGHTS["affinity"]
 
     def __post_init__(self) -> None:
-        for key, name in WEIGHT_KEYS.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"spec.routing.weights.{key} must be a number ≥ 0, got {value!r}")
-        if not any(getattr(self, name) > 0 for name in WEIGHT_KEYS.values()):
-            raise ValueError("spec.routing.weights: at least one weight must be > 0, or every "
-                             "endpoint scores the same")
+        check_weights({name: getattr(self, name) for name in DEFAULT_WEIGHTS}, "spec.routing.weights")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +119,7 @@ class RoutingSpec:
     """
 
     enabled: bool = True
-    policy: str = "kv-events"
+    policy: str = DEFAULT_POLICY
     weights: RoutingWeights = field(default_factory=RoutingWeights)
     queue_size: int = 1000
     queue_timeout_seconds: int = 300

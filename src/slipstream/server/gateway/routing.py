@@ -28,9 +28,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
 
-POLICIES = ("round-robin", "least-loaded", "prefix", "kv-events")
+from slipstream.api_types.routing import DEFAULT_POLICY, DEFAULT_WEIGHTS, POLICIES  # noqa: F401 (re-exported)
+
 TIE = 1e-9  # scores this close are equal (sums of float terms)
-DEFAULT_POLICY = "kv-events"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +68,16 @@ class EndpointLoad:
 class Weights:
     """Weights of the score's terms (llm-d's scorer weights play the same role)."""
 
-    prefix: float = 3.0
-    queue: float = 1.0
-    kv_cache: float = 0.5
-    affinity: float = 0.5
+    prefix: float = DEFAULT_WEIGHTS["prefix"]
+    queue: float = DEFAULT_WEIGHTS["queue"]
+    kv_cache: float = DEFAULT_WEIGHTS["kv_cache"]
+    affinity: float = DEFAULT_WEIGHTS["affinity"]
     # Requests of load difference that cost the whole queue weight: below it the queue term
     # shrinks in proportion, so one request more does not outweigh a cached prompt.
     queue_scale: float = 8.0
 
     def __post_init__(self) -> None:
-        for name in ("prefix", "queue", "kv_cache", "affinity"):
+        for name in DEFAULT_WEIGHTS:
             if getattr(self, name) < 0:
                 raise ValueError(f"routing weight {name} must be >= 0, got {getattr(self, name)}")
         if self.queue_scale <= 0:
