@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from slipstream.server.models.disk_cache import UNLABELLED_MAX_AGE_S, cache_entry, fill_cache, stale_entries
+from slipstream.server.weights.disk_cache import UNLABELLED_MAX_AGE_S, cache_entry, fill_cache, stale_entries
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from hub_server import HubServer, Repo
-from slipstream.server.models import disk_cache, model_cache
-from slipstream.server.models.model_cache import (
+from slipstream.server.weights import cache as model_cache, disk_cache
+from slipstream.server.weights.cache import (
     Entry, LeaseRecord, ModelCache, Partial, evict, files_root, gone, lease_holder, live_leases, orphans, pinned_by)
-from slipstream.server.models.sources import ModelSourceError, fetch, parse_model_uri
+from slipstream.server.weights.fetch import ModelSourceError, fetch, parse_model_uri
 
 BIG = 24 << 20  # bytes: more than two of huggingface_hub's 10 MiB chunks
 
@@ -34,7 +34,7 @@ def _entry(cache: ModelCache, root: Path, name: str, nbytes: int = 100) -> Entry
 
 def _hold_lease(root: Path, name: str, path: Path, hostname: str | None = None) -> subprocess.Popen:
     """Another process (a pod's server, named ``hostname`` if given) that leases ``name`` and then waits."""
-    code = ("import sys, time; from pathlib import Path; from slipstream.server.models.model_cache import ModelCache\n"
+    code = ("import sys, time; from pathlib import Path; from slipstream.server.weights.cache import ModelCache\n"
             "ModelCache(Path(sys.argv[1])).lease(sys.argv[2], 'r', Path(sys.argv[3]))\n"
             "print('leased', flush=True); sys.stdin.readline()")
     env = {**os.environ, "HOSTNAME": hostname} if hostname else None
@@ -178,7 +178,7 @@ def test_a_lease_taken_while_eviction_decides_keeps_the_entry(tmp_path):
 
 
 def test_a_lease_on_an_entry_eviction_has_unmarked_fails_instead_of_serving_vanishing_files(tmp_path, monkeypatch):
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
 
     monkeypatch.setattr(sources, "LEASE_CONFIRM_S", 0.2)
     cache = ModelCache(tmp_path)

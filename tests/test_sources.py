@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hub_server import HubServer, Repo
-from slipstream.server.models.model_cache import ModelCache, evict
-from slipstream.server.models.sources import ModelSourceError, fetch, parse_model_uri
+from slipstream.server.weights.cache import ModelCache, evict
+from slipstream.server.weights.fetch import ModelSourceError, fetch, parse_model_uri
 
 TOKEN = "hf_good"
 
@@ -249,7 +249,7 @@ def test_a_rate_limit_is_retried_after_its_retry_after_not_the_backoff(hub, env,
 
 
 def test_a_rate_limit_that_lasts_fails_as_rate_limited_and_a_long_retry_after_is_bounded(hub, env, monkeypatch):
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
 
     hub.add("org/busy2", Repo({"config.json": b"{}", "model.safetensors": b"T" * 1000}))
     monkeypatch.setattr(sources, "RETRY_AFTER_MAX_S", 0.2)
@@ -397,7 +397,7 @@ def move_main(hub, repo_id: str, files: dict[str, bytes], cache: Path) -> str:
 
 def test_a_server_restarted_in_place_serves_the_revision_its_download_step_fetched_not_a_newer_main(
         hub, env, tmp_path, monkeypatch, tiny_files):
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
     from slipstream.server.models.loader import resolve_model_path
 
     old = hub.add("org/moving", Repo({**tiny_files, "generation_config.json": b'{"v": 1}'})).sha
@@ -420,7 +420,7 @@ def test_a_server_restarted_in_place_serves_the_revision_its_download_step_fetch
 
 def test_a_pinned_revision_evicted_from_the_cache_is_an_error_naming_it_and_saying_to_recreate_the_pod(
         hub, env, tmp_path, monkeypatch, tiny_files):
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
     from slipstream.server.models.loader import resolve_model_path
 
     old = hub.add("org/evicted", Repo({**tiny_files, "generation_config.json": b'{"v": 1}'})).sha
@@ -451,7 +451,7 @@ def test_serve_refuses_a_revision_file_beside_a_model_that_is_not_downloaded(tmp
 
 @pytest.mark.parametrize("model", ["builtin", "sim:tiny", "."])
 def test_a_revision_file_beside_a_model_that_is_not_downloaded_is_refused(tmp_path, monkeypatch, model):
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
     from slipstream.server.models.loader import ModelLoadError, resolve_model_path
 
     monkeypatch.setenv(sources.REVISION_FILE_ENV, str(tmp_path / "revision.json"))
@@ -460,7 +460,7 @@ def test_a_revision_file_beside_a_model_that_is_not_downloaded_is_refused(tmp_pa
 
 
 def test_a_revision_file_that_is_missing_or_for_another_model_is_refused(hub, env, tmp_path):
-    from slipstream.server.models.sources import read_revision_file
+    from slipstream.server.weights.fetch import read_revision_file
 
     uri = parse_model_uri("hf://org/tiny")
     with pytest.raises(ModelSourceError, match="no revision file .*slipstream download --revision-file") as info:
@@ -554,7 +554,7 @@ def test_download_with_an_endpoint_that_is_no_url_writes_its_reason(env, tmp_pat
 
 def test_download_reports_an_unexpected_error_with_a_reason(env, tmp_path, monkeypatch, caplog):
     from slipstream.server import cli
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
@@ -609,7 +609,7 @@ def test_serve_passes_the_model_cache_dir_to_the_loader(monkeypatch, tmp_path):
 
 def test_serve_passes_the_model_revision_file_to_the_loader(monkeypatch, tmp_path):
     from slipstream.server import cli
-    from slipstream.server.models.sources import REVISION_FILE_ENV
+    from slipstream.server.weights.fetch import REVISION_FILE_ENV
 
     seen = {}
 
@@ -735,7 +735,7 @@ def test_a_lock_whose_heartbeat_stopped_is_taken_over(tmp_path):
 
 
 def test_a_lock_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from slipstream.server.models.model_cache import ModelCache;"
+    code = ("import sys, time; from pathlib import Path; from slipstream.server.weights.cache import ModelCache;"
             "c = ModelCache(Path(sys.argv[1]), stale_after_s=60, heartbeat_s=1)\n"
             "with c.lock('m'):\n    print('held', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -970,7 +970,7 @@ def test_s3_pinned_server_serves_its_pods_copy_and_refuses_one_a_later_fetch_rew
     """An S3 prefix has one copy in the cache, rewritten in place when a later fetch (another
     service's pod) finds changed objects: pinned, a server restarted in place refuses to serve
     bytes its pod's download step did not fetch."""
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
     from slipstream.server.models.loader import resolve_model_path
 
     for name, data in tiny_files.items():
@@ -1036,7 +1036,7 @@ def test_removal_never_leaves_the_cache_root(tmp_path):
 
 
 def test_a_file_selector_picks_weights_only_never_a_pickle_or_readme():
-    from slipstream.server.models.hf_source import select_files
+    from slipstream.server.weights.hf import select_files
 
     files = ["config.json", "pytorch_model.bin", "README.md", "a.Q4_0.gguf", "a.Q8_0.gguf"]
     for selector in ("*.bin", "README.md"):
@@ -1049,7 +1049,7 @@ def test_a_file_selector_picks_weights_only_never_a_pickle_or_readme():
 
 
 def test_a_mistral_repository_downloads_the_hugging_face_format_only():
-    from slipstream.server.models.hf_source import select_files
+    from slipstream.server.weights.hf import select_files
 
     files = ["config.json", "params.json", "consolidated.safetensors", "model-00001-of-00002.safetensors",
              "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"]
@@ -1079,7 +1079,7 @@ def test_a_split_gguf_model_is_refused_naming_its_shards_and_the_merge_before_do
     import gguf
     import numpy as np
 
-    from slipstream.server.models.errors import ModelLoadError
+    from slipstream.server.weights.errors import ModelLoadError
     from slipstream.server.models.loader import load_model
 
     hub.add("org/split", Repo({"m-Q4_K_M-00001-of-00002.gguf": b"GGUF 1" * 10,
@@ -1133,7 +1133,7 @@ def test_hub_and_s3_weights_draw_a_progress_bar_on_a_terminal_only(hub, env, s3,
 
 
 def test_a_slow_download_logs_progress_lines(hub, env, monkeypatch, caplog):
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
 
     monkeypatch.setattr(sources, "PROGRESS_INTERVAL_S", 0.1)
     hub.trickle = (1 << 20, 0.3)

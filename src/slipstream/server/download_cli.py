@@ -79,7 +79,7 @@ def _stop_on_signals() -> None:
     """SIGINT/SIGTERM: cancel the fetch (its download threads stop at their next chunk) and raise
     :class:`~.sources.Interrupted` here in the main thread, which unwinds through the lock's release;
     a second signal exits at once."""
-    from slipstream.server.models import sources
+    from slipstream.server.weights import fetch as sources
 
     def on_signal(signum, frame):
         if sources.cancelled():
@@ -92,7 +92,7 @@ def _stop_on_signals() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from slipstream.server.models.model_cache import HEARTBEAT_S
+    from slipstream.server.weights.cache import HEARTBEAT_S
 
     p = parser()
     args = p.parse_args(argv)
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
     from slipstream.server.cli import configure_logging
 
     configure_logging(args.log_level)
-    from slipstream.server.models import model_cache, sources
+    from slipstream.server.weights import cache as model_cache, fetch as sources
 
     cache_dir = args.cache_dir or sources.default_cache_dir()
     in_main = threading.current_thread() is threading.main_thread()
@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     doc = {"model": args.model, "revision": result.revision, "bytes": result.bytes,
            "seconds": round(result.seconds, 3), "path": str(result.path)}
     if args.revision_file is not None:
-        from slipstream.server.models.disk_cache import write_atomic
+        from slipstream.server.weights.disk_cache import write_atomic
         try:  # whole or not at all: the server pins its model to it
             write_atomic(args.revision_file, json.dumps(doc))
         except OSError as e:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from ..models.errors import ModelLoadError
+from ..weights.errors import ModelLoadError
 from .config import EngineConfig
 from .engine import LLMEngine
 from .errors import RequestRejected

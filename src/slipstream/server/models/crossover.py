@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import disk_cache, llama, quant
+from . import llama, quant
+from ..weights import disk_cache
 
 log = logging.getLogger("slipstream.loader")
 

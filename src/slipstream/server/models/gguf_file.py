@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import disk_cache, quant
+from . import quant
+from ..weights import disk_cache
 from .config import ModelConfig, eos_ids
-from .errors import ModelLoadError
+from ..weights.errors import ModelLoadError
 
 log = logging.getLogger("slipstream.loader")
 

@@ -12,7 +12,7 @@ import torch
 
 from . import gemma
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, eos_ids
-from .errors import ModelLoadError
+from ..weights.errors import ModelLoadError
 from .llama import rope_inv_freq
 
 log = logging.getLogger("slipstream.loader")

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from . import disk_cache, gemma, quant
+from . import gemma, quant
+from ..weights import disk_cache
 from .config import ModelConfig
-from .errors import ModelLoadError  # noqa: F401 - raised here, imported from here by callers
+from ..weights.errors import ModelLoadError  # noqa: F401 - raised here, imported from here by callers
 from .gguf_file import gguf_tokenizer, read_gguf, write_weight_cache
 from .hf_checkpoint import read_hf_dir
 from .llama import LlamaModel, rope_inv_freq
@@ -70,7 +71,7 @@ def resolve_model_path(model: str) -> Path:
         ModelLoadError: a missing path; :class:`~.sources.ModelSourceError` (a subclass) for an
             invalid URI or a failed fetch.
     """
-    from . import sources
+    from ..weights import fetch as sources
 
     uri = sources.parse_model_uri(model)
     if os.environ.get(sources.REVISION_FILE_ENV) and uri.scheme not in ("hf", "s3"):
@@ -130,7 +131,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
         name = path.name
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
-    from .sources import served_name
+    from ..weights.fetch import served_name
     name = served_name(model) or name  # ORG/NAME for a Hub model, not the snapshot's sha
     log.info("building %s (%d layers, hidden %d) on %s in %s", cfg.architecture, cfg.num_layers,
              cfg.hidden_size, device, str(dtype).removeprefix("torch."))

@@ -19,7 +19,7 @@ matter; a holder on the same host whose process is gone is stale at once (same h
 pid namespace, ``pidns``: pods with ``hostNetwork`` share the node's name, not its pids).
 
 A lease is held for the life of a process that serves from an entry (:meth:`ModelCache.lease`,
-taken by :func:`.sources.fetch`): a daemon thread rewrites it every ``LEASE_HEARTBEAT_S`` seconds
+taken by :func:`.fetch.fetch`): a daemon thread rewrites it every ``LEASE_HEARTBEAT_S`` seconds
 and it is removed at a clean exit. :func:`evict` never removes an entry with a live lease, one
 rewritten within ``LEASE_STALE_AFTER_S`` seconds whose holder is not known to be gone (a pod
 that died without cleanup stops pinning its entry after that long; a process on this host and
@@ -609,7 +609,7 @@ def _entry_files(entry: Entry) -> dict[str, int]:
 
 def _partials(root: Path) -> list[Partial]:
     """The unfinished downloads' files: huggingface_hub's ``*.incomplete`` blobs (as its own cache
-    scan reports them) and s3_source's ``*.partial`` files."""
+    scan reports them) and s3.py's ``*.partial`` files."""
     paths: list[Path] = []
     hf_root = root / HF_DIR
     if hf_root.is_dir():

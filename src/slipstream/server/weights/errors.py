@@ -1,5 +1,5 @@
 """The loader's error, in a module of its own so that what only fetches weights (``slipstream
-download``, :mod:`.sources`) imports no torch."""
+download``, :mod:`.fetch`) imports no torch."""
 from __future__ import annotations
 
 

@@ -27,7 +27,7 @@ Cache layout (``--model-cache-dir``, default ``$SLIPSTREAM_MODEL_CACHE`` else
     hf/                      huggingface_hub's own cache layout (models--ORG--NAME/{blobs,snapshots,refs}),
                              so an existing HF cache can be mounted here
     s3/BUCKET/PREFIX/        the objects, with .slipstream-s3.json (ETag and size of each file)
-    .slipstream/             locks, completion markers and in-use leases (:mod:`.model_cache`)
+    .slipstream/             locks, completion markers and in-use leases (:mod:`.cache`)
 
 A fetch with ``pinned_revision`` (``serve --model-revision-file``: what its pod's download step
 resolved, :func:`read_revision_file`) reads that revision from the cache and nothing else, so a
@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .errors import ModelLoadError
-from .model_cache import HF_DIR, STALE_AFTER_S, Entry, Lease, ModelCache, cache_name
+from .cache import HF_DIR, STALE_AFTER_S, Entry, Lease, ModelCache, cache_name
 
 log = logging.getLogger("slipstream.sources")
 
@@ -377,7 +377,7 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
         lease: hold an in-use lease on the copy until this process exits, so that eviction
             (``--max-cache-bytes``) keeps it (:meth:`.ModelCache.lease`); for processes that serve
             the model. A cache this process cannot write gets no lease, with a warning.
-        pinned_revision: serve exactly this revision (a commit sha; for S3, :func:`.s3_source.object_revision`)
+        pinned_revision: serve exactly this revision (a commit sha; for S3, :func:`.s3.object_revision`)
             from the cache, never downloading and whatever ``refs/main`` now says: what the pod's
             download step resolved (:func:`read_revision_file`). Gone from the cache (evicted, or an
             S3 copy rewritten by a later fetch): reason ``NotCached``, saying to recreate the pod.
@@ -475,7 +475,7 @@ LEASE_CONFIRM_S = 2.0  # seconds to wait for an eviction that found our lease to
 def _hold(cache: ModelCache, name: str, revision: str, path: Path, model: str, marked: bool = True) -> Lease | None:
     """Lease the copy at ``path``, then check that it is still complete: an eviction may have
     chosen it between our look and the lease. ``marked``: the entry has a completion marker,
-    which :func:`.model_cache.evict` removes before it reads the leases and puts back when it
+    which :func:`.cache.evict` removes before it reads the leases and puts back when it
     finds one, so the marker (waited for briefly) is the check; else the files' presence."""
     try:
         held = cache.lease(name, revision, path)
@@ -494,10 +494,10 @@ def _download(uri: ModelURI, cache_dir: Path, s3_endpoint: str | None, *, offlin
               name: str) -> tuple[Path, str, int]:
     """The path to load, the revision and the bytes of the files the URI selected."""
     if uri.scheme == "hf":
-        from .hf_source import fetch_hf
+        from .hf import fetch_hf
         path, sha, files = fetch_hf(uri, cache_dir / HF_DIR, offline=offline)
         return path, sha, files_bytes(files)
-    from .s3_source import fetch_s3
+    from .s3 import fetch_s3
     if offline:
         entry = cache.find(name)
         if entry is None:
@@ -516,7 +516,7 @@ def _pinned_copy(uri: ModelURI, cache_dir: Path, cache: ModelCache, name: str, r
         ModelSourceError: reason ``NotCached`` (:func:`_pinned_gone`) when the cache no longer holds it.
     """
     if uri.scheme == "hf":
-        from .hf_source import fetch_hf
+        from .hf import fetch_hf
         try:
             path, sha, files = fetch_hf(dataclasses.replace(uri, revision=revision), cache_dir / HF_DIR, offline=True)
         except ModelSourceError as e:
@@ -524,7 +524,7 @@ def _pinned_copy(uri: ModelURI, cache_dir: Path, cache: ModelCache, name: str, r
                 raise
             raise _pinned_gone(uri, revision, cache_dir, "") from e
         return path, sha, files_bytes(files)
-    from .s3_source import copy_folder, copy_revision
+    from .s3 import copy_folder, copy_revision
     entry = cache.find(name, revision)
     # one folder per prefix, rewritten in place by any later fetch: its manifest says what it holds now
     holds = copy_revision(copy_folder(uri, cache_dir / "s3", Path(entry.path))) if entry else None
@@ -568,7 +568,7 @@ _SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 def several_ggufs(what: str, ggufs: list[str], example: str) -> ModelSourceError:
     """The error for a model that holds several GGUF files and names none of them (reason
     ``InvalidURI``): ``what`` leads the message (``"model 'x': org/name holds"``), ``example`` shows a
-    URI that names one. The one wording for every source (hf_source, s3_source, local folders).
+    URI that names one. The one wording for every source (hf, s3, local folders).
     Shards of one split model (``NAME-00001-of-00003.gguf``) get their own message: not supported."""
     if all(_SHARD.search(g) for g in ggufs) and len({_SHARD.sub("", g) for g in ggufs}) == 1:
         return ModelSourceError(f"{what} a GGUF model split into {len(ggufs)} shards ({', '.join(ggufs[:3])}"
