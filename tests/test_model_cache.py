@@ -17,7 +17,9 @@ from hub_server import HubServer, Repo
 from slipstream.server.weights import cache as model_cache, disk_cache
 from slipstream.server.weights.cache import (
     Entry, LeaseRecord, ModelCache, Partial, evict, files_root, gone, lease_holder, live_leases, orphans, pinned_by)
-from slipstream.server.weights.fetch import ModelSourceError, fetch, parse_model_uri
+from slipstream.server.weights.errors import ModelSourceError
+from slipstream.server.weights.fetch import fetch
+from slipstream.server.weights.uri import parse_model_uri
 
 BIG = 24 << 20  # bytes: more than two of huggingface_hub's 10 MiB chunks
 
@@ -178,17 +180,17 @@ def test_a_lease_taken_while_eviction_decides_keeps_the_entry(tmp_path):
 
 
 def test_a_lease_on_an_entry_eviction_has_unmarked_fails_instead_of_serving_vanishing_files(tmp_path, monkeypatch):
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import fetch as fetch_module
 
-    monkeypatch.setattr(sources, "LEASE_CONFIRM_S", 0.2)
+    monkeypatch.setattr(fetch_module, "LEASE_CONFIRM_S", 0.2)
     cache = ModelCache(tmp_path)
     entry = _entry(cache, tmp_path, "m")
-    held = sources._hold(cache, "m", "r", Path(entry.path), "s3://b/m")
+    held = fetch_module._hold(cache, "m", "r", Path(entry.path), "s3://b/m")
     assert held is not None and len(cache.leases()) == 1
     held.release()
     cache.unmark(entry)  # an eviction that saw no lease: the files go next
     with pytest.raises(ModelSourceError, match="evicted") as e:
-        sources._hold(cache, "m", "r", Path(entry.path), "s3://b/m")
+        fetch_module._hold(cache, "m", "r", Path(entry.path), "s3://b/m")
     assert e.value.reason == "NotCached" and cache.leases() == []
 
 

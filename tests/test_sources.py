@@ -18,7 +18,9 @@ import torch
 
 from hub_server import HubServer, Repo
 from slipstream.server.weights.cache import ModelCache, evict
-from slipstream.server.weights.fetch import ModelSourceError, fetch, parse_model_uri
+from slipstream.server.weights.errors import ModelSourceError
+from slipstream.server.weights.fetch import fetch
+from slipstream.server.weights.uri import parse_model_uri
 
 TOKEN = "hf_good"
 
@@ -249,10 +251,10 @@ def test_a_rate_limit_is_retried_after_its_retry_after_not_the_backoff(hub, env,
 
 
 def test_a_rate_limit_that_lasts_fails_as_rate_limited_and_a_long_retry_after_is_bounded(hub, env, monkeypatch):
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import fetch as fetch_module
 
     hub.add("org/busy2", Repo({"config.json": b"{}", "model.safetensors": b"T" * 1000}))
-    monkeypatch.setattr(sources, "RETRY_AFTER_MAX_S", 0.2)
+    monkeypatch.setattr(fetch_module, "RETRY_AFTER_MAX_S", 0.2)
     hub.rate_limited, hub.retry_after = 100, 3600
     start = time.monotonic()
     with pytest.raises(ModelSourceError) as info:
@@ -397,7 +399,7 @@ def move_main(hub, repo_id: str, files: dict[str, bytes], cache: Path) -> str:
 
 def test_a_server_restarted_in_place_serves_the_revision_its_download_step_fetched_not_a_newer_main(
         hub, env, tmp_path, monkeypatch, tiny_files):
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import revision_file
     from slipstream.server.models.loader import resolve_model_path
 
     old = hub.add("org/moving", Repo({**tiny_files, "generation_config.json": b'{"v": 1}'})).sha
@@ -407,9 +409,9 @@ def test_a_server_restarted_in_place_serves_the_revision_its_download_step_fetch
     assert new != old
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the server container, as the operator renders it
     hub.requests.clear()
-    monkeypatch.delenv(sources.REVISION_FILE_ENV, raising=False)
+    monkeypatch.delenv(revision_file.REVISION_FILE_ENV, raising=False)
     assert fetch(parse_model_uri("hf://org/moving"), env).revision == new  # unpinned: whatever refs/main says
-    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    monkeypatch.setenv(revision_file.REVISION_FILE_ENV, str(pin))
     path = resolve_model_path("hf://org/moving")
     assert path == env / "hf" / "models--org--moving" / "snapshots" / old
     assert (path / "generation_config.json").read_bytes() == b'{"v": 1}'
@@ -420,7 +422,7 @@ def test_a_server_restarted_in_place_serves_the_revision_its_download_step_fetch
 
 def test_a_pinned_revision_evicted_from_the_cache_is_an_error_naming_it_and_saying_to_recreate_the_pod(
         hub, env, tmp_path, monkeypatch, tiny_files):
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import revision_file
     from slipstream.server.models.loader import resolve_model_path
 
     old = hub.add("org/evicted", Repo({**tiny_files, "generation_config.json": b'{"v": 1}'})).sha
@@ -431,7 +433,7 @@ def test_a_pinned_revision_evicted_from_the_cache_is_an_error_naming_it_and_sayi
     cache.remove(entry)  # what --max-cache-bytes does to the least recently used revision
     assert not (env / "hf" / "models--org--evicted" / "snapshots" / old).exists()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    monkeypatch.setenv(revision_file.REVISION_FILE_ENV, str(pin))
     hub.requests.clear()
     with pytest.raises(ModelSourceError, match=rf"revision {old}, which the revision file names \(in a pod: what its "
                                                "download step fetched\), is not in the model cache") as info:
@@ -451,16 +453,16 @@ def test_serve_refuses_a_revision_file_beside_a_model_that_is_not_downloaded(tmp
 
 @pytest.mark.parametrize("model", ["builtin", "sim:tiny", "."])
 def test_a_revision_file_beside_a_model_that_is_not_downloaded_is_refused(tmp_path, monkeypatch, model):
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import revision_file
     from slipstream.server.models.loader import ModelLoadError, resolve_model_path
 
-    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(tmp_path / "revision.json"))
+    monkeypatch.setenv(revision_file.REVISION_FILE_ENV, str(tmp_path / "revision.json"))
     with pytest.raises(ModelLoadError, match=r"--model-revision-file pins a downloaded model \(hf://, s3://\)"):
         resolve_model_path(model)
 
 
 def test_a_revision_file_that_is_missing_or_for_another_model_is_refused(hub, env, tmp_path):
-    from slipstream.server.weights.fetch import read_revision_file
+    from slipstream.server.weights.revision_file import read_revision_file
 
     uri = parse_model_uri("hf://org/tiny")
     with pytest.raises(ModelSourceError, match="no revision file .*slipstream download --revision-file") as info:
@@ -554,12 +556,12 @@ def test_download_with_an_endpoint_that_is_no_url_writes_its_reason(env, tmp_pat
 
 def test_download_reports_an_unexpected_error_with_a_reason(env, tmp_path, monkeypatch, caplog):
     from slipstream.server import cli
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import fetch as fetch_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(sources, "fetch", broken)
+    monkeypatch.setattr(fetch_module, "fetch", broken)
     msg = tmp_path / "termination-log"
     assert cli.main(["download", "hf://org/tiny", "--cache-dir", str(env), "--termination-message-path",
                      str(msg)]) == 1
@@ -609,7 +611,7 @@ def test_serve_passes_the_model_cache_dir_to_the_loader(monkeypatch, tmp_path):
 
 def test_serve_passes_the_model_revision_file_to_the_loader(monkeypatch, tmp_path):
     from slipstream.server import cli
-    from slipstream.server.weights.fetch import REVISION_FILE_ENV
+    from slipstream.server.weights.revision_file import REVISION_FILE_ENV
 
     seen = {}
 
@@ -970,7 +972,7 @@ def test_s3_pinned_server_serves_its_pods_copy_and_refuses_one_a_later_fetch_rew
     """An S3 prefix has one copy in the cache, rewritten in place when a later fetch (another
     service's pod) finds changed objects: pinned, a server restarted in place refuses to serve
     bytes its pod's download step did not fetch."""
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import revision_file
     from slipstream.server.models.loader import resolve_model_path
 
     for name, data in tiny_files.items():
@@ -980,16 +982,16 @@ def test_s3_pinned_server_serves_its_pods_copy_and_refuses_one_a_later_fetch_rew
     pin = download_pinned(cache, "s3://models/pinned", tmp_path)
     old = json.loads(pin.read_text())["revision"]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    monkeypatch.setenv(revision_file.REVISION_FILE_ENV, str(pin))
     assert resolve_model_path("s3://models/pinned") == cache / "s3" / "models" / "pinned"
     s3.put_object(Bucket="models", Key="pinned/generation_config.json", Body=b'{"changed": true}')
     monkeypatch.delenv("HF_HUB_OFFLINE")
     new = fetch(parse_model_uri("s3://models/pinned"), cache, lease=False).revision
     assert new != old
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv(sources.REVISION_FILE_ENV)
+    monkeypatch.delenv(revision_file.REVISION_FILE_ENV)
     assert fetch(parse_model_uri("s3://models/pinned"), cache).revision == new  # unpinned: the rewritten copy
-    monkeypatch.setenv(sources.REVISION_FILE_ENV, str(pin))
+    monkeypatch.setenv(revision_file.REVISION_FILE_ENV, str(pin))
     with pytest.raises(ModelSourceError, match=f"revision {old}, which the revision file names .* is not in the "
                                                f"model cache .*now holds revision {new}") as info:
         resolve_model_path("s3://models/pinned")
@@ -1133,9 +1135,9 @@ def test_hub_and_s3_weights_draw_a_progress_bar_on_a_terminal_only(hub, env, s3,
 
 
 def test_a_slow_download_logs_progress_lines(hub, env, monkeypatch, caplog):
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import progress
 
-    monkeypatch.setattr(sources, "PROGRESS_INTERVAL_S", 0.1)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.1)
     hub.trickle = (1 << 20, 0.3)
     try:
         with caplog.at_level(logging.INFO, logger="slipstream.sources"):

@@ -256,7 +256,8 @@ GRAMMAR_PROBES = ["hf://Qwen/Qwen3-8B", "hf://Qwen/Qwen3-8B@main", "hf://org/nam
 def test_the_operator_and_slipstream_serve_take_the_same_hub_and_s3_uris(uri):
     """spec.model.uri becomes ``slipstream download`` and ``serve --model`` arguments: what the
     operator accepts the server parses, and what it refuses the server refuses too."""
-    from slipstream.server.weights.fetch import ModelSourceError, parse_model_uri
+    from slipstream.server.weights.errors import ModelSourceError
+    from slipstream.server.weights.uri import parse_model_uri
 
     try:
         parse_uri(uri)

@@ -191,8 +191,9 @@ def run_serve(argv: list[str]) -> int:
         raise SystemExit("slipstream serve: --max-waiting must be >= 0")
     if args.model_cache_dir:  # read by the loader (weights/fetch.py) when it fetches the model
         os.environ["SLIPSTREAM_MODEL_CACHE"] = args.model_cache_dir
-    if args.model_revision_file:  # read by the loader too (weights/fetch.py read_revision_file)
-        from slipstream.server.weights.fetch import ModelSourceError, parse_model_uri
+    if args.model_revision_file:  # read by the loader too (weights/revision_file.py)
+        from slipstream.server.weights.errors import ModelSourceError
+        from slipstream.server.weights.uri import parse_model_uri
         try:
             downloaded = parse_model_uri(args.model).scheme in ("hf", "s3")
         except ModelSourceError:

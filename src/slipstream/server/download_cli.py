@@ -77,15 +77,15 @@ def _fail(args, message: str, reason: str, status: int | None) -> int:
 
 def _stop_on_signals() -> None:
     """SIGINT/SIGTERM: cancel the fetch (its download threads stop at their next chunk) and raise
-    :class:`~.sources.Interrupted` here in the main thread, which unwinds through the lock's release;
+    :class:`~slipstream.server.weights.cancel.Interrupted` here in the main thread, which unwinds through the lock's release;
     a second signal exits at once."""
-    from slipstream.server.weights import fetch as sources
+    from slipstream.server.weights import cancel
 
     def on_signal(signum, frame):
-        if sources.cancelled():
+        if cancel.cancelled():
             os._exit(128 + signum)
-        sources.cancel_fetches(signum)
-        raise sources.Interrupted(signum)
+        cancel.cancel_fetches(signum)
+        raise cancel.Interrupted(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
@@ -104,27 +104,30 @@ def main(argv: list[str]) -> int:
     from slipstream.server.cli import configure_logging
 
     configure_logging(args.log_level)
-    from slipstream.server.weights import cache as model_cache, fetch as sources
+    from slipstream.server.weights import cache as model_cache, fetch
+    from slipstream.server.weights.cancel import Interrupted
+    from slipstream.server.weights.errors import ModelSourceError
+    from slipstream.server.weights.uri import parse_model_uri
 
-    cache_dir = args.cache_dir or sources.default_cache_dir()
+    cache_dir = args.cache_dir or fetch.default_cache_dir()
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     if in_main:
         _stop_on_signals()
     try:
-        uri = sources.parse_model_uri(args.model)
+        uri = parse_model_uri(args.model)
         # this process does not serve the model: no lease (the lock and `keep` protect it here)
-        result = sources.fetch(uri, cache_dir, offline=args.offline, s3_endpoint=args.s3_endpoint,
-                               retries=args.retries, stale_after_s=args.stale_lock_seconds, lease=False)
+        result = fetch.fetch(uri, cache_dir, offline=args.offline, s3_endpoint=args.s3_endpoint,
+                             retries=args.retries, stale_after_s=args.stale_lock_seconds, lease=False)
         if args.max_cache_bytes is not None:
             model_cache.evict(cache_dir, args.max_cache_bytes, keep=(str(result.path), str(result.path.parent)),
                               cache=model_cache.ModelCache(cache_dir, stale_after_s=args.stale_lock_seconds))
-    except sources.Interrupted as e:
+    except Interrupted as e:
         name = signal.Signals(e.signum).name if e.signum else "a signal"
         _fail(args, f"model {args.model!r}: interrupted by {name}; the download lock is released, so another "
                     "process can take over", "Interrupted", None)
         return e.exit_code
-    except sources.ModelSourceError as e:
+    except ModelSourceError as e:
         return _fail(args, str(e), e.reason, e.status)
     except OSError as e:  # the cache volume: read-only, full, or not ours (hostPath without permissions)
         return _fail(args, f"model {args.model!r}: cannot write the model cache {cache_dir}: {e}",

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from slipstream.server.api.app import build_app
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
-from slipstream.server.weights.fetch import cancel_fetches
+from slipstream.server.weights.cancel import cancel_fetches
 
 logger = logging.getLogger("slipstream.server")
 

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import llama, quant
 from ..weights import disk_cache
+from . import llama, quant
 
 log = logging.getLogger("slipstream.loader")
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import quant
 from ..weights import disk_cache
-from .config import ModelConfig, eos_ids
 from ..weights.errors import ModelLoadError
+from . import quant
+from .config import ModelConfig, eos_ids
 
 log = logging.getLogger("slipstream.loader")
 

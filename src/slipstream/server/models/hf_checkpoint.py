@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from ..weights.errors import ModelLoadError
 from . import gemma
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, eos_ids
-from ..weights.errors import ModelLoadError
 from .llama import rope_inv_freq
 
 log = logging.getLogger("slipstream.loader")

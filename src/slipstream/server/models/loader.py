@@ -1,6 +1,6 @@
 """Load a model and its tokenizer: the built-in GGUF, a GGUF file (:mod:`.gguf_file`), a Hugging
 Face directory (:mod:`.hf_checkpoint`), or a Hub/S3 model fetched into the model cache first
-(:mod:`.sources`).
+(:mod:`slipstream.server.weights`).
 
 With ``quantization="auto"`` on a CPU in fp32, a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors stay in their
 blocks as stored (:mod:`.quant`); other types, and every tensor under ``"none"`` or on a GPU, are
@@ -18,10 +18,14 @@ from pathlib import Path
 
 import torch
 
-from . import gemma, quant
 from ..weights import disk_cache
-from .config import ModelConfig
 from ..weights.errors import ModelLoadError  # noqa: F401 - raised here, imported from here by callers
+from ..weights.fetch import default_cache_dir, fetch
+from ..weights.files import weights_path
+from ..weights.revision_file import REVISION_FILE_ENV, read_revision_file
+from ..weights.uri import parse_model_uri, served_name
+from . import gemma, quant
+from .config import ModelConfig
 from .gguf_file import gguf_tokenizer, read_gguf, write_weight_cache
 from .hf_checkpoint import read_hf_dir
 from .llama import LlamaModel, rope_inv_freq
@@ -62,19 +66,18 @@ def builtin_model_path() -> Path:
 
 def resolve_model_path(model: str) -> Path:
     """``"builtin"`` → the packaged GGUF; ``hf://…``, ``ORG/NAME`` and ``s3://…`` → fetched into the
-    model cache (``$SLIPSTREAM_MODEL_CACHE``, :mod:`.sources`) and its path there, at the revision
-    ``$SLIPSTREAM_MODEL_REVISION_FILE`` records when it is set (:func:`.sources.read_revision_file`); otherwise the
+    model cache (``$SLIPSTREAM_MODEL_CACHE``, :mod:`slipstream.server.weights.fetch`) and its path there, at the
+    revision ``$SLIPSTREAM_MODEL_REVISION_FILE`` records when it is set
+    (:func:`slipstream.server.weights.revision_file.read_revision_file`); otherwise the
     given file or directory, which must exist (a directory without ``config.json`` that holds one
     GGUF file, such as a model image's ``/models``, means that file).
 
     Raises:
-        ModelLoadError: a missing path; :class:`~.sources.ModelSourceError` (a subclass) for an
+        ModelLoadError: a missing path; :class:`~slipstream.server.weights.errors.ModelSourceError` (a subclass) for an
             invalid URI or a failed fetch.
     """
-    from ..weights import fetch as sources
-
-    uri = sources.parse_model_uri(model)
-    if os.environ.get(sources.REVISION_FILE_ENV) and uri.scheme not in ("hf", "s3"):
+    uri = parse_model_uri(model)
+    if os.environ.get(REVISION_FILE_ENV) and uri.scheme not in ("hf", "s3"):
         raise ModelLoadError(f"--model-revision-file pins a downloaded model (hf://, s3://), and {model!r} is not "
                              "one; leave it out")
     if model == "builtin":
@@ -82,9 +85,9 @@ def resolve_model_path(model: str) -> Path:
     if uri.scheme in ("hf", "s3"):
         # in a pod: the revision its download step fetched ($SLIPSTREAM_MODEL_REVISION_FILE, set by
         # serve --model-revision-file), not whatever the shared cache's refs say now
-        pin_file = os.environ.get(sources.REVISION_FILE_ENV)
-        pinned = sources.read_revision_file(pin_file, uri) if pin_file else None
-        fetched = sources.fetch(uri, sources.default_cache_dir(), pinned_revision=pinned)
+        pin_file = os.environ.get(REVISION_FILE_ENV)
+        pinned = read_revision_file(pin_file, uri) if pin_file else None
+        fetched = fetch(uri, default_cache_dir(), pinned_revision=pinned)
         log.info("model %s: revision %s (%.1f MB) at %s", model, fetched.revision, fetched.bytes / 1e6, fetched.path)
         return fetched.path
     if uri.scheme == "sim":
@@ -93,7 +96,7 @@ def resolve_model_path(model: str) -> Path:
     if not path.exists():
         raise ModelLoadError(f"model path {model!r} does not exist")
     if path.is_dir() and not (path / "config.json").exists():
-        return sources.weights_path(path, sorted(p.name for p in path.iterdir()))
+        return weights_path(path, sorted(p.name for p in path.iterdir()))
     return path
 
 
@@ -131,7 +134,6 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
         name = path.name
     else:
         raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
-    from ..weights.fetch import served_name
     name = served_name(model) or name  # ORG/NAME for a Hub model, not the snapshot's sha
     log.info("building %s (%d layers, hidden %d) on %s in %s", cfg.architecture, cfg.num_layers,
              cfg.hidden_size, device, str(dtype).removeprefix("torch."))

@@ -3,7 +3,7 @@
 Only what the loader reads comes down: ``*.safetensors`` or the chosen ``*.gguf``, the config
 and generation config, tokenizer files and chat templates; pickles (``*.bin``, ``*.pt``, …) never.
 
-A download stops at its next chunk once :func:`.fetch.cancel_fetches` is called: the check
+A download stops at its next chunk once :func:`.cancel.cancel_fetches` is called: the check
 rides on the progress bar class huggingface_hub lets a caller pass (``tqdm_class``), whose
 ``update`` every download thread calls per chunk. huggingface_hub reads 10 MiB chunks (80 s on a
 1 Mbit/s link, past a pod's 30 s grace period), so this module lowers its
@@ -36,8 +36,12 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from .disk_cache import write_atomic
-from .fetch import (Interrupted, ModelSourceError, ModelURI, check_cancelled, check_endpoint, progress_bar,
-                      several_ggufs, weights_path)
+from .cancel import Interrupted, check_cancelled
+from .endpoint import check_endpoint
+from .errors import ModelSourceError
+from .files import several_ggufs, weights_path
+from .progress import progress_bar
+from .uri import ModelURI
 
 log = logging.getLogger("slipstream.sources")
 
@@ -106,7 +110,7 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
         ModelSourceError: see :func:`map_error`; reason ``ChecksumMismatch`` for an LFS file whose
             sha256 is not the listed one (deleted), ``Unreachable`` for one whose body ended early
             (kept, and resumed by the next try).
-        Interrupted: :func:`.fetch.cancel_fetches` was called.
+        Interrupted: :func:`.cancel.cancel_fetches` was called.
     """
     # read here at each call (huggingface_hub reads it once, at import, and fails there on a bad one)
     endpoint = check_endpoint(os.environ.get("HF_ENDPOINT"), "HF_ENDPOINT", uri.text)  # set but empty: invalid too
@@ -114,7 +118,7 @@ def fetch_hf(uri: ModelURI, hf_cache: Path, *, offline: bool) -> tuple[Path, str
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
-    if not sys.stderr.isatty():  # pod logs get sources.py's progress lines, not bars redrawn with \r
+    if not sys.stderr.isatty():  # pod logs get progress.py's log lines, not bars redrawn with \r
         disable_progress_bars()
     token = os.environ.get("HF_TOKEN") or None
     try:
@@ -175,7 +179,7 @@ def _fetch_blobs(uri: ModelURI, hf_cache: Path, sha: str, lfs: dict[str, tuple[s
     Raises:
         ModelSourceError: reason ``ChecksumMismatch`` (the file is deleted), or ``Unreachable`` (the
             body ended early or could not be resumed; trying again resumes or restarts it).
-        Interrupted: :func:`.fetch.cancel_fetches` was called.
+        Interrupted: :func:`.cancel.cancel_fetches` was called.
         HfHubHTTPError, httpx2.TransportError, OSError: for :func:`map_error`.
     """
     blobs = hf_cache / f"models--{uri.repo_id.replace('/', '--')}" / "blobs"

@@ -11,11 +11,11 @@ an MD5 (one part, no SSE-KMS or SSE-C); a multipart object without a full-object
 checked by size only. A mismatch deletes the file and raises reason ``ChecksumMismatch``.
 ``.slipstream-s3.json`` records each file's ETag and size, so a file whose object has not changed
 is never downloaded again. A download that is killed or
-interrupted (:func:`.fetch.cancel_fetches`, checked every 1 MiB chunk) keeps its ``.partial``
+interrupted (:func:`.cancel.cancel_fetches`, checked every 1 MiB chunk) keeps its ``.partial``
 file, which the next fetch of the same object resumes.
 
 What to load is decided from the listing, before anything is downloaded, by the rule the loader
-applies to any folder (:func:`.fetch.weights_path`): a prefix holding several GGUF files and no
+applies to any folder (:func:`.files.weights_path`): a prefix holding several GGUF files and no
 safetensors fails at once, naming them.
 """
 from __future__ import annotations
@@ -32,7 +32,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .disk_cache import write_atomic
-from .fetch import ModelSourceError, ModelURI, check_cancelled, check_endpoint, progress_bar, weights_path
+from .cancel import check_cancelled
+from .endpoint import check_endpoint
+from .errors import ModelSourceError
+from .files import weights_path
+from .progress import progress_bar
+from .uri import ModelURI
 
 log = logging.getLogger("slipstream.sources")
 
@@ -96,7 +101,7 @@ def fetch_s3(uri: ModelURI, s3_root: Path, *, endpoint: str | None = None) -> tu
             ``InvalidURI`` for several GGUF files and no safetensors (before any download);
             ``ChecksumMismatch`` for a file whose bytes do not match its object (deleted; the
             files checked before it stay).
-        Interrupted: :func:`.fetch.cancel_fetches` was called; the ``.partial`` file stays.
+        Interrupted: :func:`.cancel.cancel_fetches` was called; the ``.partial`` file stays.
     """
     s3 = client(endpoint, uri.text)
     try:
