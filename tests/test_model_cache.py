@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from hub_server import HubServer, Repo
-from slipstream.server.weights import cache as model_cache, disk_cache
-from slipstream.server.weights.cache import (
-    Entry, LeaseRecord, ModelCache, Partial, evict, files_root, gone, lease_holder, live_leases, orphans, pinned_by)
+from slipstream.server.weights import disk_cache, holders
+from slipstream.server.weights.cache import Entry, ModelCache
+from slipstream.server.weights.eviction import Partial, evict, files_root, orphans, pinned_by
+from slipstream.server.weights.holders import gone, lease_holder
+from slipstream.server.weights.leases import LeaseRecord, live_leases
 from slipstream.server.weights.errors import ModelSourceError
 from slipstream.server.weights.fetch import fetch
 from slipstream.server.weights.uri import parse_model_uri
@@ -140,7 +142,7 @@ def test_a_failed_atomic_write_leaves_no_temporary_and_eviction_sweeps_old_ones_
 def test_a_holder_is_gone_only_when_its_host_and_pid_namespace_are_ours_and_its_pid_is_free():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    here, ns = lease_holder().rpartition(":")[0], model_cache._PIDNS
+    here, ns = lease_holder().rpartition(":")[0], holders.PIDNS
     assert ns.startswith("pid:")
     assert gone(f"{here}:{p.pid}", ns)
     assert not gone(f"{here}:{os.getpid()}", ns)  # alive

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from hub_server import HubServer, Repo
-from slipstream.server.weights.cache import ModelCache, evict
+from slipstream.server.weights.cache import ModelCache
+from slipstream.server.weights.eviction import evict
 from slipstream.server.weights.errors import ModelSourceError
 from slipstream.server.weights.fetch import fetch
 from slipstream.server.weights.uri import parse_model_uri

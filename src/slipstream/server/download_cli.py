@@ -92,7 +92,7 @@ def _stop_on_signals() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from slipstream.server.weights.cache import HEARTBEAT_S
+    from slipstream.server.weights.cache_lock import HEARTBEAT_S
 
     p = parser()
     args = p.parse_args(argv)
@@ -104,9 +104,11 @@ def main(argv: list[str]) -> int:
     from slipstream.server.cli import configure_logging
 
     configure_logging(args.log_level)
-    from slipstream.server.weights import cache as model_cache, fetch
+    from slipstream.server.weights import fetch
+    from slipstream.server.weights.cache import ModelCache
     from slipstream.server.weights.cancel import Interrupted
     from slipstream.server.weights.errors import ModelSourceError
+    from slipstream.server.weights.eviction import evict
     from slipstream.server.weights.uri import parse_model_uri
 
     cache_dir = args.cache_dir or fetch.default_cache_dir()
@@ -120,8 +122,8 @@ def main(argv: list[str]) -> int:
         result = fetch.fetch(uri, cache_dir, offline=args.offline, s3_endpoint=args.s3_endpoint,
                              retries=args.retries, stale_after_s=args.stale_lock_seconds, lease=False)
         if args.max_cache_bytes is not None:
-            model_cache.evict(cache_dir, args.max_cache_bytes, keep=(str(result.path), str(result.path.parent)),
-                              cache=model_cache.ModelCache(cache_dir, stale_after_s=args.stale_lock_seconds))
+            evict(cache_dir, args.max_cache_bytes, keep=(str(result.path), str(result.path.parent)),
+                  cache=ModelCache(cache_dir, stale_after_s=args.stale_lock_seconds))
     except Interrupted as e:
         name = signal.Signals(e.signum).name if e.signum else "a signal"
         _fail(args, f"model {args.model!r}: interrupted by {name}; the download lock is released, so another "

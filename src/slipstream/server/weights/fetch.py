@@ -31,11 +31,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache import HF_DIR, STALE_AFTER_S, Entry, Lease, ModelCache, cache_name
+from .cache import Entry, ModelCache, cache_name
+from .cache_files import HF_DIR
+from .cache_lock import STALE_AFTER_S
 from .cancel import check_cancelled, fetching, sleep
 from .errors import ModelSourceError
 from .files import files_bytes
 from .hf import fetch_hf
+from .leases import Lease
 from .offline import offline_env, offline_hint
 from .progress import Progress
 from .s3 import copy_folder, copy_revision, fetch_s3
@@ -83,7 +86,7 @@ def fetch(uri: ModelURI, cache_dir: Path, *, offline: bool = False, s3_endpoint:
             model is used if there is one. HTTP 401/403/404 and ``ChecksumMismatch`` fail at once.
         stale_after_s: seconds without a heartbeat after which another process's lock is taken over.
         lease: hold an in-use lease on the copy until this process exits, so that eviction
-            (``--max-cache-bytes``) keeps it (:meth:`.ModelCache.lease`); for processes that serve
+            (``--max-cache-bytes``) keeps it (:meth:`.leases.CacheLeases.lease`); for processes that serve
             the model. A cache this process cannot write gets no lease, with a warning.
         pinned_revision: serve exactly this revision (a commit sha; for S3, :func:`.s3.object_revision`)
             from the cache, never downloading and whatever ``refs/main`` now says: what the pod's
@@ -182,7 +185,7 @@ LEASE_CONFIRM_S = 2.0  # seconds to wait for an eviction that found our lease to
 def _hold(cache: ModelCache, name: str, revision: str, path: Path, model: str, marked: bool = True) -> Lease | None:
     """Lease the copy at ``path``, then check that it is still complete: an eviction may have
     chosen it between our look and the lease. ``marked``: the entry has a completion marker,
-    which :func:`.cache.evict` removes before it reads the leases and puts back when it
+    which :func:`.eviction.evict` removes before it reads the leases and puts back when it
     finds one, so the marker (waited for briefly) is the check; else the files' presence."""
     try:
         held = cache.lease(name, revision, path)
