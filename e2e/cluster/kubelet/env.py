@@ -8,18 +8,29 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from kubernetes.utils import parse_quantity
-
-if TYPE_CHECKING:  # images imports volumes, which imports this module
-    from .images import Image
 
 NODE_ALLOCATABLE = {"cpu": "16", "memory": "64Gi", "ephemeral-storage": "100Gi"}
 
 
 class ConfigError(Exception):
     """The container's configuration cannot be built (CreateContainerConfigError)."""
+
+
+class Image(Protocol):
+    """What a container inherits from its image (``images.Image``): the entrypoint, the default
+    command and the environment."""
+
+    @property
+    def entrypoint(self) -> list[str]: ...
+
+    @property
+    def cmd(self) -> list[str]: ...
+
+    @property
+    def env(self) -> dict[str, str]: ...
 
 
 class Lookup(Protocol):

@@ -19,19 +19,20 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from . import volumes
 from .container import Container, StartRefused, resolve_user
 from .env import ConfigError, command_line, container_env
+from .events import EventRecorder
 from .images import ImagePullError, resolve
+from .network import PodNetwork
+from .objects import Objects
 from .probes import ProbeWorker, run_handler
 from .status import pod_status, rfc3339
-
-if TYPE_CHECKING:
-    from .main import Kubelet
 
 log = logging.getLogger("kubelet.pod")
 PROBES = (("Startup", "startupProbe"), ("Readiness", "readinessProbe"), ("Liveness", "livenessProbe"))
@@ -48,8 +49,31 @@ def pod_dir(state_dir: Path, namespace: str, name: str, uid: str) -> Path:
     return state_dir / "pods" / f"{namespace}_{name}_{uid}"
 
 
+class Node(Protocol):
+    """What a pod worker uses of its kubelet (``main.Kubelet``): the node's API clients, network,
+    directories and restart back-off (seconds), and :meth:`forget` to drop a finished worker."""
+
+    core: client.CoreV1Api
+    objects: Objects
+    events: EventRecorder
+    network: PodNetwork
+    host_ip: str
+    ca_pem: bytes
+    state_dir: Path
+    repo: Path
+    image_paths: list[Path]
+    exposed: list[dict]
+    backoff_base: float
+    backoff_max: float
+    shutdown_grace: float
+
+    def service_env(self) -> dict[str, str]: ...
+
+    def forget(self, uid: str) -> None: ...
+
+
 class PodWorker(threading.Thread):
-    def __init__(self, kubelet: "Kubelet", pod: dict):
+    def __init__(self, kubelet: Node, pod: dict):
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.k = kubelet
