@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slipstream.kernels import ggml_cpu
-from slipstream.server.models import crossover, llama, quant
+from slipstream.server.models import crossover, layers, quant
 from slipstream.server.models.crossover import Crossovers
 
 
@@ -85,24 +85,24 @@ def test_calibration_off_keeps_the_defaults_and_a_damaged_cache_is_measured_agai
 
 def test_a_dense_layer_is_measured_against_f_linear():
     torch.manual_seed(0)
-    layers = [llama.Linear(256, 512, bias=False) for _ in range(3)]
-    rows = crossover.measure_small_batch(layers, candidates=(1, 2, 4))
+    dense = [layers.Linear(256, 512, bias=False) for _ in range(3)]
+    rows = crossover.measure_small_batch(dense, candidates=(1, 2, 4))
     assert rows in (0, 1, 2, 4)
 
 
 def test_the_model_code_takes_the_method_that_is_applied(monkeypatch):
-    monkeypatch.setattr(llama, "SMALL_BATCH_ROWS", llama.SMALL_BATCH_ROWS)
+    monkeypatch.setattr(layers, "SMALL_BATCH_ROWS", layers.SMALL_BATCH_ROWS)
     monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", quant.KERNEL_MAX_ROWS)
     torch.manual_seed(0)
-    dense = llama.Linear(64, 32, bias=False)
+    dense = layers.Linear(64, 32, bias=False)
     w = quant.GGMLTensor(torch.randint(0, 255, (32, 64 // 32 * ggml_cpu.BLOCK_BYTES["Q8_0"]), dtype=torch.uint8),
                          "Q8_0", (32, 64))
     w.blocks.view(32, 2, 34)[:, :, :2] = torch.tensor([0, 0x3C], dtype=torch.uint8)  # fp16 scale 1.0: finite
     blocked = quant.QuantLinear(w)
     x = torch.randn(2, 64)
     used = []
-    real_small, real_matmul = llama.small_batch_linear, ggml_cpu.matmul
-    monkeypatch.setattr(llama, "small_batch_linear", lambda *a: used.append("W @ x.T") or real_small(*a))
+    real_small, real_matmul = layers.small_batch_linear, ggml_cpu.matmul
+    monkeypatch.setattr(layers, "small_batch_linear", lambda *a: used.append("W @ x.T") or real_small(*a))
     monkeypatch.setattr(ggml_cpu, "matmul", lambda *a: used.append("kernel") or real_matmul(*a))
     crossover.apply(Crossovers(small_batch_rows=2, kernel_max_rows=2))
     reference = (dense(x), blocked(x))

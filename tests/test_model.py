@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.server.models.llama import SMALL_BATCH_ROWS, Linear
+from slipstream.server.models.layers import SMALL_BATCH_ROWS, Linear
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -148,9 +148,9 @@ def test_the_batch_matches_transformers_at_either_extreme_of_the_cpu_crossovers(
         make_llm, prompts, expected, monkeypatch, small_batch_rows, kernel_max_rows):
     """A machine's calibration (models/crossover.py) may move every linear to the other method:
     the dequantize-then-GEMM path for every row count, or the block kernel up to 64 rows."""
-    from slipstream.server.models import llama, quant
+    from slipstream.server.models import layers, quant
 
-    monkeypatch.setattr(llama, "SMALL_BATCH_ROWS", small_batch_rows)
+    monkeypatch.setattr(layers, "SMALL_BATCH_ROWS", small_batch_rows)
     monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", kernel_max_rows)
     llm = make_llm(max_num_batched_tokens=2048)
     assert _tokens(llm.generate(prompts, GREEDY)) == expected

@@ -2,8 +2,8 @@
 
 Two row counts decide how a CPU linear runs:
 
-- ``small_batch_rows`` (:data:`.llama.SMALL_BATCH_ROWS`): fp32 weights, up to this many rows run as
-  ``W @ x.T`` (:func:`.llama.small_batch_linear`); MKL's ``x @ W.T`` re-streams the weight per row
+- ``small_batch_rows`` (:data:`.layers.SMALL_BATCH_ROWS`): fp32 weights, up to this many rows run as
+  ``W @ x.T`` (:func:`.layers.small_batch_linear`); MKL's ``x @ W.T`` re-streams the weight per row
   or two at small M, and wins again from some batch size on.
 - ``kernel_max_rows`` (:data:`.quant.KERNEL_MAX_ROWS`): GGML blocks, up to this many rows go
   through the block kernel (every weight dequantized once per eight rows); more rows dequantize
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..weights import disk_cache
-from . import llama, quant
+from . import layers as shared_layers, quant
 
 log = logging.getLogger("slipstream.loader")
 
@@ -68,7 +68,7 @@ def crossover(rows: Sequence[int], timings: Iterable[tuple[float, float]], prior
 
 def apply(c: Crossovers) -> None:
     """Make the model code use ``c`` (process-wide: one machine, one thread count)."""
-    llama.SMALL_BATCH_ROWS = c.small_batch_rows
+    shared_layers.SMALL_BATCH_ROWS = c.small_batch_rows
     quant.KERNEL_MAX_ROWS = c.kernel_max_rows
 
 
@@ -79,7 +79,7 @@ def calibrate(model: nn.Module, threads: int) -> Crossovers:
     cache it cannot write (it warns)."""
     if os.environ.get("SLIPSTREAM_CALIBRATE", "1") == "0":
         return Crossovers()
-    dense = _projections(model, llama.Linear)
+    dense = _projections(model, shared_layers.Linear)
     blocks = _projections(model, quant.QuantLinear)
     key = _key(threads, dense[:1], blocks[:1])
     path = disk_cache.cache_dir() / "crossovers" / f"{key}.json"
@@ -111,7 +111,7 @@ def measure_small_batch(layers: Sequence[nn.Linear], candidates: Sequence[int] =
     weights = [layer.weight.detach() for layer in layers]
     return crossover(candidates, _timings(
         candidates, weights[0].shape[1],
-        lambda x: [llama.small_batch_linear(x, w) for w in weights],
+        lambda x: [shared_layers.small_batch_linear(x, w) for w in weights],
         lambda x: [F.linear(x, w) for w in weights]), prior=Crossovers().small_batch_rows)
 
 

@@ -1,7 +1,7 @@
 """When a decode step runs its decoder layers as one C call (:mod:`slipstream.kernels.cpu_decode`)
 instead of the modules' torch path, and the weights that call reads.
 
-A model qualifies when every layer is the plain Llama layer (:class:`.llama.DecoderLayer`: RMSNorm,
+A model qualifies when every layer is the plain Llama layer (:class:`.layers.DecoderLayer` with an :class:`.layers.MLP`: RMSNorm,
 grouped-query attention without a soft-cap, optional q/k/v bias and Qwen3's q/k norms, a dense
 SwiGLU feed-forward) and its four products are GGML blocks served as stored
 (:class:`.quant.QuantLinear`, one type each); Gemma, mixture-of-experts layers, a q/k/v of mixed types
@@ -21,14 +21,13 @@ from slipstream import kernels
 from slipstream.kernels import cpu_decode
 
 from . import quant
+from .layers import MLP, Attention, DecoderLayer, RMSNorm
 from .quant import QuantLinear
 
 
 def plan(model) -> cpu_decode.Packed | None:
-    """The packed layers of ``model`` (a :class:`.llama.LlamaModel`), or None when it does not
+    """The packed layers of ``model`` (a :class:`.llama.LlamaModel`; any module whose ``layers`` and ``cfg`` look alike), or None when it does not
     qualify (see the module docstring)."""
-    from .llama import MLP, Attention, DecoderLayer, RMSNorm
-
     if os.environ.get("SLIPSTREAM_FUSED_DECODE", "1") == "0" or not kernels.cpu_native.available():
         return None
     layers = []

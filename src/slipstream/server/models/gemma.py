@@ -32,7 +32,8 @@ from slipstream import kernels
 from slipstream.kernels import AttentionBackend, AttentionMetadata
 
 from .config import ModelConfig
-from .llama import MLP, Attention, Linear, load_decoder_weights, rope_inv_freq
+from .decoder_weights import load_decoder_weights
+from .layers import MLP, Attention, Linear, rope_inv_freq
 from .quant import GGMLTensor
 
 ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -63,7 +64,7 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaAttention(Attention):
-    """:class:`.llama.Attention` with Gemma's scale (``query_pre_attn_scalar``), Gemma 2's logit
+    """:class:`.layers.Attention` with Gemma's scale (``query_pre_attn_scalar``), Gemma 2's logit
     soft-cap, Gemma 3's ``(1 + w)`` q/k norms, and ``attention_bias`` on the output projection too."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -136,7 +137,7 @@ class GemmaModel(nn.Module):
     def load_weights(self, weights: dict[str, torch.Tensor | GGMLTensor]) -> None:
         """Load a Hugging Face-named state dict (``model.layers.0.self_attn.q_proj.weight``, …;
         a multimodal checkpoint's ``model.language_model.*`` or ``language_model.model.*``,
-        whose vision tower and projector are skipped) by :func:`.llama.load_decoder_weights`:
+        whose vision tower and projector are skipped) by :func:`.decoder_weights.load_decoder_weights`:
         q/k/v and gate/up fused, GGUF blocks (:class:`~.quant.GGMLTensor`) served as stored, the
         LM head tied to the embedding unless the checkpoint has its own.
 

@@ -13,7 +13,7 @@ import torch
 from ..weights.errors import ModelLoadError
 from . import gemma
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, eos_ids
-from .llama import rope_inv_freq
+from .layers import rope_inv_freq
 
 log = logging.getLogger("slipstream.loader")
 

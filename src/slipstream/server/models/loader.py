@@ -28,7 +28,8 @@ from . import gemma, quant
 from .config import ModelConfig
 from .gguf_file import gguf_tokenizer, read_gguf, write_weight_cache
 from .hf_checkpoint import read_hf_dir
-from .llama import LlamaModel, rope_inv_freq
+from .layers import rope_inv_freq
+from .llama import LlamaModel
 
 log = logging.getLogger("slipstream.loader")
 

@@ -12,6 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .layers import Linear
 from .quant import GGMLTensor, quant_linear
 
 
@@ -51,7 +52,7 @@ class Experts(nn.Module):
 
     ``gate_up_proj``: ``[num_experts, 2 * inter, hidden]`` (gate rows, then up rows);
     ``down_proj``: ``[num_experts, hidden, inter]``. Checkpoints' per-expert tensors are stacked
-    into these at load (:func:`.llama.load_decoder_weights`).
+    into these at load (:func:`.decoder_weights.load_decoder_weights`).
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
@@ -107,8 +108,6 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from .llama import Linear  # llama imports this module
-
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
