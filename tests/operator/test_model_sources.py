@@ -246,31 +246,6 @@ def test_the_operator_reads_the_clusters_version_once(monkeypatch):
     assert calls == ["/version"]
 
 
-GRAMMAR_PROBES = ["hf://Qwen/Qwen3-8B", "hf://Qwen/Qwen3-8B@main", "hf://org/name@3f2a9c1:*Q4_K_M.gguf",
-                  "hf://org/name:Q4_K_M", "hf://org", "hf://org/name@", "hf://org/na me", "hf://-org/name",
-                  "hf://org/name/extra", "hf://org/name@a@b", "hf://org/name:a:b",
-                  "s3://models/llama/8b", "s3://models", "s3://Models/x", "s3://m", "builtin", "sim:tiny"]
-
-
-@pytest.mark.parametrize("uri", GRAMMAR_PROBES)
-def test_the_operator_and_slipstream_serve_take_the_same_hub_and_s3_uris(uri):
-    """spec.model.uri becomes ``slipstream download`` and ``serve --model`` arguments: what the
-    operator accepts the server parses, and what it refuses the server refuses too."""
-    from slipstream.server.weights.errors import ModelSourceError
-    from slipstream.server.weights.uri import parse_model_uri
-
-    try:
-        parse_uri(uri)
-        ours = True
-    except SpecError:
-        ours = False
-    try:
-        theirs = parse_model_uri(uri).scheme in ("hf", "s3", "builtin", "sim")
-    except ModelSourceError:
-        theirs = False
-    assert ours is theirs, f"{uri}: operator {ours}, server {theirs}"
-
-
 def test_oci_on_a_cluster_older_than_native_sidecars_is_refused_naming_the_version():
     with pytest.raises(SpecError, match="1.29 or later.*1.28") as info:
         render_deployment(isvc(uri="oci://registry.example/models/m:1"), kube_version=(1, 28))

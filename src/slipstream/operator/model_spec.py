@@ -7,8 +7,8 @@ Two ways to name them, exclusive (the CRD's CEL rules say the same):
   ``builtin`` or ``sim:PROFILE``. The Hub and S3 are downloaded by an init container
   (``slipstream download``) into the model cache (``spec.model.cache``); a PVC is mounted
   read-only; a model image (its files under ``/models``, KServe's modelcar layout) is mounted
-  as an image volume, or on clusters without those through a modelcar sidecar. ``slipstream serve --model`` takes the
-  same forms (server/models/sources.py; a test keeps the two grammars in step).
+  as an image volume, or on clusters without those through a modelcar sidecar. The grammar is
+  :mod:`slipstream.api_types.model_uri`, which ``slipstream serve --model`` reads too.
 - ``source`` (builtin | image | pvc | sim) with ``path``, ``claimName`` or ``profile``, as before
   ``uri`` existed. ``source: builtin``, which the API server used to default, may stay beside
   a ``uri``.
@@ -24,10 +24,12 @@ from dataclasses import dataclass, replace
 
 from kubernetes.utils.quantity import parse_quantity
 
+from slipstream.api_types import model_uri
+from slipstream.api_types.model_uri import SIM_PROFILE, SPEC_SCHEMES
+
 from .spec_error import SpecError
 
 MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
-URI_SCHEMES = ("hf", "s3", "oci", "pvc", "builtin", "sim")
 # How a model image reaches the server: auto picks image-volume where the cluster has them
 # (Kubernetes ≥ 1.35: on by default; GA in 1.36), else modelcar.
 OCI_MOUNTS = ("auto", "image-volume", "modelcar")
@@ -36,25 +38,8 @@ IMAGE_VOLUMES_SINCE = (1, 35)
 MODEL_IMAGE_DIR = "/models"
 # Sources that an init container downloads into the model cache before the server starts.
 DOWNLOADED = ("hf", "s3")
-# ``sim:PROFILE[,key=value...]`` as slipstream serve takes it (server/sim/backend.py); the server
-# checks the profile's name and the values, this only the shape (a test keeps the two in step).
-SIM_PROFILE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(,(time_scale|output_len|seed)=[-+.0-9eE]+)*$")
-# A Hub repository id (letters, digits, '-', '_', '.'; huggingface_hub checks the finer rules),
-# an optional revision (branch, tag or commit) and an optional file glob (GGUF repositories
-# hold one file per quantization).
-HF_URI = re.compile(r"^(hf://)?(?P<repo>[A-Za-z0-9][-_.A-Za-z0-9]{0,95}/[A-Za-z0-9][-_.A-Za-z0-9]{0,95})"
-                    r"(@(?P<revision>[^@:\s]{1,255}))?(:(?P<file>[^@:\s]{1,255}))?$")
-# An S3 bucket name (3-63 lowercase letters, digits, '.', '-') and a key prefix.
-S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][-.a-z0-9]{1,61}[a-z0-9])(/(?P<prefix>\S*))?$")
-# A PersistentVolumeClaim name (DNS-1123 subdomain) and a path relative to its root.
-PVC_URI = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?)(/(?P<path>\S*))?$")
-# An image reference: a registry host (with a port, or a dot, or localhost), a repository, and a
-# tag or a digest.
-OCI_URI = re.compile(r"^oci://(?P<ref>[a-z0-9]([-.a-z0-9]*[a-z0-9])?(:[0-9]{1,5})?/[a-z0-9]+([._/-][a-z0-9]+)*"
-                     r"(:[A-Za-z0-9_][-.A-Za-z0-9_]{0,127}|@sha256:[0-9a-f]{64})?)$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
-URI_FORMS = ("hf://ORG/NAME[@REVISION][:FILE] (or ORG/NAME), s3://BUCKET/PREFIX, "
-             "oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST], pvc://CLAIM/PATH, builtin, sim:PROFILE")
+URI_FORMS = model_uri.forms(SPEC_SCHEMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,48 +125,27 @@ class ModelLocation:
 
 
 def parse_uri(uri: str) -> ModelLocation:
-    """``spec.model.uri`` as a :class:`ModelLocation`.
+    """``spec.model.uri`` as a :class:`ModelLocation` (:mod:`slipstream.api_types.model_uri`'s
+    grammar, without local paths).
 
     Raises:
-        SpecError: InvalidSpec naming the accepted forms (:data:`URI_FORMS`).
+        SpecError: InvalidSpec naming what is wrong and the accepted forms (:data:`URI_FORMS`).
     """
-    if uri == "builtin":
-        return ModelLocation("builtin", uri="builtin")
-    if uri.startswith("sim:"):
-        profile = uri.removeprefix("sim:")
-        if not SIM_PROFILE.match(profile):
-            raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: the profile must be a name such "
-                                           f"as tiny or llama3-8b-h100, optionally followed by "
-                                           f",time_scale=S ,output_len=N|A-B ,seed=N")
-        return ModelLocation("sim", uri=uri, profile=profile)
-    if uri.startswith("s3://"):
-        m = S3_URI.match(uri)
-        if m:
-            return ModelLocation("s3", uri=uri)
-        raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: an S3 URI is s3://BUCKET/PREFIX "
-                                       f"with a bucket name of 3-63 lowercase letters, digits, "
-                                       f"'.' and '-'")
-    if uri.startswith("oci://"):
-        m = OCI_URI.match(uri)
-        if m:
-            return ModelLocation("oci", uri=uri, reference=m.group("ref"))
-        raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: an OCI URI is "
-                                       f"oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST], lowercase, "
-                                       f"with the registry's host (and port)")
-    if uri.startswith("pvc://"):
-        m = PVC_URI.match(uri)
-        path = (m.group("path") or "").strip("/") if m else ""
-        if m and ".." not in path.split("/"):
-            return ModelLocation("pvc", uri=uri, path=path, claim_name=m.group("claim"))
-        raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: a PVC URI is pvc://CLAIM/PATH, "
-                                       f"CLAIM a PersistentVolumeClaim in the service's namespace, "
-                                       f"PATH relative to its root without '..'")
-    m = HF_URI.match(uri)
-    if m:
+    try:
+        parsed = model_uri.parse_model_uri(uri)
+    except model_uri.ModelURIError as e:
+        raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: {e.why}; use one of {URI_FORMS}") from None
+    if parsed.scheme == "hf":
         return ModelLocation("hf", uri=uri if uri.startswith("hf://") else f"hf://{uri}")
-    scheme = uri.split("://", 1)[0] if "://" in uri else None
-    what = f"scheme {scheme}:// is not supported" if scheme and scheme != "hf" else "not a model URI"
-    raise SpecError("InvalidSpec", f"spec.model.uri {uri!r}: {what}; use one of {URI_FORMS}")
+    if parsed.scheme == "s3":
+        return ModelLocation("s3", uri=uri)
+    if parsed.scheme == "oci":
+        return ModelLocation("oci", uri=uri, reference=parsed.reference)
+    if parsed.scheme == "pvc":
+        return ModelLocation("pvc", uri=uri, path=parsed.path, claim_name=parsed.claim)
+    if parsed.scheme == "sim":
+        return ModelLocation("sim", uri=uri, profile=parsed.profile)
+    return ModelLocation("builtin", uri="builtin")
 
 
 def model_location(model: ModelSpec) -> ModelLocation:
