@@ -79,6 +79,8 @@ BAD_REQUESTS = {
     "suffix": (completion(suffix="!"), 400, "suffix", None),
     "top_logprobs without logprobs": (chat(top_logprobs=2), 400, "top_logprobs", None),
     "too many logprobs": (completion(logprobs=50), 400, "logprobs", None),
+    "temperature above 2, as OpenAI refuses it": (chat(temperature=2.5), 400, "temperature", None),
+    "max_tokens 0 without echo": (completion(max_tokens=0), 400, "max_tokens", None),
     "unknown field": (chat(frobnicate=1), 400, "frobnicate", "unknown_parameter"),
     "unknown stream option": (completion(stream=True, stream_options={"include_everything": True}), 400,
                               "stream_options.include_everything", "unknown_parameter"),

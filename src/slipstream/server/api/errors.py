@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from slipstream.server.engine.errors import InvalidRequest
+
 # HTTP status -> OpenAI's error ``type``.
 _TYPES = {
     400: "invalid_request_error",
@@ -27,6 +29,15 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.source: InvalidRequest | None = None  # the engine's refusal this reports, if any
+
+    def renamed(self, param: str | None) -> APIError:
+        """This error under another name for its field: the engine's refusal, renamed, where it
+        reports one (so the message names the field as the request does), else only ``param``."""
+        if self.source is not None and param is not None:
+            return refusal(self.source, param)
+        self.param = param
+        return self
 
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)
@@ -39,6 +50,16 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500
                                                              else "invalid_request_error"),
                       "param": param, "code": code}}
+
+
+def refusal(exc: InvalidRequest, param: str | None = None) -> APIError:
+    """The 400 for an engine (or SamplingParams) refusal, its field reported as ``param`` (the
+    request's name for it) when given, else as the engine names it; ``code`` kept."""
+    if param is not None and param != exc.param:
+        exc = exc.renamed(param)
+    error = APIError(400, str(exc), param=exc.param, code=exc.code)
+    error.source = exc
+    return error
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -22,7 +22,7 @@ from slipstream.server.engine.outputs import CompletionOutput, RequestOutput
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     state.check_accepting()
-    req = parse_completion_request(await read_json(request), vocab_size=state.vocab_size)
+    req = parse_completion_request(await read_json(request))
     check_model(req.model, state.model_name)
     call = CompletionCall(state, req, f"cmpl-{uuid.uuid4().hex}")
     return await call.run(request, req.prompts, req.params)

@@ -157,6 +157,10 @@ class AsyncLLM:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def check_token_ids(self, ids: list, param: str = "prompt") -> None:
+        """:meth:`LLMEngine.check_token_ids` (pure: safe from the event loop)."""
+        self.engine.check_token_ids(ids, param)
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 

@@ -160,13 +160,30 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}", "prompt")
+            self.check_token_ids(ids, "prompt")
         if not ids:
             raise InvalidRequest("prompt must not be empty", "prompt")
         return ids
+
+    @property
+    def num_token_ids(self) -> int:
+        """Token ids run from 0 to this (exclusive): those the model embeds and the tokenizer decodes
+        (a model's vocabulary may be padded past the tokenizer's, or a tokenizer add tokens the
+        model lacks)."""
+        return min(self.model_config.vocab_size, len(self.tokenizer))
+
+    def check_token_ids(self, ids: list, param: str = "prompt") -> None:
+        """The one check of token ids a caller sends (a prompt, ``/detokenize``'s tokens).
+
+        Raises:
+            InvalidRequest: an id that is not an integer in [0, :attr:`num_token_ids`); ``param`` names the field.
+        """
+        limit = self.num_token_ids
+        bad = next((i for i, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < limit), None)
+        if bad is not None:
+            raise InvalidRequest(f"{param} token ids must be integers in [0, {limit}); {param}[{bad}] is "
+                                 f"{ids[bad]!r:.40}", param)
 
     def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None) -> list[Request]:
