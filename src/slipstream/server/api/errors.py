@@ -66,12 +66,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_http_exception(exc: web.HTTPException) -> APIError:
-    """aiohttp's own errors (unknown path, wrong method, body too large, ...) as JSON errors."""
+def served_routes(router: web.UrlDispatcher) -> list[str]:
+    """Every route ``router`` serves, as ``METHOD /path`` (HEAD, which aiohttp adds to each GET, left out)."""
+    return sorted({f"{route.method} {route.resource.canonical}" for route in router.routes()
+                   if route.method != "HEAD" and route.resource is not None}, key=lambda r: (r.split()[1], r))
+
+
+def from_http_exception(exc: web.HTTPException, routes: list[str] = ()) -> APIError:
+    """aiohttp's own errors (unknown path, wrong method, body too large, ...) as JSON errors; a 404
+    lists ``routes`` (:func:`served_routes` of the app)."""
     status = exc.status
     if status == 404:
-        return APIError(404, "Not found: no such route. See GET /v1/models, POST /v1/chat/completions, "
-                        "POST /v1/completions.", code="not_found")
+        return APIError(404, f"Not found: no such route. This server serves: {', '.join(routes)}.",
+                        code="not_found")
     if status == 405:
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
         return APIError(405, f"Method {exc.method if hasattr(exc, 'method') else ''} not allowed here; "
