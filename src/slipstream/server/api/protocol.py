@@ -408,6 +408,7 @@ class CompletionRequest(_GenerationRequest):
     suffix: str | None = None
 
     _prompts: list[str | list[int]] = PrivateAttr()
+    _prompt_only: bool = PrivateAttr(False)
 
     def model_post_init(self, _context: Any) -> None:
         self._check_common()
@@ -417,9 +418,20 @@ class CompletionRequest(_GenerationRequest):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:  # echo's prompt entries need the prompt's logprobs
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        # echo with max_tokens 0 scores the prompt (lm-eval's loglikelihood, as vLLM serves it): the
+        # engine runs one step, whose token is left out of the answer and the usage
+        self._prompt_only = bool(self.echo) and max_tokens == 0
+        if self._prompt_only and self.min_tokens:
+            raise bad_request(f"min_tokens ({self.min_tokens}) must not exceed max_tokens (0)", "min_tokens")
         self._params = self._sampling_params(
-            max_tokens=16 if self.max_tokens is None else self.max_tokens, logprobs=self.logprobs,
+            max_tokens=1 if self._prompt_only else max_tokens, logprobs=self.logprobs,
             structured=self.structured_outputs_params(), prompt_logprobs=prompt_logprobs)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt (and its logprobs) alone."""
+        return self._prompt_only
 
     @property
     def prompts(self) -> list[str | list[int]]:
