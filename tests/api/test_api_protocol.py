@@ -223,7 +223,7 @@ def test_messages_normalized_for_the_chat_template():
         {"role": "assistant", "content": None, "tool_calls": []},
     ]})
     assert req.template_messages() == [{"role": "system", "content": "be brief"},
-                                       {"role": "user", "content": "a\nb", "name": "ann"},
+                                       {"role": "user", "content": "ab", "name": "ann"},
                                        {"role": "assistant", "content": ""}]
 
 

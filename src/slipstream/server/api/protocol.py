@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from slipstream.server import chat_template
 from slipstream.server.api.errors import APIError, bad_request, refusal
 from slipstream.server.api.tools import check_tools
 from slipstream.server.engine.errors import InvalidRequest
@@ -356,20 +357,10 @@ def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation as plain dicts for a chat template: ``developer`` read as ``system``, text
-    parts joined, tool calls and tool results kept as OpenAI sends them."""
-    out = []
-    for m in messages:
-        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                 "content": _content_text(m.content)}
-        if m.name is not None:
-            entry["name"] = m.name
-        if m.tool_calls:
-            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            entry["tool_call_id"] = m.tool_call_id
-        out.append(entry)
-    return out
+    """The conversation as plain dicts for a chat template, by the one function the gateway renders
+    with too (:func:`chat_template.template_messages`): ``developer`` read as ``system``, text parts
+    joined as one string, tool calls and tool results kept as OpenAI sends them."""
+    return chat_template.template_messages([m.model_dump(exclude_none=True) for m in messages])
 
 
 def _check_message(message: ChatMessage, where: str) -> None:
@@ -389,14 +380,6 @@ def _check_message(message: ChatMessage, where: str) -> None:
         raise bad_request(f"{where}.tool_call_id is required for a tool message", f"{where}.tool_call_id")
     if message.tool_calls and message.role != "assistant":
         raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part["text"] for part in content)
 
 
 class CompletionRequest(_GenerationRequest):
