@@ -280,29 +280,28 @@ class ResponsesCall(GenerationCall):
         return [{"type": "response.created", "response": snapshot},
                 {"type": "response.in_progress", "response": snapshot}]
 
-    def _output(self, choice: render.Choice, eager: bool) -> OutputItems:
+    def _output(self, choice: render.Choice) -> OutputItems:
         if choice.state is None:
             calls = None
             if self.parser is not None:
                 # parallel_tool_calls false: the first function_call item only (the grammar of a
                 # forced tool_choice already allows one; under "auto" later calls are dropped)
-                calls = self.parser.stream(eager=eager,
-                                           parallel_tool_calls=self.req.parallel_tool_calls is not False)
+                calls = self.parser.stream(parallel_tool_calls=self.req.parallel_tool_calls is not False)
             choice.state = OutputItems(calls)
         return choice.state
 
     def deltas(self, choice: render.Choice, co: CompletionOutput) -> list[dict]:
-        return self._output(choice, eager=True).feed(co.text)
+        return self._output(choice).feed(co.text)
 
     def closing_deltas(self, choice: render.Choice) -> list[dict]:
-        return self._output(choice, eager=True).finish(choice.finish_reason == "length")
+        return self._output(choice).finish(choice.finish_reason == "length")
 
     def finish_delta(self, choice: render.Choice) -> dict:
         body = self._finished(choice)
         return {"type": f"response.{body['status']}", "response": body}
 
     def response_body(self, choices: list[render.Choice]) -> dict:
-        output = self._output(choices[0], eager=False)
+        output = self._output(choices[0])
         output.feed(choices[0].text)  # whole: a call cut off inside its arguments stays text, as extract()
         output.finish(choices[0].finish_reason == "length")
         return self._finished(choices[0])
