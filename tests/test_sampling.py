@@ -159,3 +159,49 @@ def test_a_failed_group_reports_each_choice_once(make_llm, fault):
     finally:
         engine.sampler, engine.runner.run = sampler, real_run
     assert error and sorted(finishes) == [(0, "abort"), (1, "stop"), (2, "abort")], finishes
+
+
+# --- the request limits: SamplingParams is their one owner -------------------------------------
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 2.01), ("temperature", -0.1), ("top_p", 1.5), ("n", 129), ("n", 0), ("logprobs", 21),
+    ("prompt_logprobs", -1), ("seed", 1 << 64), ("max_tokens", 0), ("min_p", 1.5), ("top_k", -2),
+    ("presence_penalty", 2.5), ("repetition_penalty", 0.0), ("stop_token_ids", [1 << 31]),
+])
+def test_a_value_out_of_range_is_refused_as_data_naming_its_field(field, value):
+    from slipstream.server.engine.errors import OutOfRange
+
+    with pytest.raises(OutOfRange) as info:
+        SamplingParams(**{field: value})
+    assert info.value.param == field and info.value.value == value
+    renamed = info.value.renamed("api_name")
+    assert renamed.param == "api_name" and str(renamed).startswith(f"api_name {info.value.requirement}")
+
+
+def test_temperature_2_is_the_largest_accepted_and_top_p_0_is_greedy():
+    assert SamplingParams(temperature=2).temperature == 2
+    p = SamplingParams(temperature=0.7, top_p=0)
+    assert p.greedy and p.top_p == 1.0
+
+
+def test_logit_bias_out_of_range_reports_the_value():
+    from slipstream.server.engine.errors import OutOfRange
+
+    with pytest.raises(OutOfRange) as info:
+        SamplingParams(logit_bias={5: 1.0, 7: -101.0})
+    assert info.value.param == "logit_bias" and info.value.value == -101.0
+
+
+def test_token_ids_are_checked_once_against_what_both_model_and_tokenizer_know(make_llm):
+    from slipstream.server.engine.errors import InvalidRequest
+
+    engine = make_llm().engine
+    limit = engine.num_token_ids
+    assert limit == min(engine.model_config.vocab_size, len(engine.tokenizer))
+    engine.check_token_ids([0, limit - 1])
+    for bad in ([limit], [-1], [True], [1.0]):
+        with pytest.raises(InvalidRequest) as info:
+            engine.make_requests([1, *bad], SamplingParams(max_tokens=1))
+        assert info.value.param == "prompt" and "prompt[1]" in str(info.value)
+    with pytest.raises(InvalidRequest) as info:
+        engine.check_token_ids([limit], "tokens")
+    assert info.value.param == "tokens"

@@ -8,7 +8,7 @@ import torch
 from slipstream.server.engine import SamplingParams
 from slipstream.server.engine.kv_cache import KVCacheManager
 from slipstream.server.engine.model_runner import StepOutput
-from slipstream.server.engine.outputs import RequestMetrics
+from slipstream.server.engine.outputs import FinishReason, RequestMetrics
 from slipstream.server.engine.request import Request
 from slipstream.server.engine.scheduler import Scheduler
 
@@ -275,3 +275,39 @@ def test_max_model_len_finishes_with_length():
     req = queue(sched, [10, 11, 12, 13], max_tokens=16)
     step(sched, 7)
     assert req.finished and req.finish_reason == "length" and req.num_tokens == 5
+
+
+# --- one place finishes a request: Scheduler.finish, called by the update and by aborts ----------
+
+def test_a_text_stop_outranks_the_length_cap_on_the_same_token_but_not_eos():
+    from slipstream.server.engine.scheduler import NO_STOP
+
+    sched = bare_scheduler()
+    capped = queue(sched, [10, 11], max_tokens=1)
+    batch = sched.schedule()
+    sched.update_from_output(batch, {capped: 7}, lambda req, tok: "END")
+    assert (capped.finish_reason, capped.stop_reason) == ("stop", "END")
+    sched = bare_scheduler()
+    eos = queue(sched, [10, 11])
+    batch = sched.schedule()
+    sched.update_from_output(batch, {eos: EOS}, lambda req, tok: "END")
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    sched = bare_scheduler()
+    going = queue(sched, [10, 11])
+    seen = []
+    batch = sched.schedule()
+    sched.update_from_output(batch, {going: 7}, lambda req, tok: seen.append(tok) or NO_STOP)
+    assert seen == [7] and not going.finished
+
+
+def test_finish_sets_the_reason_once_and_an_engine_abort_goes_through_it(make_llm):
+    sched = bare_scheduler()
+    req = queue(sched, [10, 11])
+    sched.finish(req, FinishReason.ABORT)
+    sched.finish(req, FinishReason.STOP, "late")
+    assert (req.finish_reason, req.stop_reason) == ("abort", None) and sched.num_waiting == 0
+    eng = make_llm(max_num_seqs=2).engine
+    eng.add_request("Hello", SamplingParams(max_tokens=4, n=2, temperature=0), request_id="a")
+    out = eng.abort("a", "gone")
+    assert out.finished and out.error == "gone" and [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert eng.abort("a") is None and not eng.has_unfinished()

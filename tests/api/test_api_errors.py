@@ -79,6 +79,8 @@ BAD_REQUESTS = {
     "suffix": (completion(suffix="!"), 400, "suffix", None),
     "top_logprobs without logprobs": (chat(top_logprobs=2), 400, "top_logprobs", None),
     "too many logprobs": (completion(logprobs=50), 400, "logprobs", None),
+    "temperature above 2, as OpenAI refuses it": (chat(temperature=2.5), 400, "temperature", None),
+    "max_tokens 0 without echo": (completion(max_tokens=0), 400, "max_tokens", None),
     "unknown field": (chat(frobnicate=1), 400, "frobnicate", "unknown_parameter"),
     "unknown stream option": (completion(stream=True, stream_options={"include_everything": True}), 400,
                               "stream_options.include_everything", "unknown_parameter"),
@@ -120,8 +122,11 @@ def test_body_over_the_size_limit_is_a_413(http, server):
     still_serves(http, server)
 
 
-def test_unknown_path_and_wrong_method_are_json(http):
-    assert_error(http.get("/v1/nothing-here"), 404, code="not_found")
+def test_unknown_path_and_wrong_method_are_json(http, server):
+    message = assert_error(http.get("/v1/nothing-here"), 404, code="not_found")["message"]
+    served = {f"{r.method} {r.resource.canonical}" for r in server.app.router.routes() if r.method != "HEAD"}
+    assert {"POST /v1/responses", "GET /v1/responses/{response_id}", "POST /tokenize", "GET /v1/kv_events"} <= served
+    assert all(route in message for route in served), message
     assert_error(http.post("/health"), 405, code="method_not_allowed")
     r = http.get("/v1/chat/completions")
     assert_error(r, 405, code="method_not_allowed")

@@ -124,3 +124,48 @@ def test_non_finite_logits_are_a_500_naming_them_not_nan_logprobs(http, server):
             assert error["code"] == "engine_error" and "not finite" in error["message"]
     finally:
         handle.remove()
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, http, engine):
+    """lm-eval's prompt scoring: the prompt as the text, its logprobs, no completion, streamed or not."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    out = client.completions.create(model=server.state.model_name, prompt=PROMPT, max_tokens=0, echo=True,
+                                    logprobs=1, temperature=0)
+    choice, prompt_ids = out.choices[0], engine.tokenizer.encode(PROMPT)
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(prompt_ids)
+    assert len(choice.logprobs.tokens) == len(prompt_ids) and "".join(choice.logprobs.tokens) == PROMPT
+    assert choice.logprobs.token_logprobs[0] is None and all(v <= 0 for v in choice.logprobs.token_logprobs[1:])
+    with_more = complete(http, max_tokens=1, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    assert choice.logprobs.token_logprobs == with_more["token_logprobs"][:-1]
+    chunks = stream_chunks(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0, "echo": True,
+                                                     "temperature": 0, "stream_options": {"include_usage": True}})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == PROMPT
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    plain = complete(http, max_tokens=0, echo=True)
+    assert plain["choices"][0]["text"] == PROMPT and plain["choices"][0]["logprobs"] is None
+
+
+def test_text_offset_is_exact_when_a_character_spans_tokens(http, engine):
+    """A character whose UTF-8 bytes are split over byte tokens: each of its tokens points at its
+    offset, the next token past it, streamed and not."""
+    prompt = "Weather: 🌦 ok"
+    ids = engine.tokenizer.encode(prompt)
+    split = [i for i in ids if not engine.tokenizer.convert_ids_to_tokens(i).isascii()]
+    assert len(split) >= 2, "the emoji must span several tokens for this test to mean anything"
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+    lp = complete(http, **body)["choices"][0]["logprobs"]
+    text_so_far, expected = b"", []
+    for token in lp["tokens"]:  # the offset of each token: characters fully or partly before its first byte
+        data = token[len("bytes:"):].encode().decode("unicode_escape").encode("latin-1") \
+            if token.startswith("bytes:") else token.encode()
+        expected.append(len(text_so_far.decode("utf-8", errors="ignore")))
+        text_so_far += data
+    assert text_so_far.decode() == prompt and lp["text_offset"] == expected
+    assert len(set(lp["text_offset"])) < len(lp["text_offset"])  # two tokens share the emoji's offset
+    streamed = [c["choices"][0]["logprobs"] for c in stream_chunks(http, "/v1/completions", {**body, "max_tokens": 2,
+                                                                                           "temperature": 0})
+                if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [o for f in streamed for o in f["text_offset"]][:len(expected)] == expected

@@ -205,8 +205,15 @@ def test_bad_prompts_are_refused(prompt):
     assert refused(parse_completion_request, {"prompt": prompt}).param == "prompt"
 
 
-def test_token_ids_outside_the_vocabulary_are_refused():
-    assert refused(parse_completion_request, {"prompt": [1, 100]}, vocab_size=100).param == "prompt"
+def test_a_sampling_limit_is_reported_under_the_request_s_own_name():
+    """SamplingParams owns the ranges; the request maps its field names onto it and back."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    error = refused(parse_chat_request, {**chat, "logprobs": True, "top_logprobs": 21})
+    assert error.param == "top_logprobs" and error.message.startswith("top_logprobs must be in [0, 20]")
+    error = refused(parse_chat_request, {**chat, "max_completion_tokens": 0})
+    assert error.param == "max_completion_tokens" and error.message.startswith("max_completion_tokens")
+    error = refused(parse_completion_request, {"prompt": "x", "temperature": 2.5})
+    assert (error.status, error.param, error.message) == (400, "temperature", "temperature must be in [0, 2], got 2.5")
 
 
 def test_messages_normalized_for_the_chat_template():
@@ -216,7 +223,7 @@ def test_messages_normalized_for_the_chat_template():
         {"role": "assistant", "content": None, "tool_calls": []},
     ]})
     assert req.template_messages() == [{"role": "system", "content": "be brief"},
-                                       {"role": "user", "content": "a\nb", "name": "ann"},
+                                       {"role": "user", "content": "ab", "name": "ann"},
                                        {"role": "assistant", "content": ""}]
 
 

@@ -313,21 +313,36 @@ def test_no_op_fields_are_accepted(http):
     assert r.json()["user"] == "u" and r.json()["parallel_tool_calls"] is False
 
 
+def test_a_stored_response_is_retrieved_by_id_and_an_unknown_one_is_a_404(client, http):
+    created = client.responses.create(input="Name a color.", max_output_tokens=4, temperature=0)
+    again = client.responses.retrieve(created.id)
+    assert again.model_dump() == created.model_dump()
+    streamed = [e for e in events_of(http, {"input": "Hi", "max_output_tokens": 2, "temperature": 0})
+                if e["type"] in ("response.completed", "response.incomplete")][0]["response"]
+    assert client.responses.retrieve(streamed["id"]).model_dump(exclude_none=True)["output"] == streamed["output"]
+    unstored = client.responses.create(input="Hi", max_output_tokens=2, temperature=0, store=False)
+    for missing in (unstored.id, "resp_nothing"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.retrieve(missing)
+        assert info.value.body["param"] == "response_id" and info.value.body["code"] == "not_found"
+
+
 def test_store_drops_the_least_recently_used_response_first():
     store = ResponseStore(max_responses=2)
     for rid in ("a", "b"):
-        store.put(rid, [{"type": "message", "role": "user", "content": rid}])
+        store.put(rid, [{"type": "message", "role": "user", "content": rid}], {"id": rid})
     assert store.get("a") is not None  # "a" now most recently used
-    store.put("c", [])
+    store.put("c", [], {"id": "c"})
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    assert store.response("c") == {"id": "c"} and store.response("b") is None
 
 
 def test_store_is_bounded_by_bytes():
     store = ResponseStore(max_bytes=200)
-    store.put("a", [{"type": "message", "role": "user", "content": "x" * 120}])
-    store.put("b", [{"type": "message", "role": "user", "content": "y" * 120}])
+    store.put("a", [{"type": "message", "role": "user", "content": "x" * 120}], {})
+    store.put("b", [{"type": "message", "role": "user", "content": "y" * 120}], {})
     assert store.get("a") is None and store.get("b") is not None
-    store.put("huge", [{"type": "message", "role": "user", "content": "z" * 300}])
+    store.put("huge", [{"type": "message", "role": "user", "content": "z" * 300}], {})
     assert store.get("huge") is None and store.get("b") is not None
 
 

@@ -93,3 +93,16 @@ def test_exported_tokenizer_encodes_like_the_server(http, tmp_path):
     rendered = local.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     assert local.encode(rendered, add_special_tokens=False) == \
         http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+
+
+def test_content_as_text_parts_renders_exactly_as_the_same_text_as_a_string(http):
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": " of France?"}]
+    as_parts = http.post("/tokenize", json={"messages": [{"role": "system", "content": [parts[0]]},
+                                                         {"role": "user", "content": parts}]}).json()
+    as_text = http.post("/tokenize", json={"messages": [{"role": "system", "content": "What is the capital"},
+                                                        {"role": "user", "content": "What is the capital of France?"}]}).json()
+    assert as_parts["tokens"] == as_text["tokens"] and as_parts["count"] == as_text["count"]
+    chat = {"max_tokens": 1, "temperature": 0}
+    usage = [http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": c}], **chat}).json()
+             ["usage"]["prompt_tokens"] for c in (parts, "What is the capital of France?")]
+    assert usage[0] == usage[1]

@@ -182,3 +182,27 @@ def test_tool_parameters_that_are_not_an_object_schema_are_refused(http):
 def test_a_responses_schema_error_names_text_format(http):
     body = {"input": "a", "text": {"format": {"type": "json_schema", "name": "c", "schema": {"type": "wat"}}}}
     assert_error(http.post("/v1/responses", json=body), 400, param="text.format")
+
+
+def test_required_calls_cut_by_max_tokens_are_the_same_streamed_and_not(http):
+    """tool_choice required, parallel calls allowed, the output cut inside a call's arguments: both
+    answers report only the calls whose arguments are complete JSON, and the cut call as content."""
+    fields = {"tools": [WEATHER, TIME], "tool_choice": "required", "seed": 7}  # greedy: the model calls on and on
+    cut_inside = 0
+    for max_tokens in (30, 45):
+        message = chat(http, **fields, max_tokens=max_tokens)["choices"][0]["message"]
+        chunks = stream_chunks(http, "/v1/chat/completions", {
+            "messages": ASK, "temperature": 0, "stream": True, "max_tokens": max_tokens, **fields})
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        streamed: dict[int, dict] = {}
+        for part in (d["tool_calls"][0] for d in deltas if d.get("tool_calls")):
+            call = streamed.setdefault(part["index"], {"name": "", "arguments": ""})
+            call["name"] += part["function"].get("name") or ""
+            call["arguments"] += part["function"].get("arguments") or ""
+        calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                 for c in message.get("tool_calls") or []]
+        assert [streamed[i] for i in sorted(streamed)] == calls, max_tokens
+        assert all(isinstance(json.loads(c["arguments"]), dict) for c in calls)
+        assert ("".join(d.get("content") or "" for d in deltas) or None) == message["content"]
+        cut_inside += "<tool_call>" in (message["content"] or "")
+    assert cut_inside, "no cut fell inside a call: the test shows nothing"

@@ -42,7 +42,8 @@ def render_template(tokenizer: Any, messages: list[dict], *, tools: list[dict] |
 
 def template_messages(messages: list[dict]) -> list[dict[str, Any]]:
     """OpenAI chat messages (plain dicts, as sent) as a chat template takes them: ``developer``
-    read as ``system``, text parts joined by newlines, ``name``, ``tool_calls`` and
+    read as ``system``, text parts joined as they are (an array of parts is exactly the text of
+    the same content sent as one string), ``name``, ``tool_calls`` and
     ``tool_call_id`` kept — what the server's request model yields for the same body
     (``protocol.template_messages``). Raises KeyError/TypeError for a message that is not an
     object with a ``role`` or has a non-text part (the server rejects those with a 400)."""
@@ -50,7 +51,7 @@ def template_messages(messages: list[dict]) -> list[dict[str, Any]]:
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
-            content = "\n".join(part["text"] for part in content)
+            content = "".join(part["text"] for part in content)
         entry: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
                                  "content": content if content is not None else ""}
         if m.get("name") is not None:

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from slipstream.server.api import kv_events, serving_chat, serving_completions, serving_responses, serving_tokenize, \
     tokenizer_files
-from slipstream.server.api.errors import APIError, from_http_exception
+from slipstream.server.api.errors import APIError, from_http_exception, served_routes
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
 
@@ -26,7 +26,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        error = from_http_exception(exc)
+        error = from_http_exception(exc, served_routes(request.app.router))
     except (ConnectionError, TimeoutError) as exc:  # the client went away mid-request: nobody to answer
         logger.debug("connection lost on %s: %s", request.path, exc)
         raise
@@ -103,7 +103,9 @@ def build_app(options: ServerOptions, llm=None) -> web.Application:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/chat/completions", serving_chat.create_chat_completion)
     app.router.add_post("/v1/completions", serving_completions.create_completion)
-    app.router.add_post("/v1/responses", serving_responses.ResponsesAPI().create)
+    responses = serving_responses.ResponsesAPI()
+    app.router.add_post("/v1/responses", responses.create)
+    app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
     app.router.add_post("/tokenize", serving_tokenize.tokenize)
     app.router.add_post("/detokenize", serving_tokenize.detokenize)
     app.router.add_get("/tokenizer_info", serving_tokenize.tokenizer_info)

@@ -1,4 +1,9 @@
-"""OpenAI request bodies as pydantic models: every field typed and range-checked, nothing ignored.
+"""OpenAI request bodies as pydantic models: every field typed, nothing ignored.
+
+Types and names are this layer's; the ranges of the sampling fields (temperature, top_p, n,
+max_tokens, logprobs, stop, ...) and their messages are :class:`SamplingParams`' — a request maps
+onto it (``_sampling_params``) and its refusal comes back as a 400 under the request's own name for
+the field (chat's ``top_logprobs`` for ``SamplingParams.logprobs``).
 
 A field the server does not know is a 400 naming it, as OpenAI answers ("Unrecognized request
 argument supplied", ``code: unknown_parameter``); so is a known one it cannot honour (``audio``,
@@ -10,17 +15,16 @@ path (``messages[2].content``) taken from where the check failed — never parse
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from slipstream.server.api.errors import APIError, bad_request
+from slipstream.server import chat_template
+from slipstream.server.api.errors import APIError, bad_request, refusal
 from slipstream.server.api.tools import check_tools
 from slipstream.server.engine.errors import InvalidRequest
 from slipstream.server.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_N = 128
-MAX_LOGPROBS = 20
 _TOKEN_ID = re.compile(r"-?[0-9]{1,10}")  # ASCII digits: str.isdigit() also takes "²" and "٣"
 
 
@@ -94,21 +98,21 @@ class _GenerationRequest(_Strict):
     """The fields both generation endpoints share; :attr:`params` holds them as SamplingParams."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=1 << 30)
-    min_p: float | None = Field(None, ge=0, le=1)
-    n: int | None = Field(None, ge=1, le=MAX_N)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
     best_of: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] | None = None
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -117,7 +121,7 @@ class _GenerationRequest(_Strict):
     # Fast tokenizers (all this server loads) always join special tokens without spaces; vLLM's
     # knob changes only slow ones, so it is accepted and has nothing to change here.
     spaces_between_special_tokens: bool | None = None
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
@@ -150,9 +154,6 @@ class _GenerationRequest(_Strict):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(s == "" for s in stop):
-            raise bad_request("stop must not contain empty strings", "stop")
         n = self.n or 1
         if self.best_of is not None and self.best_of != n:
             raise bad_request(f"best_of ({self.best_of}) different from n ({n}) is not supported; omit best_of",
@@ -161,25 +162,27 @@ class _GenerationRequest(_Strict):
     def _sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                          structured: StructuredOutputsParams | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        temperature = 1.0 if self.temperature is None else self.temperature
-        top_p = 1.0 if self.top_p is None else self.top_p
-        if top_p == 0.0:  # the limit of nucleus sampling as p -> 0 keeps only the most likely token
-            temperature, top_p = 0.0, 1.0
         try:
             return SamplingParams(
-                n=self.n or 1, temperature=temperature, top_p=top_p, top_k=self.top_k or 0,
+                n=1 if self.n is None else self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                 min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                max_tokens=max_tokens, min_tokens=self.min_tokens or 0,
+                max_tokens=max_tokens, min_tokens=0 if self.min_tokens is None else self.min_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens is not False,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 logit_bias=_logit_bias(self.logit_bias), structured_outputs=structured)
-        except InvalidRequest as exc:  # the engine's own checks name their field
-            raise bad_request(str(exc), exc.param, exc.code) from None
+        except InvalidRequest as exc:  # SamplingParams' checks name their field; reported under ours
+            raise refusal(exc, self.request_param(exc.param)) from None
+
+    def request_param(self, param: str | None) -> str | None:
+        """The request field a :class:`SamplingParams` field came from (the same name unless an
+        endpoint renames it)."""
+        return param
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one output constraint asked for, from whichever field carries it (400 for two)."""
@@ -220,20 +223,18 @@ class _GenerationRequest(_Strict):
         refused is reported under the field that carried it (``response_format``, ``guided_regex``)."""
         if param and param.startswith("structured_outputs") and self._constraint_param:
             return self._constraint_param
-        return param
+        return self.request_param(param)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's ``{"<token id>": bias}`` as ``{token_id: bias}``; ids are checked against the vocabulary
-    by the engine."""
+    """OpenAI's ``{"<token id>": bias}`` as ``{token_id: bias}``; the values' range is SamplingParams'
+    and the ids are checked against the vocabulary by the engine."""
     if not bias:
         return None
     out = {}
     for key, value in bias.items():
         if not _TOKEN_ID.fullmatch(key):
             raise bad_request(f"logit_bias keys must be token ids, got {key!r:.40}", "logit_bias")
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for token {key}", "logit_bias")
         out[int(key)] = float(value)
     return out
 
@@ -246,9 +247,9 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``. ``max_tokens`` defaults to the rest of the context."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool | None = None
@@ -325,6 +326,15 @@ class ChatCompletionRequest(_GenerationRequest):
             return choice["function"]["name"]
         return None
 
+    def request_param(self, param: str | None) -> str | None:
+        """Chat's names: ``top_logprobs`` is the width of ``logprobs``; ``max_tokens`` is whichever
+        of ``max_completion_tokens`` and ``max_tokens`` was sent."""
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
+
     @property
     def logprob_width(self) -> int | None:
         """Top-N per generated token, or None without ``logprobs``."""
@@ -347,20 +357,10 @@ def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The conversation as plain dicts for a chat template: ``developer`` read as ``system``, text
-    parts joined, tool calls and tool results kept as OpenAI sends them."""
-    out = []
-    for m in messages:
-        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                 "content": _content_text(m.content)}
-        if m.name is not None:
-            entry["name"] = m.name
-        if m.tool_calls:
-            entry["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            entry["tool_call_id"] = m.tool_call_id
-        out.append(entry)
-    return out
+    """The conversation as plain dicts for a chat template, by the one function the gateway renders
+    with too (:func:`chat_template.template_messages`): ``developer`` read as ``system``, text parts
+    joined as one string, tool calls and tool results kept as OpenAI sends them."""
+    return chat_template.template_messages([m.model_dump(exclude_none=True) for m in messages])
 
 
 def _check_message(message: ChatMessage, where: str) -> None:
@@ -382,23 +382,16 @@ def _check_message(message: ChatMessage, where: str) -> None:
         raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part["text"] for part in content)
-
-
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions`` (OpenAI's legacy API). ``max_tokens`` defaults to 16, as OpenAI's."""
 
     prompt: Any = None  # a string, strings, token ids or arrays of token ids; see :attr:`prompts`
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
     echo: bool | None = None  # the prompt's text (and its logprobs) before the completion
     suffix: str | None = None
 
     _prompts: list[str | list[int]] = PrivateAttr()
+    _prompt_only: bool = PrivateAttr(False)
 
     def model_post_init(self, _context: Any) -> None:
         self._check_common()
@@ -408,9 +401,20 @@ class CompletionRequest(_GenerationRequest):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:  # echo's prompt entries need the prompt's logprobs
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        # echo with max_tokens 0 scores the prompt (lm-eval's loglikelihood, as vLLM serves it): the
+        # engine runs one step, whose token is left out of the answer and the usage
+        self._prompt_only = bool(self.echo) and max_tokens == 0
+        if self._prompt_only and self.min_tokens:
+            raise bad_request(f"min_tokens ({self.min_tokens}) must not exceed max_tokens (0)", "min_tokens")
         self._params = self._sampling_params(
-            max_tokens=16 if self.max_tokens is None else self.max_tokens, logprobs=self.logprobs,
+            max_tokens=1 if self._prompt_only else max_tokens, logprobs=self.logprobs,
             structured=self.structured_outputs_params(), prompt_logprobs=prompt_logprobs)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt (and its logprobs) alone."""
+        return self._prompt_only
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -527,13 +531,10 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     return validate(ChatCompletionRequest, body)
 
 
-def parse_completion_request(body: Any, vocab_size: int | None = None) -> CompletionRequest:
-    """Validate a ``POST /v1/completions`` body. Raises :class:`APIError` (400) naming the field."""
-    req = validate(CompletionRequest, body)
-    if vocab_size is not None and any(isinstance(p, list) and any(not 0 <= t < vocab_size for t in p)
-                                      for p in req.prompts):
-        raise bad_request(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-    return req
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a ``POST /v1/completions`` body. Raises :class:`APIError` (400) naming the field.
+    Token ids are checked against the vocabulary by the engine (``LLMEngine.check_token_ids``)."""
+    return validate(CompletionRequest, body)
 
 
 def check_model(requested: str | None, served: str) -> None:

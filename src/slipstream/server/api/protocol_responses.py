@@ -96,9 +96,9 @@ class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[Any]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
+    max_output_tokens: int | None = None  # its range, temperature's and top_p's are SamplingParams'
+    temperature: float | None = None
+    top_p: float | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "name": ...}
     parallel_tool_calls: bool | None = None
@@ -290,7 +290,7 @@ _CHAT_PATH = re.compile(r"messages\[\d+\](?:\.tool_calls\[\d+\]\.function\.\w+|\
 def as_responses_error(exc: APIError, paths: list[list[str]]) -> APIError:
     """``exc`` with its ``param``, and the message paths in its text, named as the Responses request
     names them."""
-    exc.param = responses_param(exc.param, paths)
+    exc = exc.renamed(responses_param(exc.param, paths))
     exc.message = _CHAT_PATH.sub(lambda m: responses_param(m[0], paths) or m[0], exc.message)
     exc.args = (exc.message,)
     return exc

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from slipstream.server.api import render
-from slipstream.server.api.errors import APIError, bad_request
+from slipstream.server.api.errors import APIError, bad_request, refusal
 from slipstream.server.api.generation import GenerationGroup
 from slipstream.server.api.sse import SSEStream
 from slipstream.server.api.state import ServerState
@@ -114,7 +114,7 @@ class GenerationCall:
                     await group.start()
                 except InvalidRequest as exc:
                     param = self.prompt_param if exc.param in ("prompt", "messages") else self.req.engine_param(exc.param)
-                    raise APIError(400, str(exc), param=param, code=exc.code) from None
+                    raise refusal(exc, param) from None
                 for out in group.first_outputs:  # failed at its first step: a real status, not a 200 stream
                     error = failure(state, out)
                     if error is not None:

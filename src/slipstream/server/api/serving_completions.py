@@ -2,10 +2,12 @@
 
 With ``echo`` each choice's text starts with its prompt's text, and with ``logprobs`` the prompt's
 tokens come first in the logprobs too (the first one has no logprob: nothing predicts it), as
-OpenAI's legacy API and vLLM return them.
+OpenAI's legacy API and vLLM return them. ``echo`` with ``max_tokens: 0`` answers the prompt alone
+(``finish_reason`` ``length``, ``completion_tokens`` 0), for clients that score prompts.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from aiohttp import web
@@ -16,13 +18,13 @@ from slipstream.server.api.logprobs import CompletionLogprobs, concat_completion
 from slipstream.server.api.protocol import check_model, parse_completion_request
 from slipstream.server.api.serving import GenerationCall, read_json
 from slipstream.server.api.state import STATE, ServerState
-from slipstream.server.engine.outputs import CompletionOutput, RequestOutput
+from slipstream.server.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     state.check_accepting()
-    req = parse_completion_request(await read_json(request), vocab_size=state.vocab_size)
+    req = parse_completion_request(await read_json(request))
     check_model(req.model, state.model_name)
     call = CompletionCall(state, req, f"cmpl-{uuid.uuid4().hex}")
     return await call.run(request, req.prompts, req.params)
@@ -35,6 +37,14 @@ class CompletionCall(GenerationCall):
         super().__init__(*args, **kwargs)
         self.prompt_texts: list[str] = []
         self.prompts: list[RequestOutput] = []
+
+    def _absorb(self, prompt_index: int, out: RequestOutput) -> list:
+        if self.req.prompt_only:  # the one token the engine generated is not part of the answer
+            out = dataclasses.replace(out, outputs=[
+                CompletionOutput(co.index, "", [], None if co.finish_reason is None
+                                 else FinishReason.ABORT.value if co.finish_reason == FinishReason.ABORT.value
+                                 else FinishReason.LENGTH.value) for co in out.outputs])
+        return super()._absorb(prompt_index, out)
 
     def on_first_outputs(self, outputs: list[RequestOutput]) -> None:
         self.prompts = outputs  # prompt token ids and, when asked, their logprobs

@@ -11,10 +11,12 @@ each with a ``sequence_number``): ``response.created``, ``response.in_progress``
 ``response.completed`` or, cut at ``max_output_tokens``, ``response.incomplete`` with the whole
 response. As OpenAI's, the stream ends without ``data: [DONE]``.
 
-``store`` (default true) keeps a response's conversation — its input items and output items — in
-a bounded in-memory :class:`ResponseStore`, so ``previous_response_id`` continues it. The store
-is per server process: behind a Service with several replicas a continuation may reach one that
-never saw the response, and gets a 400 naming ``previous_response_id``.
+``store`` (default true) keeps a response — the ``response`` object and its conversation, input
+items and output items — in a bounded in-memory :class:`ResponseStore` (an LRU of 1024 responses
+and 64 MiB of their JSON), so ``GET /v1/responses/{id}`` returns it and ``previous_response_id``
+continues it. The store is per server process: behind a Service with several replicas a request
+may reach one that never saw the response, and gets a 404 (retrieve) or a 400 naming
+``previous_response_id``.
 """
 from __future__ import annotations
 
@@ -41,41 +43,52 @@ from slipstream.server.engine.outputs import CompletionOutput
 
 
 class ResponseStore:
-    """The conversations of stored responses, least recently used dropped first.
+    """Stored responses (the ``response`` object and its conversation), least recently used
+    dropped first.
 
-    Bounded by ``max_responses`` entries and ``max_bytes`` of their items' JSON (bytes).
+    Bounded by ``max_responses`` entries and ``max_bytes`` of their JSON (bytes); a response larger
+    than ``max_bytes`` alone is not kept.
     """
 
     def __init__(self, max_responses: int = 1024, max_bytes: int = 64 << 20) -> None:
         self.max_responses, self.max_bytes = max_responses, max_bytes
-        self._items: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[dict], dict, int]] = OrderedDict()
         self._bytes = 0
 
-    def put(self, response_id: str, items: list[dict]) -> None:
-        """Keep ``items`` (input then output, as input items) under ``response_id``."""
-        size = len(json.dumps(items, ensure_ascii=False).encode())
+    def put(self, response_id: str, items: list[dict], response: dict) -> None:
+        """Keep ``items`` (input then output, as input items) and the ``response`` object under ``response_id``."""
+        size = len(json.dumps([items, response], ensure_ascii=False).encode())
         if size > self.max_bytes:
             return
-        self._items[response_id] = (items, size)
+        self._items[response_id] = (items, copy.deepcopy(response), size)
         self._bytes += size
         while len(self._items) > self.max_responses or self._bytes > self.max_bytes:
-            _, (_, dropped) = self._items.popitem(last=False)
+            _, (_, _, dropped) = self._items.popitem(last=False)
             self._bytes -= dropped
 
     def get(self, response_id: str) -> list[dict] | None:
         """The conversation of ``response_id`` (a copy), or None when unknown or dropped."""
+        entry = self._entry(response_id)
+        return copy.deepcopy(entry[0]) if entry is not None else None
+
+    def response(self, response_id: str) -> dict | None:
+        """The ``response`` object of ``response_id`` (a copy), or None when unknown or dropped."""
+        entry = self._entry(response_id)
+        return copy.deepcopy(entry[1]) if entry is not None else None
+
+    def _entry(self, response_id: str) -> tuple[list[dict], dict, int] | None:
         entry = self._items.get(response_id)
-        if entry is None:
-            return None
-        self._items.move_to_end(response_id)
-        return copy.deepcopy(entry[0])
+        if entry is not None:
+            self._items.move_to_end(response_id)
+        return entry
 
     def __len__(self) -> int:
         return len(self._items)
 
 
 class ResponsesAPI:
-    """The endpoint with its store; route :meth:`create` as ``POST /v1/responses``."""
+    """The endpoint with its store; route :meth:`create` as ``POST /v1/responses`` and
+    :meth:`retrieve` as ``GET /v1/responses/{response_id}``."""
 
     def __init__(self, store: ResponseStore | None = None) -> None:
         self.store = store if store is not None else ResponseStore()
@@ -115,6 +128,23 @@ class ResponsesAPI:
             return await call.run(request, [prompt], params)
         except APIError as exc:  # the engine's refusals, named as the Responses request names them
             raise as_responses_error(exc, paths) from None
+
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """A stored ``response`` object (the openai client's ``responses.retrieve``).
+
+        Raises:
+            APIError: 404 for an id never stored here (``store: false``, dropped from the bounded
+                store, or created by another replica).
+        """
+        request.app[STATE].check_accepting()
+        response_id = request.match_info["response_id"]
+        body = self.store.response(response_id)
+        if body is None:
+            raise APIError(404, f"Response with id {response_id!r:.80} not found: it was created with store=false, "
+                           "dropped from this server's bounded store, or served by another replica.",
+                           param="response_id", code="not_found")
+        return web.json_response(body, dumps=render.json_text)
 
 
 class EventStream(SSEStream):
@@ -250,29 +280,28 @@ class ResponsesCall(GenerationCall):
         return [{"type": "response.created", "response": snapshot},
                 {"type": "response.in_progress", "response": snapshot}]
 
-    def _output(self, choice: render.Choice, eager: bool) -> OutputItems:
+    def _output(self, choice: render.Choice) -> OutputItems:
         if choice.state is None:
             calls = None
             if self.parser is not None:
                 # parallel_tool_calls false: the first function_call item only (the grammar of a
                 # forced tool_choice already allows one; under "auto" later calls are dropped)
-                calls = self.parser.stream(eager=eager,
-                                           parallel_tool_calls=self.req.parallel_tool_calls is not False)
+                calls = self.parser.stream(parallel_tool_calls=self.req.parallel_tool_calls is not False)
             choice.state = OutputItems(calls)
         return choice.state
 
     def deltas(self, choice: render.Choice, co: CompletionOutput) -> list[dict]:
-        return self._output(choice, eager=True).feed(co.text)
+        return self._output(choice).feed(co.text)
 
     def closing_deltas(self, choice: render.Choice) -> list[dict]:
-        return self._output(choice, eager=True).finish(choice.finish_reason == "length")
+        return self._output(choice).finish(choice.finish_reason == "length")
 
     def finish_delta(self, choice: render.Choice) -> dict:
         body = self._finished(choice)
         return {"type": f"response.{body['status']}", "response": body}
 
     def response_body(self, choices: list[render.Choice]) -> dict:
-        output = self._output(choices[0], eager=False)
+        output = self._output(choices[0])
         output.feed(choices[0].text)  # whole: a call cut off inside its arguments stays text, as extract()
         output.finish(choices[0].finish_reason == "length")
         return self._finished(choices[0])
@@ -282,7 +311,7 @@ class ResponsesCall(GenerationCall):
         items = choice.state.items
         body = self.response(items, "incomplete" if choice.finish_reason == "length" else "completed")
         if self.responses_req.store is not False:
-            self.store.put(self.request_id, self.items + [as_input_item(i) for i in items])
+            self.store.put(self.request_id, self.items + [as_input_item(i) for i in items], body)
         return body
 
     def response(self, output: list[dict], status: str) -> dict:

@@ -12,11 +12,12 @@ from typing import Any
 
 from aiohttp import web
 
-from slipstream.server.api.errors import bad_request
+from slipstream.server.api.errors import bad_request, refusal
 from slipstream.server.api.protocol import DetokenizeRequest, TokenizeRequest, check_model, validate
 from slipstream.server.api.serving import read_json
 from slipstream.server.api.serving_chat import conversation_text
 from slipstream.server.api.state import STATE, ServerState
+from slipstream.server.engine.errors import InvalidRequest
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -44,10 +45,10 @@ async def detokenize(request: web.Request) -> web.Response:
     state.check_accepting()
     req = validate(DetokenizeRequest, await read_json(request))
     check_model(req.model, state.model_name)
-    vocab = state.vocab_size or 0
-    bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"tokens[{bad}] = {req.tokens[bad]} is outside the vocabulary [0, {vocab})", "tokens")
+    try:
+        state.llm.check_token_ids(req.tokens, "tokens")
+    except InvalidRequest as exc:
+        raise refusal(exc) from None
     return web.json_response({"prompt": state.llm.tokenizer.decode(req.tokens)})
 
 

@@ -55,7 +55,6 @@ class ServerState:
         self.draining = False
         self.drain_expired = False  # the drain ran out of time and aborted what was left
         self.model_name = options.served_model_name or ""
-        self.vocab_size: int | None = None
         self.tool_parser = get_parser(options.tool_call_parser)  # an unknown name fails at start-up
         self.reasoning_parser = (get_reasoning_parser(options.reasoning_parser)
                                  if options.reasoning_parser is not None else None)
@@ -69,7 +68,6 @@ class ServerState:
         """Adopt a loaded engine: its name (unless overridden), tokenizer and step listener."""
         self.llm = llm
         self.model_name = self.options.served_model_name or llm.model_name
-        self.vocab_size = len(llm.tokenizer)
         self.template_supports_tools = template_supports_tools(llm.tokenizer)
         llm.add_step_listener(self.metrics.on_step)
         self.metrics.start()

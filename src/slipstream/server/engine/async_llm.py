@@ -101,9 +101,10 @@ class AsyncLLM:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        for rid, q in list(self._streams.items()):
-            q.put_nowait(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
-                                       error="server shutting down"))
+        for rid, q in list(self._streams.items()):  # ended by the step loop's last abort, or never added
+            if q.empty():
+                q.put_nowait(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
+                                           error="server shutting down"))
         while True:  # commands the step loop will never apply: snapshots nobody will take
             try:
                 kind, arg = self._commands.get_nowait()
@@ -156,6 +157,10 @@ class AsyncLLM:
         """:meth:`abort` without awaiting: safe in cleanup code that may be cancelled."""
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    def check_token_ids(self, ids: list, param: str = "prompt") -> None:
+        """:meth:`LLMEngine.check_token_ids` (pure: safe from the event loop)."""
+        self.engine.check_token_ids(ids, param)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -240,16 +245,19 @@ class AsyncLLM:
                 outputs = engine.step()
             except Exception as e:  # a scheduler bug must not hang every client
                 log.exception("engine step crashed; failing all requests")
-                for rid in list(engine.groups):
-                    engine.abort(rid)
-                    self._deliver_error(rid, f"internal engine error: {type(e).__name__}: {e}")
+                self._abort_all(f"internal engine error: {type(e).__name__}: {e}")
                 self._flush_kv_events()
                 continue
             for out in outputs:
                 self._deliver(out)
             self._flush_kv_events()
-        for rid in list(engine.groups):
-            engine.abort(rid)
+        self._apply_commands()  # requests added meanwhile end with the others
+        self._abort_all("server shutting down")
+
+    def _abort_all(self, error: str) -> None:
+        """Fail every request in the engine (the engine finishes them) and deliver their last outputs."""
+        for rid in list(self.engine.groups):
+            self._deliver(self.engine.abort(rid, error))
 
     def _deliver(self, out: RequestOutput) -> None:
         assert self._loop is not None
@@ -261,6 +269,7 @@ class AsyncLLM:
             stream.put_nowait(out)
 
     def _deliver_error(self, rid: str, message: str) -> None:
+        """End the stream of a request the engine never took (refused on add, or left at shutdown)."""
         self._deliver(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
                                     error=message))
 

@@ -22,7 +22,7 @@ from .outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutp
 from .request import Request
 from .sampler import NON_FINITE, Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import NO_STOP, Scheduler, SchedulerOutput
 from .structured_outputs import GrammarCompiler, GrammarMatcher
 from .threads import choose_threads, cpu_limit, release_openmp_team
 from .trace import EngineStats, StepRecord
@@ -160,13 +160,30 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}", "prompt")
+            self.check_token_ids(ids, "prompt")
         if not ids:
             raise InvalidRequest("prompt must not be empty", "prompt")
         return ids
+
+    @property
+    def num_token_ids(self) -> int:
+        """Token ids run from 0 to this (exclusive): those the model embeds and the tokenizer decodes
+        (a model's vocabulary may be padded past the tokenizer's, or a tokenizer add tokens the
+        model lacks)."""
+        return min(self.model_config.vocab_size, len(self.tokenizer))
+
+    def check_token_ids(self, ids: list, param: str = "prompt") -> None:
+        """The one check of token ids a caller sends (a prompt, ``/detokenize``'s tokens).
+
+        Raises:
+            InvalidRequest: an id that is not an integer in [0, :attr:`num_token_ids`); ``param`` names the field.
+        """
+        limit = self.num_token_ids
+        bad = next((i for i, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < limit), None)
+        if bad is not None:
+            raise InvalidRequest(f"{param} token ids must be integers in [0, {limit}); {param}[{bad}] is "
+                                 f"{ids[bad]!r:.40}", param)
 
     def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
                       request_id: str | None = None, arrival_time: float | None = None) -> list[Request]:
@@ -251,16 +268,18 @@ class LLMEngine:
         self.add(reqs)
         return reqs[0].group_id
 
-    def abort(self, request_id: str) -> bool:
-        """Finish every choice of a request with reason ``abort`` and free its blocks now."""
-        group = self.groups.pop(request_id, None)
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Finish every unfinished choice of a request with reason ``abort`` and free its blocks now.
+
+        Returns:
+            The request's last output (each choice not reported finished yet ends ``abort``;
+            ``error`` set when given, for a failure rather than a caller's abort), or None when
+            no such request is running.
+        """
+        group = self.groups.get(request_id)
         if group is None:
-            return False
-        for req in group:
-            if not req.finished:
-                req.finish_reason = FinishReason.ABORT.value
-                self.scheduler.finish(req)
-        return True
+            return None
+        return self._fail(group[:1], error)[0]
 
     def has_unfinished(self) -> bool:
         return bool(self.groups)
@@ -337,7 +356,7 @@ class LLMEngine:
             if req.metrics.first_token_time is None and req.index == 0 and req.params.n > 1:
                 self._fork(req)  # now: the update may finish the parent and free the blocks its siblings share
         logprob_of = dict(zip(requests, logprobs))
-        for req in self.scheduler.update_from_output(batch, accepted):
+        for req in self.scheduler.update_from_output(batch, accepted, self._text_stop):
             tok, lp = accepted[req], logprob_of[req]
             self.generation_tokens_total += 1
             if req.metrics.first_token_time is None:
@@ -345,7 +364,6 @@ class LLMEngine:
                 if req.prompt_logprobs is not None:  # delivered once, with the first token
                     prompt_logprobs[req.group_id] = req.prompt_logprobs
             req.metrics.last_token_time = now
-            self._check_stop(req, tok)
             if req.finished:
                 req.metrics.finished_time = now
             changed.setdefault(req.group_id, []).append(CompletionOutput(
@@ -357,19 +375,18 @@ class LLMEngine:
             outputs += self._fail([req], message, changed)
         return outputs
 
-    def _check_stop(self, req: Request, tok: int) -> None:
-        """Detokenize ``tok`` (just appended) and judge the stops that are the engine's, after the
-        scheduler's: a stop string (needs the text) and a complete structured output. Either
-        outranks the length cap the scheduler may have applied to the same token (as vLLM's
-        output processor lets a stop string override it), neither an EOS or stop token id."""
+    @staticmethod
+    def _text_stop(req: Request, tok: int) -> object:
+        """The scheduler's ``text_stop``: detokenize ``tok`` (just appended) and judge the stops
+        that need text or a grammar — a stop string (past ``min_tokens``; returned) or a complete
+        structured output (None: ``min_tokens`` and ``ignore_eos`` cannot extend it) — else NO_STOP."""
         past_min = req.num_output_tokens >= req.params.min_tokens
         stop_str = req.detokenizer.append(tok, check_stop=past_min)
-        if req.finish_reason == FinishReason.STOP.value:
-            return  # an EOS or a stop token id
         if stop_str is not None:
-            self.scheduler.finish(req, FinishReason.STOP, stop_str)
-        elif req.grammar is not None and req.grammar.done:  # complete: min_tokens and ignore_eos cannot extend it
-            self.scheduler.finish(req, FinishReason.STOP, None)
+            return stop_str
+        if req.grammar is not None and req.grammar.done:
+            return None
+        return NO_STOP
 
     def _fork(self, parent: Request) -> None:
         """Start choices 1..n-1 of a request, sharing the parent's prompt blocks (all computed by
@@ -401,20 +418,19 @@ class LLMEngine:
                       self.num_steps)
         return self._fail(requests, NON_FINITE_ERROR)
 
-    def _fail(self, requests: list[Request], message: str,
+    def _fail(self, requests: list[Request], message: str | None,
               finished_now: dict[str, list[CompletionOutput]] | None = None) -> list[RequestOutput]:
-        """Fail the groups of ``requests``: each choice not yet finished ends with reason ``abort``
-        and the output carries ``message`` as its error. ``finished_now``: per group, the outputs
-        of choices this step finished normally, reported with it (each choice finishes once)."""
+        """Fail (or abort) the groups of ``requests``: each choice not yet finished ends with reason
+        ``abort`` and the output carries ``message`` as its error (None: an abort, no error).
+        ``finished_now``: per group, the outputs of choices this step finished normally, reported
+        with it (each choice finishes once)."""
         outputs = []
         for gid in dict.fromkeys(r.group_id for r in requests):
             group = self.groups.pop(gid, [])
             outs = [co for co in (finished_now or {}).get(gid, []) if co.finish_reason is not None]
             reported = {req.index for req in group if req.finished}  # output before, or in ``outs``
             for req in group:
-                if not req.finished:
-                    req.finish_reason = FinishReason.ABORT.value
-                    self.scheduler.finish(req)
+                self.scheduler.finish(req, FinishReason.ABORT)
             # every other choice, forked or not yet (a first step that failed), fails now
             outs += [CompletionOutput(i, "", [], FinishReason.ABORT.value) for i in range(group[0].params.n)
                      if i not in reported]

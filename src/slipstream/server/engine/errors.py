@@ -19,6 +19,29 @@ class InvalidRequest(ValueError):
         self.param = param
         self.code = code
 
+    def renamed(self, param: str) -> InvalidRequest:
+        """The same refusal reported under the caller's name for the field (an API maps
+        ``SamplingParams.logprobs`` to chat's ``top_logprobs``)."""
+        return InvalidRequest(str(self), param, self.code)
+
+
+class OutOfRange(InvalidRequest):
+    """A value outside its field's range, as data: the field, what it must be, what it was.
+
+    Args:
+        param: the field (``temperature``).
+        requirement: the rule, phrased to follow the field's name (``must be in [0, 2]``).
+        value: the value given.
+    """
+
+    def __init__(self, param: str, requirement: str, value: object):
+        super().__init__(f"{param} {requirement}, got {value}", param)
+        self.requirement = requirement
+        self.value = value
+
+    def renamed(self, param: str) -> OutOfRange:
+        return OutOfRange(param, self.requirement, self.value)
+
 
 class RequestRejected(InvalidRequest):
     """A request that can never run (too long for the model or the cache).

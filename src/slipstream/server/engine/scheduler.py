@@ -14,19 +14,25 @@ blocks are allocated, those behind every layer's sliding window are released
 After the forward pass, :meth:`Scheduler.update_from_output` is the other half of the state
 machine (vLLM v1's ``Scheduler.update_from_output``, nano-vllm's ``Scheduler.postprocess``): it
 advances ``num_computed_tokens``, caches full blocks, appends sampled tokens and finishes the
-requests whose stop it can judge from token ids alone. The engine, the simulator and the tests
-all call it; only the stops that need text or a grammar (stop strings, a complete structured
-output) are the engine's, and it ends those with :meth:`Scheduler.finish`.
+requests that stop. The engine, the simulator and the tests all call it. It judges the stops of
+token ids itself and asks the engine's ``text_stop`` (detokenization, stop strings, a complete
+structured output) for the rest, then finishes each request once. :meth:`Scheduler.finish` is
+the one place a request's finished state and reason are set: the update calls it, and so do the
+engine's abort and failure paths (reason ``abort``).
 """
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCacheManager
 from .outputs import FinishReason
 from .request import Request, RequestStatus
+
+
+NO_STOP = object()  # what a TextStop returns when the token's text does not end the request
+TextStop = Callable[[Request, int], object]  # (request, token) -> stop_reason (str | None) or NO_STOP
 
 
 @dataclass
@@ -123,7 +129,8 @@ class Scheduler:
             budget -= n
         return out
 
-    def update_from_output(self, batch: SchedulerOutput, sampled: Mapping[Request, int]) -> list[Request]:
+    def update_from_output(self, batch: SchedulerOutput, sampled: Mapping[Request, int],
+                           text_stop: TextStop | None = None) -> list[Request]:
         """Apply one step's result: the after-step half of the state machine (vLLM v1's
         ``Scheduler.update_from_output``; nano-vllm's ``Scheduler.postprocess``).
 
@@ -132,12 +139,19 @@ class Scheduler:
         ``sampled`` (one of :meth:`SchedulerOutput.sample_indices`; the engine leaves out a token
         its grammar refused) appends its token id and is finished, its blocks freed, on the first
         of: an EOS id once past ``min_tokens`` and not ``ignore_eos`` (reason ``stop``); one of its
-        ``stop_token_ids`` once past ``min_tokens`` (``stop``, ``stop_reason`` = that id);
-        ``max_tokens`` output tokens or ``max_model_len`` tokens in all (``length``).
+        ``stop_token_ids`` once past ``min_tokens`` (``stop``, ``stop_reason`` = that id); the stop
+        ``text_stop`` reports (``stop``: a stop string, or a complete structured output);
+        ``max_tokens`` output tokens or ``max_model_len`` tokens in all (``length``). A text stop
+        outranks the length cap on the same token (as vLLM's output processor lets a stop string
+        override it).
 
         Args:
             batch: the step's :meth:`schedule` output, not yet applied.
             sampled: request -> the token id sampled for it this step.
+            text_stop: called with (request, token) for every appended token, after the append:
+                takes the token's text and returns ``stop_reason`` (the stop string, or None for a
+                complete grammar) when the text ends the request, else :data:`NO_STOP`. None: only
+                token-id stops (the simulator's requests have no text).
         Returns:
             The requests that got a token, in batch order; those it finished have
             ``finished`` True and ``finish_reason``/``stop_reason`` set.
@@ -156,6 +170,9 @@ class Scheduler:
             req.token_ids.append(tok)
             got.append(req)
             reason = self._check_stop(req, tok)
+            text = text_stop(req, tok) if text_stop is not None else NO_STOP
+            if text is not NO_STOP and (reason is None or reason[0] is FinishReason.LENGTH):
+                reason = FinishReason.STOP, text
             if reason is not None:
                 self.finish(req, *reason)
         return got
@@ -174,18 +191,15 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None
 
-    def finish(self, req: Request, reason: FinishReason | None = None, stop_reason: str | int | None = None) -> None:
-        """Remove a finished or aborted request and free its blocks at once.
-
-        reason, stop_reason: set on the request when given (else the caller has set them). A
-        request already finished only takes the new reason: a stop string the engine finds in
-        the token that also reached ``max_tokens`` outranks ``length``.
+    def finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """Finish a request: set its status, ``finish_reason`` and ``stop_reason``, take it out of
+        the queues and free its blocks at once. The only place a request finishes; a request
+        already finished keeps its first reason.
         """
-        if reason is not None:
-            req.finish_reason = reason.value
-            req.stop_reason = stop_reason
         if req.finished:
             return
+        req.finish_reason = reason.value
+        req.stop_reason = stop_reason
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:

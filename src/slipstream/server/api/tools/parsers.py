@@ -2,12 +2,12 @@
 they are generated (:class:`ToolCallStream`), in one of the formats of :mod:`.formats`
 (vLLM's ``--tool-call-parser hermes | llama3_json | mistral``).
 
-One state machine reads both ways, so a stream and ``extract`` agree by construction: the stream
-announces a call as soon as its name is complete and its arguments object has begun, and
-``extract`` waits for the closed object. They differ only on an output that breaks or is cut off
-inside a call after that point (e.g. at ``max_tokens``): ``extract`` returns that text as content;
-a stream that announced the call before the delta holding the break keeps it as sent (arguments
-incomplete) and reads on from the break as content.
+One state machine reads both ways, so a stream and ``extract`` agree by construction, on any
+output: a call is reported once its object has closed — its arguments complete JSON — and sent
+whole (its announcement, then its arguments in one delta). An output that breaks or is cut off
+inside a call (e.g. at ``max_tokens``, with parallel calls under ``tool_choice: "required"``)
+reports that text as content, streamed or not; a stream never sends a call whose arguments could
+end cut off (``{"city":"Paris",``).
 
 Rules (the same for every format):
 
@@ -74,16 +74,14 @@ class ToolCallStream:
 
     ``finish()`` reads the end of the output and returns the last deltas. ``tool_calls`` lists the
     calls announced so far, ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
-    with the arguments sent so far (finish_reason ``tool_calls`` when non-empty). Deltas may split
-    text anywhere, e.g. inside a marker, a JSON string or an escape. ``eager=False`` announces a
-    call only once its object has closed (what :meth:`ToolParser.extract` uses);
-    ``parallel_tool_calls=False`` drops every call after the first (see the module docstring).
+    (finish_reason ``tool_calls`` when non-empty). Deltas may split text anywhere, e.g. inside a
+    marker, a JSON string or an escape. A call is announced once its object has closed (see the
+    module docstring); ``parallel_tool_calls=False`` drops every call after the first.
     """
 
-    def __init__(self, fmt: ToolFormat, *, eager: bool = True, parallel_tool_calls: bool = True):
+    def __init__(self, fmt: ToolFormat, *, parallel_tool_calls: bool = True):
         self.fmt = fmt
         self.tool_calls: list[dict] = []
-        self._eager = eager  # announce calls before their object closes (streaming)
         self._single = not parallel_tool_calls  # keep the first call only
         self._dropping = False  # the call being read is one after the first: read, never sent
         self._text = ""
@@ -170,41 +168,24 @@ class ToolCallStream:
         scan = self._scan
         result = scan.advance(self._text)
         if result is Scan.BAD:
-            if self._call is None:
-                return self._reject()
-            # announced, then broken: the call stays as sent; the rest is read as content
-            self._call = None
-            self._pos = scan.bad_at
-            self._state = _State.CONTENT
-            return True
-        if self._call is None:
-            fields = scan.fields
-            args_keys = [k for k in self.fmt.args_keys if k in fields]
-            name, args = fields.get("name"), (fields[args_keys[0]] if args_keys else None)
-            if (len(args_keys) > 1 or (name is not None and scan.out[name[0]] != '"')
-                    or (args is not None and scan.out[args[0]] != "{")):
-                return self._reject()
-            ready = name is not None and name[1] is not None and args is not None
-            if ready and (self._eager or result is Scan.DONE):
-                self._announce(scan.value("name"), args_keys[0])
-            elif result is Scan.DONE:
-                return self._reject()
-        if self._call is not None:
-            self._send_arguments()
-        if result is Scan.DONE:
-            self._call = None
-            self._after_call = True
-            self._pos = self._cursor = scan.end
-            self._state = _State.AFTER
-            return True
-        if final:  # cut off inside the object
-            if self._call is None:
-                return self._reject()
-            self._call = None
-            self._pos = len(self._text)
-            self._state = _State.CONTENT
-            return True
-        return False
+            return self._reject()
+        fields = scan.fields
+        args_keys = [k for k in self.fmt.args_keys if k in fields]
+        name, args = fields.get("name"), (fields[args_keys[0]] if args_keys else None)
+        if (len(args_keys) > 1 or (name is not None and scan.out[name[0]] != '"')
+                or (args is not None and scan.out[args[0]] != "{")):
+            return self._reject()
+        if result is not Scan.DONE:
+            return self._reject() if final else False  # cut off inside the object: content
+        if name is None or name[1] is None or args is None:
+            return self._reject()
+        self._announce(scan.value("name"), args_keys[0])
+        self._send_arguments()
+        self._call = None
+        self._after_call = True
+        self._pos = self._cursor = scan.end
+        self._state = _State.AFTER
+        return True
 
     def _after(self, final: bool) -> bool:
         text, fmt = self._text, self.fmt
@@ -318,14 +299,14 @@ class ToolParser:
             empty); ``tool_calls`` is a list of ``{"id": str, "type": "function",
             "function": {"name": str, "arguments": str (a JSON object's text)}}``.
         """
-        stream = ToolCallStream(self.format, eager=False, parallel_tool_calls=parallel_tool_calls)
+        stream = ToolCallStream(self.format, parallel_tool_calls=parallel_tool_calls)
         deltas = stream.feed(text) + stream.finish()
         content = "".join(d["content"] for d in deltas if "content" in d)
         return content or None, stream.tool_calls
 
-    def stream(self, *, parallel_tool_calls: bool = True, eager: bool = True) -> ToolCallStream:
+    def stream(self, *, parallel_tool_calls: bool = True) -> ToolCallStream:
         """A new :class:`ToolCallStream` for one choice of one request."""
-        return ToolCallStream(self.format, eager=eager, parallel_tool_calls=parallel_tool_calls)
+        return ToolCallStream(self.format, parallel_tool_calls=parallel_tool_calls)
 
 
 def get_parser(name: str) -> ToolParser:
