@@ -11,7 +11,7 @@ RUN python -m venv /opt/slipstream
 ENV PATH=/opt/slipstream/bin:$PATH
 # What the operator imports (tests/chart/test_deploy_files.py keeps this list complete);
 # prometheus-client parses the pods' /metrics for the autoscaler.
-RUN pip install "kopf>=1.37" kubernetes aiohttp pyyaml prometheus-client
+RUN pip install "kopf>=1.37" kubernetes aiohttp pyyaml prometheus-client "pydantic>=2.11"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src

@@ -290,10 +290,11 @@ def test_the_spec_clamps_replicas_into_min_and_max():
 
 def test_replica_counts_have_one_clamp():
     """status.py and autoscaler.py each had their own; every caller now uses AutoscalingSpec.clamp."""
-    root = Path(__file__).resolve().parents[2] / "src" / "slipstream" / "operator"
-    defined = [(p.name, m.group(0)) for p in sorted(root.glob("*.py"))
+    src = Path(__file__).resolve().parents[2] / "src" / "slipstream"
+    defined = [(p.relative_to(src).as_posix(), m.group(0))
+               for p in sorted([*src.glob("operator/*.py"), *src.glob("api_types/*.py")])
                for m in re.finditer(r"def _?clamp\w*\(\w*", p.read_text())]
-    assert defined == [("autoscaler.py", "def clamp(self")]
+    assert defined == [("api_types/autoscaling.py", "def clamp(self")]
 
 
 @pytest.mark.parametrize("bad, message", [

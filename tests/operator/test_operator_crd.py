@@ -7,7 +7,6 @@ jsonschema), the CEL rules (``x-kubernetes-validations``, evaluated here with th
 """
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from typing import Any, Iterator
 
@@ -20,12 +19,9 @@ import yaml
 from invalid_specs import INVALID, header
 from operator_helpers import EXAMPLES
 from kube_emulator import KUBERNETES_VERSION, schema_defaults
-from slipstream.operator import spec as spec_module
-from slipstream.operator.autoscaler import CRD_KEYS, AutoscalingSpec
+from slipstream.api_types.autoscaling import CRD_KEYS
 from slipstream.operator.resources import render_children
 from slipstream.operator.spec import SpecError, parse_spec
-
-
 
 
 def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
@@ -132,47 +128,6 @@ def test_schema_is_structural(crd_schema):
             assert path in (".spec.env[].valueFrom", ".status.autoscaler"), path
 
 
-def test_crd_defaults_equal_the_operators_defaults(crd_schema):
-    """parse_spec fills what the API server would, so a server without defaulting (or an
-    emulator) sees the same spec."""
-    nodes = {spec_module.InferenceServiceSpec: crd_schema["properties"]["spec"]}
-    for crd_name, cls in spec_module._NESTED.items():
-        nodes[cls] = nodes[spec_module.InferenceServiceSpec]["properties"][crd_name]
-    nodes[spec_module.RoutingWeights] = nodes[spec_module.RoutingSpec]["properties"]["weights"]
-    keys_of = {AutoscalingSpec: CRD_KEYS, spec_module.RoutingSpec: spec_module.ROUTING_KEYS,
-               spec_module.RoutingWeights: spec_module.WEIGHT_KEYS}
-    checked = 0
-    for cls, node in nodes.items():
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        keys = keys_of.get(cls) or spec_module._FIELDS[cls]
-        for crd_name, py_name in keys.items():
-            sub = node["properties"][crd_name]
-            nested = (cls is spec_module.InferenceServiceSpec and crd_name in spec_module._NESTED
-                      or cls is spec_module.RoutingSpec and crd_name == "weights")
-            if "default" in sub and not nested:
-                assert sub["default"] == defaults[py_name], f"{cls.__name__}.{crd_name}"
-                checked += 1
-    assert checked >= 30
-
-
-def test_the_crd_and_the_autoscaling_parser_name_the_same_fields(crd_schema):
-    node = crd_schema["properties"]["spec"]["properties"]["autoscaling"]
-    assert list(node["properties"]) == list(CRD_KEYS)
-    assert AutoscalingSpec.from_dict(schema_defaults(crd_schema, {"spec": {}})["spec"]["autoscaling"]) == \
-        AutoscalingSpec()
-
-
-def test_the_crd_and_the_spec_model_name_the_same_fields(crd_schema):
-    spec_node = crd_schema["properties"]["spec"]
-    nodes = {spec_module.InferenceServiceSpec: spec_node, spec_module.ModelSpec:
-             spec_node["properties"]["model"], spec_module.EngineSpec:
-             spec_node["properties"]["engine"], spec_module.ResourcesSpec:
-             spec_node["properties"]["resources"]}
-    for cls, node in nodes.items():
-        assert list(node["properties"]) == list(spec_module._FIELDS[cls]), cls.__name__
-        assert set(spec_module._FIELDS[cls].values()) == {f.name for f in dataclasses.fields(cls)}
-
-
 PROBES = (-1, 0, 0.05, 0.5, 1, 1.0, 1.5, 2, 7, 99.5, 1000, True, "5", [])
 ENGINE_PROBES = [("engine", "gpuMemoryUtilization", v) for v in PROBES + (1e-9, None)] + [
     ("engine", "enforceEager", v) for v in (True, False, 0, 1, "true", None)] + [
@@ -208,15 +163,6 @@ def test_the_api_server_and_the_parser_accept_the_same_engine_and_gpu_values(blo
            "metadata": {"name": "probe"}, "spec": raw}
     api, ours = api_accepts(crd_schema, obj), parser_accepts(obj)
     assert ours is api, f"{key}={value!r}: API server {api}, parser {ours}"
-
-
-def test_the_crd_and_the_routing_parser_name_the_same_fields(crd_schema):
-    node = crd_schema["properties"]["spec"]["properties"]["routing"]
-    assert list(node["properties"]) == list(spec_module.ROUTING_KEYS)
-    assert list(node["properties"]["weights"]["properties"]) == list(spec_module.WEIGHT_KEYS)
-    assert node["properties"]["policy"]["enum"] == list(spec_module.ROUTING_POLICIES)
-    defaulted = schema_defaults(crd_schema, {"spec": {}})["spec"]["routing"]
-    assert spec_module.RoutingSpec.from_dict(defaulted) == spec_module.RoutingSpec()
 
 
 ROUTING_PROBES = [("enabled", v) for v in (True, False, 1, "yes")] + [

@@ -18,7 +18,8 @@ from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNO
                                            render_disruption_budget, render_service, spec_hash)
 from slipstream.operator.gateway_resources import GATEWAY_RULES, gateway_args, \
     render_gateway, render_gateway_deployment, render_pods_service
-from slipstream.operator.spec import CPU_KV_CACHE_BYTES, SpecError, parse_spec
+from slipstream.operator.model_spec import quantity_bytes
+from slipstream.operator.spec import SpecError, parse_spec
 
 # The newest Kubernetes kubernetes-validate knows, and the oldest this CRD supports (CEL rules
 # in CRDs are on by default from 1.25).
@@ -135,11 +136,6 @@ def test_quantization_is_passed_only_when_set_and_checked():
 def test_gpu_memory_utilization_outside_zero_to_one_is_refused(value):
     with pytest.raises(SpecError, match="gpuMemoryUtilization must be a number in"):
         parse_spec({"engine": {"gpuMemoryUtilization": value}})
-
-
-def test_the_operators_cpu_kv_cache_size_is_the_engines():
-    from slipstream.server.engine.config import CPU_KV_CACHE_BYTES as ENGINE_CPU_KV_CACHE_BYTES
-    assert CPU_KV_CACHE_BYTES == ENGINE_CPU_KV_CACHE_BYTES == 2 ** 30
 
 
 def test_an_unset_kv_cache_must_still_fit_a_cpu_pod_but_not_a_gpu_pods_host_memory():
@@ -307,7 +303,7 @@ def test_server_accepts_the_rendered_arguments(body):
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory_bytes,
             args.block_size, args.port, args.host) == (
         spec.engine.max_num_seqs, spec.engine.max_num_batched_tokens,
-        spec.engine.kv_cache_memory_bytes, spec.engine.block_size, spec.port, "0.0.0.0")
+        quantity_bytes(spec.engine.kv_cache_memory), spec.engine.block_size, spec.port, "0.0.0.0")
     assert args.max_model_len == spec.engine.max_model_len
     assert args.shutdown_timeout == spec.shutdown_timeout_seconds
     if spec.engine.gpu_memory_utilization is not None:

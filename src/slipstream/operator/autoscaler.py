@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping, Sequence
+
+# The spec's fields, defaults and ranges are the contract's; the policy is here.
+from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec  # noqa: F401
 
 HISTORY_LIMIT = 10
 # ceil(4.000000001) must stay 4: sums of float samples carry rounding error.
@@ -50,122 +52,6 @@ class GatewaySample:
     waiting: float
     in_flight: float | None = None
     complete: bool = True
-
-
-# camelCase key of ``spec.autoscaling`` → AutoscalingSpec attribute; the one key map of the spec.
-# The operator (spec.py) and the simulator (server/simulate.py) both parse with from_dict.
-CRD_KEYS: Mapping[str, str] = MappingProxyType({
-    "enabled": "enabled",
-    "minReplicas": "min_replicas",
-    "maxReplicas": "max_replicas",
-    "targetQueueDepth": "target_queue_depth",
-    "targetKVCacheUtilization": "target_kv_cache_utilization",
-    "stableWindowSeconds": "stable_window_seconds",
-    "panicWindowSeconds": "panic_window_seconds",
-    "panicThreshold": "panic_threshold",
-    "scaleDownDelaySeconds": "scale_down_delay_seconds",
-    "scaleToZeroAfterSeconds": "scale_to_zero_after_seconds",
-    "tolerance": "tolerance",
-})
-
-
-@dataclass(frozen=True, slots=True)
-class AutoscalingSpec:
-    """``spec.autoscaling`` of an InferenceService: its defaults (the fields' defaults, equal to
-    the CRD's ``default:`` values in crds/inferenceservice.yaml; a test keeps them equal), its
-    validation (here, at construction) and its parser (:meth:`from_dict`), for the operator and
-    the simulator alike.
-
-    Targets are per ready pod: waiting requests (``targetQueueDepth``) and KV-cache utilization
-    0..1 (``targetKVCacheUtilization``). Windows and the delay are whole seconds, as the CRD
-    wants them. ``tolerance`` is the dead band around the targets, a fraction in [0, 1)
-    (Kubernetes HPA's default 0.1; per object here, as newer HPA's ``behavior`` and AIBrix's
-    fluctuation tolerance are).
-
-    ``minReplicas: 0`` allows scale to zero (Knative's ``min-scale: 0``): once no request has
-    run or waited in the pods or the gateway for ``scaleToZeroAfterSeconds`` (whole seconds;
-    300 by default, as ``scaleDownDelaySeconds``: a cold start costs a model load, so a few idle
-    minutes stay warm), the count goes to 0; the gateway holds the next request and the count
-    goes back up at once. ``scaleToZeroAfterSeconds`` means nothing while ``minReplicas`` ≥ 1.
-
-    Raises ValueError naming the CRD field when a value is out of range or of the wrong type;
-    ``slipstream.operator.spec`` turns that into the InvalidSpec condition.
-    """
-
-    enabled: bool = False
-    min_replicas: int = 1
-    max_replicas: int = 4
-    target_queue_depth: float = 5.0
-    target_kv_cache_utilization: float = 0.8
-    stable_window_seconds: int = 60
-    panic_window_seconds: int = 6
-    panic_threshold: float = 2.0
-    scale_down_delay_seconds: int = 300
-    scale_to_zero_after_seconds: int = 300
-    tolerance: float = 0.1
-
-    def __post_init__(self) -> None:
-        # The messages name the CRD's fields; the operator shows them in the InvalidSpec condition.
-        def number(value: Any) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        def integer(value: Any, low: int) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-        def check(ok: bool, key: str, rule: str, value: Any) -> None:
-            if not ok:
-                raise ValueError(f"spec.autoscaling.{key} must be {rule}, got {value!r}")
-
-        check(isinstance(self.enabled, bool), "enabled", "true or false", self.enabled)
-        check(integer(self.min_replicas, 0), "minReplicas", "an integer ≥ 0 (0: scale to zero)",
-              self.min_replicas)
-        check(integer(self.max_replicas, 1), "maxReplicas", "an integer ≥ 1", self.max_replicas)
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"spec.autoscaling.minReplicas ({self.min_replicas}) must be ≤ maxReplicas "
-                             f"({self.max_replicas})")
-        q, kv = self.target_queue_depth, self.target_kv_cache_utilization
-        check(number(q) and q > 0, "targetQueueDepth", "a number > 0 (waiting requests per pod)", q)
-        check(number(kv) and 0 < kv <= 1, "targetKVCacheUtilization", "a number in (0, 1]", kv)
-        stable, panic = self.stable_window_seconds, self.panic_window_seconds
-        check(integer(stable, 1), "stableWindowSeconds", "an integer ≥ 1", stable)
-        check(integer(panic, 1), "panicWindowSeconds", "an integer ≥ 1", panic)
-        if panic > stable:
-            raise ValueError(f"spec.autoscaling.panicWindowSeconds ({panic}) must be ≤ stableWindowSeconds "
-                             f"({stable})")
-        check(number(self.panic_threshold) and self.panic_threshold >= 1, "panicThreshold", "a number ≥ 1",
-              self.panic_threshold)
-        check(integer(self.scale_down_delay_seconds, 0), "scaleDownDelaySeconds", "an integer ≥ 0",
-              self.scale_down_delay_seconds)
-        check(integer(self.scale_to_zero_after_seconds, 0), "scaleToZeroAfterSeconds", "an integer ≥ 0",
-              self.scale_to_zero_after_seconds)
-        check(number(self.tolerance) and 0 <= self.tolerance < 1, "tolerance", "a number in [0, 1)", self.tolerance)
-
-    @classmethod
-    def from_dict(cls, autoscaling: Mapping[str, Any] | None) -> AutoscalingSpec:
-        """Parse the CRD's camelCase ``spec.autoscaling``; None (or a key set to null) means
-        the default. Keys: :data:`CRD_KEYS`.
-
-        Raises ValueError naming the key for an unknown key (``spec.autoscaling has unknown
-        field(s) …; known: …``), for a value that is not an object, and, from the constructor,
-        for a value out of range or of the wrong type.
-        """
-        if autoscaling is None:
-            return cls()
-        if not isinstance(autoscaling, Mapping):
-            raise ValueError(f"spec.autoscaling must be an object, got {autoscaling!r}")
-        unknown = sorted(str(key) for key in set(autoscaling) - set(CRD_KEYS))
-        if unknown:
-            raise ValueError(f"spec.autoscaling has unknown field(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(CRD_KEYS)}")
-        return cls(**{CRD_KEYS[key]: value for key, value in autoscaling.items() if value is not None})
-
-    def to_dict(self) -> dict[str, Any]:
-        """The camelCase form :meth:`from_dict` reads."""
-        return {key: getattr(self, name) for key, name in CRD_KEYS.items()}
-
-    def clamp(self, replicas: int) -> int:
-        """``replicas`` pulled into [minReplicas, maxReplicas]; the one clamp of replica counts."""
-        return min(max(replicas, self.min_replicas), self.max_replicas)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ import asyncio
 import datetime
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import aiohttp
@@ -229,7 +229,7 @@ class Autoscaler:
         gateway_pods = await self._pods(kube, namespace, gateway_selector(name),
                                         gateway_selector_labels(name)) if spec.routing.enabled else []
         if not spec.routing.enabled and policy.min_replicas == 0:
-            policy = replace(policy, min_replicas=1)  # nothing would hold or report requests at zero
+            policy = policy.model_copy(update={"min_replicas": 1})  # nothing would hold or report requests at zero
         if not pods and (current > 0 or (not gateway_pods and policy.min_replicas == 0)):
             return None  # none created yet: nothing to read, and holding the count needs no write
         targets, starting = pod_targets(pods, spec.port)

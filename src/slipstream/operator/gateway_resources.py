@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from slipstream.operator.resources import CONTAINER_SECURITY_CONTEXT, GATEWAY_COMPONENT, \
     PORT_NAME, POD_SECURITY_CONTEXT, PROBE_PERIOD_SECONDS, SPEC_HASH_ANNOTATION, \
     gateway_selector_labels, labels, selector_labels, spec_hash
+from slipstream.api_types.routing import DEFAULT_WEIGHTS, cli_flag
 from slipstream.operator.spec import InferenceServiceSpec, parse_spec
 
 CONTAINER_NAME = "gateway"
@@ -71,10 +72,7 @@ def gateway_args(spec: InferenceServiceSpec, name: str, namespace: str) -> list[
         "--namespace", namespace,
         "--target-port-name", PORT_NAME,
         "--routing", routing.policy,
-        "--weight-prefix", str(float(weights.prefix)),
-        "--weight-queue", str(float(weights.queue)),
-        "--weight-kv-cache", str(float(weights.kv_cache)),
-        "--weight-affinity", str(float(weights.affinity)),
+        *(arg for scorer in DEFAULT_WEIGHTS for arg in (cli_flag(scorer), str(float(getattr(weights, scorer))))),
         "--max-queue", str(routing.queue_size),
         "--queue-timeout", str(routing.queue_timeout_seconds),
     ]
@@ -84,7 +82,7 @@ def api_key_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """The model pods' ``SLIPSTREAM_API_KEY`` entry of ``spec.env`` (a value or, as it should
     be, a ``secretKeyRef``), for the gateway's own calls to the pods (/metrics is open, the
     tokenizer and KV events are not); [] when the pods run without a key."""
-    return [dict(var) for var in spec.env if var.get("name") == API_KEY_ENV]
+    return [var.manifest() for var in spec.env if var.name == API_KEY_ENV]
 
 
 def render_gateway_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None = None,

@@ -20,19 +20,19 @@ that do not.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kubernetes.utils.quantity import parse_quantity
 
 from slipstream.api_types import model_uri
-from slipstream.api_types.model_uri import SIM_PROFILE, SPEC_SCHEMES
+from slipstream.api_types.model import (MODEL_SOURCES, OCI_MOUNTS, ModelCacheSpec, ModelSpec,  # noqa: F401
+                                        OCISpec, S3Spec, SecretRef)
+from slipstream.api_types.model_uri import SIM_PROFILE, SPEC_SCHEMES  # noqa: F401
 
 from .spec_error import SpecError
 
-MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
-# How a model image reaches the server: auto picks image-volume where the cluster has them
-# (Kubernetes ≥ 1.35: on by default; GA in 1.36), else modelcar.
-OCI_MOUNTS = ("auto", "image-volume", "modelcar")
+# ``auto`` mounts a model image as an image volume where the cluster has them (Kubernetes ≥ 1.35:
+# on by default; GA in 1.36), else through a modelcar.
 IMAGE_VOLUMES_SINCE = (1, 35)
 # Where a model image keeps its files (KServe's modelcar convention).
 MODEL_IMAGE_DIR = "/models"
@@ -42,65 +42,10 @@ DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$")
 URI_FORMS = model_uri.forms(SPEC_SCHEMES)
 
 
-@dataclass(frozen=True, slots=True)
-class S3Spec:
-    """``spec.model.s3``: an S3-compatible endpoint URL (None: AWS) and its region."""
-
-    endpoint: str | None = None
-    region: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ModelCacheSpec:
-    """``spec.model.cache``: where downloaded weights are kept. ``claim_name``: a
-    ReadWriteMany PersistentVolumeClaim that every pod of the service (and others) shares; the
-    first pod downloads a revision, the others wait for it and reuse it. ``host_path``: a
-    directory on each node (one download per node; needs a namespace whose Pod Security level
-    admits hostPath volumes). Neither: an emptyDir per pod (one download per pod start).
-    ``max_size``: a quantity; older revisions are evicted above it (None: never)."""
-
-    claim_name: str | None = None
-    host_path: str | None = None
-    max_size: str | None = None
-
-    @property
-    def max_size_bytes(self) -> int | None:
-        return None if self.max_size is None else int(parse_quantity(self.max_size))
-
-
-@dataclass(frozen=True, slots=True)
-class OCISpec:
-    """``spec.model.oci``: how a model image is mounted (:data:`OCI_MOUNTS`)."""
-
-    mount: str = "auto"
-
-
-@dataclass(frozen=True, slots=True)
-class SecretRef:
-    """A Secret in the service's namespace whose keys become the download step's environment:
-    ``HF_TOKEN`` for the Hub, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` (and
-    ``AWS_SESSION_TOKEN``) for S3."""
-
-    name: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """Which weights the pods load (see the module docstring). ``source``: builtin | image
-    (``path`` inside the image, absolute) | pvc (``path`` relative to the root of
-    PersistentVolumeClaim ``claim_name``) | sim (no weights: ``profile``, e.g.
-    ``tiny,time_scale=4``, becomes ``--model sim:PROFILE``); ``uri`` instead of all of them."""
-
-    source: str = "builtin"
-    path: str | None = None
-    claim_name: str | None = None
-    profile: str | None = None
-    served_model_name: str | None = None
-    uri: str | None = None
-    secret_ref: SecretRef | None = None
-    s3: S3Spec | None = None
-    cache: ModelCacheSpec | None = None
-    oci: OCISpec | None = None
+def quantity_bytes(quantity: str | None) -> int | None:
+    """A byte quantity (``"1Gi"``, ``spec.engine.kvCacheMemory``, ``spec.model.cache.maxSize``)
+    as an int; None for None. Raises ValueError for a string that is not a quantity."""
+    return None if quantity is None else int(parse_quantity(quantity))
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,33 +131,18 @@ def validate_model(model: ModelSpec) -> None:
         raise SpecError("InvalidSpec", "spec.model.s3 is only allowed with an s3:// uri")
     if location.kind != "oci" and model.oci is not None:
         raise SpecError("InvalidSpec", "spec.model.oci is only allowed with an oci:// uri")
-    if model.oci is not None and model.oci.mount not in OCI_MOUNTS:
-        raise SpecError("InvalidSpec", f"spec.model.oci.mount must be one of "
-                                       f"{', '.join(OCI_MOUNTS)}, got {model.oci.mount!r}")
-    cache, s3 = model.cache or ModelCacheSpec(), model.s3 or S3Spec()
-    if cache.claim_name is not None and cache.host_path is not None:
+    # The fields' own patterns and ranges were checked when the spec was parsed (api_types.model).
+    if model.cache is not None and model.cache.claim_name is not None and model.cache.host_path is not None:
         raise SpecError("InvalidSpec", "spec.model.cache takes claimName or hostPath, not both")
-    if cache.claim_name is not None and not DNS1123_SUBDOMAIN.match(cache.claim_name):
-        raise SpecError("InvalidSpec", f"spec.model.cache.claimName must be a PersistentVolumeClaim "
-                                       f"name, got {cache.claim_name!r}")
-    if cache.host_path is not None and not cache.host_path.startswith("/"):
-        raise SpecError("InvalidSpec", f"spec.model.cache.hostPath must be absolute, "
-                                       f"got {cache.host_path!r}")
-    if cache.max_size is not None:
+    if model.cache is not None and model.cache.max_size is not None:
         try:
-            size = parse_quantity(cache.max_size)
+            size = parse_quantity(model.cache.max_size)
         except ValueError:
             size = None
         if size is None or size < 0:
             raise SpecError("InvalidSpec", f"spec.model.cache.maxSize must be a quantity ≥ 0 such "
                                            f"as '100Gi' (0 keeps only the revision in use), "
-                                           f"got {cache.max_size!r}")
-    if model.secret_ref is not None and not DNS1123_SUBDOMAIN.match(model.secret_ref.name or ""):
-        raise SpecError("InvalidSpec", f"spec.model.secretRef.name must be a Secret name, "
-                                       f"got {model.secret_ref.name!r}")
-    if s3.endpoint is not None and not re.match(r"^https?://\S+$", s3.endpoint):
-        raise SpecError("InvalidSpec", f"spec.model.s3.endpoint must be an http(s) URL, "
-                                       f"got {s3.endpoint!r}")
+                                           f"got {model.cache.max_size!r}")
 
 
 def _validate_source(model: ModelSpec) -> None:
@@ -261,7 +191,7 @@ def resolve_oci_mount(model: ModelSpec, kube_version: tuple[int, int] | None,
     if not needs_mount_probe(model):
         return model
     volume = use_image_volume(model, kube_version) if image_volumes is None else image_volumes
-    return replace(model, oci=OCISpec(mount="image-volume" if volume else "modelcar"))
+    return model.model_copy(update={"oci": OCISpec(mount="image-volume" if volume else "modelcar")})
 
 
 def use_image_volume(model: ModelSpec, kube_version: tuple[int, int] | None) -> bool:

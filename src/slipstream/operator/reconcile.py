@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import kopf
@@ -222,7 +222,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
             version = await kube.server_version()
             image_volumes = await kube.image_volumes_admitted(namespace) if needs_mount_probe(spec.model) else None
             deployment = render_deployment(
-                body, replace(spec, model=resolve_oci_mount(spec.model, version, image_volumes)), version)
+                body, spec.model_copy(update={"model": resolve_oci_mount(spec.model, version, image_volumes)}), version)
             service = render_service(body, spec)
             pods_service = render_pods_service(body, spec)
             budget = render_disruption_budget(body, spec)

@@ -16,15 +16,12 @@ from typing import Any, Mapping
 import kopf
 from kubernetes.utils.quantity import parse_quantity
 
+from slipstream.api_types.inference_service import GROUP, KIND, PLURAL, VERSION
 from slipstream.operator.model_spec import (MODEL_IMAGE_DIR, ModelCacheSpec, ModelLocation, model_location,
-                                            use_image_volume)
+                                            quantity_bytes, use_image_volume)
 from slipstream.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 
-GROUP = "slipstream.dev"
-VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
 
 MANAGED_BY = "slipstream-operator"
 INSTANCE_LABEL = "slipstream.dev/inferenceservice"
@@ -143,9 +140,10 @@ def server_args(spec: InferenceServiceSpec, name: str,
         args += ["--model-cache-dir", MODEL_CACHE_MOUNT, "--model-revision-file", MODEL_REVISION_FILE]
     # Unset, the engine sizes the KV pool itself: from free GPU memory after profiling on CUDA.
     if engine.kv_cache_memory is not None:
-        args += ["--kv-cache-memory-bytes", str(engine.kv_cache_memory_bytes)]
+        args += ["--kv-cache-memory-bytes", str(quantity_bytes(engine.kv_cache_memory))]
     if engine.gpu_memory_utilization is not None:
-        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+        fraction = engine.gpu_memory_utilization  # a float: 1 is 1.0
+        args += ["--gpu-memory-utilization", str(int(fraction)) if fraction.is_integer() else str(fraction)]
     if engine.enforce_eager:
         args.append("--enforce-eager")
     if engine.quantization is not None:
@@ -242,8 +240,8 @@ def server_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     container (hf, s3): the server never reaches the Hub. Then ``spec.env``, whose own
     ``HF_HUB_OFFLINE`` replaces the operator's. (``TRANSFORMERS_OFFLINE`` is not set: only
     huggingface_hub reads it, as a fallback that ``HF_HUB_OFFLINE`` decides over.)"""
-    user = [dict(var) for var in spec.env]
-    env = [] if any(var.get("name") == "HF_HUB_OFFLINE" for var in user) else [
+    user = [var.manifest() for var in spec.env]
+    env = [] if any(var["name"] == "HF_HUB_OFFLINE" for var in user) else [
         {"name": "HF_HUB_OFFLINE", "value": "1"}]
     return env + user
 
@@ -256,7 +254,7 @@ def download_args(spec: InferenceServiceSpec) -> list[str]:
     if model.s3 is not None and model.s3.endpoint:
         args += ["--s3-endpoint", model.s3.endpoint]
     if model.cache is not None and model.cache.max_size is not None:
-        args += ["--max-cache-bytes", str(model.cache.max_size_bytes)]
+        args += ["--max-cache-bytes", str(quantity_bytes(model.cache.max_size))]
     return args
 
 
@@ -271,7 +269,7 @@ def download_container(spec: InferenceServiceSpec) -> dict[str, Any]:
     env = [{"name": "HF_HUB_OFFLINE", "value": "0"}]
     if model.s3 is not None and model.s3.region:
         env.append({"name": "AWS_REGION", "value": model.s3.region})
-    env += [dict(var) for var in spec.env if var.get("name") != "HF_HUB_OFFLINE"]
+    env += [var.manifest() for var in spec.env if var.name != "HF_HUB_OFFLINE"]
     container: dict[str, Any] = {
         "name": DOWNLOAD_CONTAINER,
         "image": spec.image,
@@ -361,7 +359,7 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+        pod_spec["tolerations"] = [t.manifest() for t in spec.tolerations]
     location = model_location(spec.model)
     if location.kind == "oci" and kube_version is not None and kube_version < MODELCAR_SINCE:
         raise SpecError("UnsupportedCluster", f"spec.model.uri oci:// needs Kubernetes 1.29 or later (a "

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The KV pool's size where no device memory can be profiled (CPU), unless given.
-CPU_KV_CACHE_BYTES = 1 << 30
+# The settings the operator's spec.engine shares with the engine: one home for their defaults.
+from slipstream.api_types.engine import (CPU_KV_CACHE_BYTES, DEFAULT_BLOCK_SIZE,  # noqa: F401
+                                         DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                         DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, check_gpu_memory_utilization)
 
 
 @dataclass
@@ -38,9 +40,9 @@ class EngineConfig:
     """
 
     model: str = "builtin"
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     kv_cache_memory_bytes: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -50,7 +52,7 @@ class EngineConfig:
     trace: bool = False
     seed: int = 0
     num_threads: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -64,7 +66,6 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.quantization not in ("auto", "none"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be 'auto' or 'none', got {self.quantization!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_gpu_memory_utilization(self.gpu_memory_utilization)

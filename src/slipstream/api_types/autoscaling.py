@@ -1,0 +1,101 @@
+"""``spec.autoscaling``: the fields, defaults and ranges of an InferenceService's autoscaler, for
+the operator (its policy: ``slipstream.operator.autoscaler``) and ``slipstream simulate`` alike."""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from pydantic import model_validator
+
+from .schema import CelRule, SpecModel, spec_field
+
+
+class AutoscalingSpec(SpecModel):
+    """``spec.autoscaling`` of an InferenceService.
+
+    Targets are per ready pod: waiting requests (``targetQueueDepth``) and KV-cache utilization
+    0..1 (``targetKVCacheUtilization``). Windows and the delay are whole seconds, as the CRD
+    wants them. ``tolerance`` is the dead band around the targets, a fraction in [0, 1)
+    (Kubernetes HPA's default 0.1; per object here, as newer HPA's ``behavior`` and AIBrix's
+    fluctuation tolerance are).
+
+    ``minReplicas: 0`` allows scale to zero (Knative's ``min-scale: 0``): once no request has
+    run or waited in the pods or the gateway for ``scaleToZeroAfterSeconds`` (whole seconds;
+    300 by default, as ``scaleDownDelaySeconds``: a cold start costs a model load, so a few idle
+    minutes stay warm), the count goes to 0; the gateway holds the next request and the count
+    goes back up at once. ``scaleToZeroAfterSeconds`` means nothing while ``minReplicas`` ≥ 1.
+
+    Raises ValueError (:class:`~slipstream.api_types.schema.SpecValueError` from
+    :meth:`from_dict`) naming the CRD field when a value is out of range or of the wrong type;
+    ``slipstream.operator.spec`` turns that into the InvalidSpec condition.
+    """
+
+    # has(): the API server also checks these against the default {} as written.
+    cel_rules = (
+        CelRule("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+                "minReplicas must be ≤ maxReplicas"),
+        CelRule("!has(self.panicWindowSeconds) || !has(self.stableWindowSeconds) || "
+                "self.panicWindowSeconds <= self.stableWindowSeconds",
+                "panicWindowSeconds must be ≤ stableWindowSeconds"),
+    )
+
+    enabled: bool = spec_field(False)
+    min_replicas: int = spec_field(
+        1, ge=0, rule="an integer ≥ 0 (0: scale to zero)",
+        description="Fewest pods; 0 allows scale to zero (needs the gateway, spec.routing.enabled).")
+    max_replicas: int = spec_field(4, ge=1)
+    target_queue_depth: float = spec_field(
+        5.0, gt=0, rule="a number > 0 (waiting requests per pod)",
+        description="Requests waiting per pod that the autoscaler aims at.")
+    target_kv_cache_utilization: float = spec_field(
+        0.8, alias="targetKVCacheUtilization", gt=0, le=1,
+        description="Fraction of KV-cache blocks in use per pod that the autoscaler aims at, in (0, 1].")
+    stable_window_seconds: int = spec_field(60, ge=1)
+    panic_window_seconds: int = spec_field(6, ge=1)
+    panic_threshold: float = spec_field(
+        2.0, ge=1,
+        description="Panic mode starts when the panic window's load asks for at least this many "
+                    "times the current capacity.")
+    scale_down_delay_seconds: int = spec_field(
+        300, ge=0, description="How long a lower count must persist before pods are removed.")
+    scale_to_zero_after_seconds: int = spec_field(
+        300, ge=0,
+        description="With minReplicas 0, how long no request may run or wait (in the pods or the "
+                    "gateway) before the count goes to 0; ignored while minReplicas is at least 1.")
+    tolerance: float = spec_field(
+        0.1, ge=0, lt=1,
+        description="Dead band around the targets, a fraction in [0, 1): while the load is within "
+                    "±tolerance of the ready and starting pods' capacity, the count does not change "
+                    "(Kubernetes HPA's tolerance, 0.1 by default; per object as in HPA behavior). "
+                    "Raise it for a noisy load, lower it to react to small changes.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingSpec:
+        # The Python twins of cel_rules, with the values in the message.
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"spec.autoscaling.minReplicas ({self.min_replicas}) must be ≤ maxReplicas "
+                             f"({self.max_replicas})")
+        if self.panic_window_seconds > self.stable_window_seconds:
+            raise ValueError(f"spec.autoscaling.panicWindowSeconds ({self.panic_window_seconds}) must be "
+                             f"≤ stableWindowSeconds ({self.stable_window_seconds})")
+        return self
+
+    @classmethod
+    def from_dict(cls, autoscaling: Mapping[str, Any] | None) -> AutoscalingSpec:
+        """Parse the CRD's camelCase ``spec.autoscaling``; None (or a key set to null) means
+        the default. Keys: :data:`CRD_KEYS`.
+
+        Raises SpecValueError (a ValueError) naming the key for an unknown key
+        (``spec.autoscaling has unknown field(s) …; known: …``), for a value that is not an
+        object, and for a value out of range or of the wrong type.
+        """
+        return cls.parse(autoscaling, "spec.autoscaling")
+
+    def clamp(self, replicas: int) -> int:
+        """``replicas`` pulled into [minReplicas, maxReplicas]; the one clamp of replica counts."""
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
+
+# camelCase key of ``spec.autoscaling`` → AutoscalingSpec attribute (``slipstream simulate``'s flags).
+CRD_KEYS: Mapping[str, str] = MappingProxyType(
+    {info.alias: name for name, info in AutoscalingSpec.model_fields.items()})
