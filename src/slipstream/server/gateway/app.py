@@ -56,10 +56,10 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
-        if self.config.policy in ("prefix", "kv-events"):
+        if self.router.reads_prompt_blocks:
             self.hasher = PromptHasher(self.session, max_blocks=self.config.max_prompt_blocks,
                                        headers=self.config.upstream_headers)
-        if self.config.policy == "kv-events":
+        if self.router.reads_kv_events:
             self.subscriber = KVEventSubscriber(self.block_index, self.session, headers=self.config.upstream_headers)
             self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch,
                                         self.subscriber.nudge)

@@ -102,7 +102,7 @@ class Proxy:
         self.session = session
         self.metrics = metrics
         self.hasher = hasher
-        self._hashing = hasher is not None and router.policy in ("prefix", "kv-events")
+        self._hashing = hasher is not None and router.reads_prompt_blocks
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
