@@ -15,6 +15,7 @@ from slipstream.operator.scraper import GatewaySample, PodTarget, ScrapeResult, 
 from slipstream.server.gateway.config import GatewayConfig
 from slipstream.server.gateway.endpoints import EndpointSet
 from slipstream.server.gateway.metrics import GatewayMetrics
+from slipstream.server.gateway.wait_queue import WaitQueue
 
 
 def exposition(waiting: float, running: float, kv: float, model: str = "smollm2") -> bytes:
@@ -187,10 +188,11 @@ def gateway_exposition(waiting: float, in_flight: dict[str, float]) -> bytes:
 async def test_parse_gateway_reads_what_the_gateway_exports():
     """The real gateway's /metrics: requests held for want of a pod, and in flight per endpoint."""
     endpoints = EndpointSet(GatewayConfig())
-    metrics = GatewayMetrics(endpoints)
+    queue = WaitQueue(endpoints)
+    metrics = GatewayMetrics(endpoints, queue)
     assert parse_gateway_metrics(metrics.render().decode()) == (0.0, 0.0)  # no endpoint, none held
 
-    held = [asyncio.create_task(endpoints.acquire(lambda loads: None, endpoints.clock() + 30))
+    held = [asyncio.create_task(queue.acquire(lambda loads: None, endpoints.clock() + 30))
             for _ in range(3)]
     await asyncio.sleep(0)
     endpoints.set_endpoints(["http://127.0.0.2:8000", "http://127.0.0.3:8000"])

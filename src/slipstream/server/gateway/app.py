@@ -22,6 +22,7 @@ from .load import LoadScraper
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .proxy import REQUEST_ID, Proxy, error_response
 from .routing import BlockIndex, Router
+from .wait_queue import WaitQueue
 from .tokenize import PromptHasher
 
 log = logging.getLogger("slipstream.gateway")
@@ -36,7 +37,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.endpoints = EndpointSet(config)
-        self.metrics = GatewayMetrics(self.endpoints)
+        self.queue = WaitQueue(self.endpoints)
+        self.metrics = GatewayMetrics(self.endpoints, self.queue)
         self.block_index = BlockIndex(config.block_index_capacity)
         self.router = Router(config.policy, weights=config.weights, block_index=self.block_index,
                              prefix_capacity=config.prefix_capacity, sessions=config.sessions)
@@ -63,7 +65,7 @@ class Gateway:
             self.subscriber = KVEventSubscriber(self.block_index, self.session, headers=self.config.upstream_headers)
             self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch,
                                         self.subscriber.nudge)
-        self.proxy = Proxy(self.config, self.endpoints, self.router, self.session, self.metrics, self.hasher)
+        self.proxy = Proxy(self.config, self.endpoints, self.queue, self.router, self.session, self.metrics, self.hasher)
         self.scraper = LoadScraper(self.endpoints, self.session)
         self.scraper.start()
         if self.config.service is not None:
@@ -117,7 +119,7 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "starting"}, status=503)
     return web.json_response({"status": "ready", "endpoints": len(gateway.endpoints),
                               "routable": len(gateway.endpoints.routable_endpoints()),
-                              "waiting": gateway.endpoints.waiting})
+                              "waiting": gateway.queue.waiting})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -90,7 +90,7 @@ class LoadScraper:
                 if name not in self._scrapes:
                     self._scrapes[name] = asyncio.create_task(self._scrape(name), name=f"scrape {name}")
             # a dispatch each tick: waiters see endpoints go stale and others come back
-            self.endpoints.dispatch()
+            self.endpoints.capacity_changed()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.config.scrape_interval)
             except asyncio.TimeoutError:

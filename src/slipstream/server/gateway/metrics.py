@@ -10,16 +10,19 @@ from prometheus_client.core import GaugeMetricFamily
 
 from ..metrics import CONTENT_TYPE, REQUEST_BUCKETS, TTFT_BUCKETS
 from .endpoints import EndpointSet
+from .wait_queue import WaitQueue
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 PREFIX = "slipstream:gateway_"
 
 
 class _EndpointCollector:
-    """Gauges read from the endpoint set at scrape time, so removed endpoints disappear."""
+    """Gauges read from the endpoint set and the wait queue at scrape time, so removed endpoints
+    disappear."""
 
-    def __init__(self, endpoints: EndpointSet):
+    def __init__(self, endpoints: EndpointSet, queue: WaitQueue):
         self.endpoints = endpoints
+        self.queue = queue
 
     def describe(self) -> list:
         return []
@@ -27,7 +30,7 @@ class _EndpointCollector:
     def collect(self):
         waiting = GaugeMetricFamily(PREFIX + "requests_waiting",
                                     "Requests held in the gateway waiting for an endpoint")
-        waiting.add_metric([], self.endpoints.waiting)
+        waiting.add_metric([], self.queue.waiting)
         yield waiting
         in_flight = GaugeMetricFamily(PREFIX + "endpoint_in_flight",
                                       "Requests the gateway has in flight on each endpoint", labels=["endpoint"])
@@ -47,9 +50,9 @@ class _EndpointCollector:
 
 
 class GatewayMetrics:
-    def __init__(self, endpoints: EndpointSet):
+    def __init__(self, endpoints: EndpointSet, queue: WaitQueue):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        r.register(_EndpointCollector(endpoints))
+        r.register(_EndpointCollector(endpoints, queue))
         self.requests = Counter(PREFIX + "requests", "Requests answered by the gateway, by HTTP status",
                                 ["code"], registry=r)
         self.decisions = Counter(PREFIX + "routing_decisions", "Routing decisions by policy and reason",
