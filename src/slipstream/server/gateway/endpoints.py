@@ -14,24 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Collection, Iterable
 
+from slipstream.api_types.load import PodLoad
+
 from .config import GatewayConfig, normalize_url
 from .routing import EndpointLoad
 
 log = logging.getLogger("slipstream.gateway")
 
 DEFAULT_BLOCK_SIZE = 16
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSample:
-    """One scrape of a pod's /metrics. block_size and max_num_seqs are None when the pod does not
-    export ``slipstream:engine_config_info``."""
-
-    waiting: float
-    running: float
-    kv_cache_usage: float
-    block_size: int | None = None
-    max_num_seqs: int | None = None
 
 
 @dataclass(slots=True)
@@ -143,13 +133,13 @@ class EndpointSet:
                              self.config.capacity(e.max_num_seqs))
                 for e in self.routable_endpoints() if e.name not in exclude]
 
-    def observe(self, name: str, sample: LoadSample, ready: bool = False) -> None:
+    def observe(self, name: str, sample: PodLoad, ready: bool = False) -> None:
         """A good scrape of ``name``: fresh load; ``ready``: its /ready answered 200 just now."""
         endpoint = self._endpoints.get(name)
         if endpoint is None:
             return
-        endpoint.waiting, endpoint.running = sample.waiting, sample.running
-        endpoint.kv_cache_usage = sample.kv_cache_usage
+        endpoint.waiting, endpoint.running = sample.num_requests_waiting, sample.num_requests_running
+        endpoint.kv_cache_usage = sample.kv_cache_usage_perc
         if sample.block_size is not None:
             endpoint.block_size = sample.block_size
         if sample.max_num_seqs is not None:

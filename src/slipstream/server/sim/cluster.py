@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, GatewaySample, PodSample, \
-    decide
+from slipstream.api_types.load import GatewayLoad, PodLoad
+from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, decide
 
 from ..engine.kv_cache import STORED, KVCacheManager
 from ..engine.outputs import RequestMetrics
@@ -169,9 +169,9 @@ class VirtualReplica:
     def load(self) -> int:
         return self.scheduler.num_waiting + self.scheduler.num_running
 
-    def sample(self, now: float) -> PodSample:
+    def sample(self, now: float) -> PodLoad:
         """The gauges a scrape would read now."""
-        return PodSample(self.name, now, self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage)
+        return PodLoad(self.name, now, self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage)
 
     def add(self, sim: SimRequest, now: float, prompt_ids: list[int] | None = None,
             block_hashes: tuple[bytes, ...] = ()) -> None:
@@ -377,7 +377,7 @@ class Cluster:
             # The requests held for want of a ready replica are what the gateway reports waiting
             # (the demand signal at zero replicas); the rest are on replicas, in their gauges.
             decision = decide(self.spec, self.state, samples, now, current, len(ready), len(starting),
-                              GatewaySample(waiting=float(len(self.pending))))
+                              GatewayLoad(waiting=float(len(self.pending))))
             self.state = decision.state
             desired = decision.desired_replicas
             if decision.scaled:
