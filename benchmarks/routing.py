@@ -42,8 +42,9 @@ from pathlib import Path
 
 import aiohttp
 
+from slipstream.api_types import metrics as names
+from slipstream.api_types.routing import POLICIES
 from slipstream.operator.autoscaler import AutoscalingSpec
-from slipstream.server.gateway.routing import POLICIES
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig
 from slipstream.server.sim.cost_model import get_profile
 from slipstream.server.sim.trace import Arrival, Phase
@@ -189,8 +190,8 @@ async def counters(session: aiohttp.ClientSession, url: str, names: tuple[str, .
     return totals
 
 
-POD_COUNTERS = ("slipstream:prefix_cache_hits_total", "slipstream:prefix_cache_queries_total")
-GW_COUNTERS = ("slipstream:gateway_prefix_blocks_matched_total", "slipstream:gateway_prefix_blocks_requested_total")
+POD_COUNTERS = (names.PREFIX_CACHE_HITS + "_total", names.PREFIX_CACHE_QUERIES + "_total")
+GW_COUNTERS = (names.GATEWAY_PREFIX_BLOCKS_MATCHED + "_total", names.GATEWAY_PREFIX_BLOCKS_REQUESTED + "_total")
 
 
 async def snapshot(session: aiohttp.ClientSession) -> dict[str, float]:

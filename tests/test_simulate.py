@@ -252,3 +252,21 @@ def test_simulate_reports_bad_input_with_exit_code_2(capsys):
     assert "rate schedule" in capsys.readouterr().err
     assert cli.main(["simulate", "--max-replicas", "0", "--no-plot"]) == 2
     assert "maxReplicas" in capsys.readouterr().err
+
+
+def test_simulate_takes_the_gateways_weight_flags_by_scorer_name(monkeypatch):
+    built = []
+    real = simulate.Cluster
+
+    def spy(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(simulate, "Cluster", spy)
+    args = simulate.parser().parse_args(["--routing", "prefix", "--weight-queue", "2", "--weight-kv-cache", "0",
+                                         "--rate", "1rps for 1s", "--no-plot", "--no-autoscaling"])
+    simulate.run(args)
+    assert dict(built[0].router.weights) == {"prefix": 3.0, "queue": 2.0, "kv_cache": 0.0, "affinity": 0.5}
+    assert [w for _, w in built[0].router.scorers] == [3.0, 2.0, 0.0, 0.5]
+    with pytest.raises(ValueError, match="Router, not beside it"):
+        real(TINY, ReplicaConfig.for_profile(TINY), _spec(), routing=built[0].router, weights={"queue": 1.0})

@@ -22,6 +22,7 @@ def test_flags_the_operator_renders_are_accepted():
     assert (config.service, config.namespace, config.target_port_name, config.policy) == \
         ("chat-pods", "team-a", "http", "prefix")
     assert config.weights == Weights(prefix=2.0, queue=1.5, kv_cache=0.0, affinity=0.25)
+    assert dict(parse().weights) == {"prefix": 3.0, "queue": 1.0, "kv_cache": 0.5, "affinity": 0.5}
     assert (config.max_queue, config.queue_timeout, config.endpoints) == (50, 600.0, ())
 
 

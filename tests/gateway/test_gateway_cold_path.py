@@ -37,14 +37,14 @@ async def test_ready_with_zero_endpoints_and_waiting_requests_all_succeed_once_o
         async with session.get(url + "/ready") as response:
             assert response.status == 200
         tasks = [asyncio.create_task(post(session, url, chat(f"hi {i}", max_tokens=4))) for i in range(12)]
-        await wait_until(lambda: gateway.endpoints.waiting == 12, what="12 requests waiting")
+        await wait_until(lambda: gateway.queue.waiting == 12, what="12 requests waiting")
         samples = await metrics(session, url)
         assert total(samples, "slipstream:gateway_requests_waiting") == 12  # the autoscaler's demand at zero
         gateway.endpoints.set_endpoints([pods["a"].url])
         results = await asyncio.gather(*tasks)
         assert [status for status, _, _ in results] == [200] * 12
         assert all(body["usage"]["completion_tokens"] == 4 for _, _, body in results)
-        assert gateway.endpoints.waiting == 0
+        assert gateway.queue.waiting == 0
 
 
 async def test_past_the_deadline_the_gateway_answers_503_with_retry_after_in_openai_shape():
@@ -56,7 +56,7 @@ async def test_past_the_deadline_the_gateway_answers_503_with_retry_after_in_ope
         assert headers["Retry-After"] == "7"
         assert body["error"]["type"] == "service_unavailable_error" and body["error"]["code"] == "deadline"
         assert set(body["error"]) == {"message", "type", "param", "code"}
-        assert gateway.endpoints.waiting == 0
+        assert gateway.queue.waiting == 0
         assert total(await metrics(session, url), "slipstream:gateway_rejections_total", reason="deadline") == 1
 
 
@@ -64,14 +64,14 @@ async def test_a_full_queue_answers_429_at_once_and_leaving_waiters_free_their_p
     async with running_gateway(endpoints=(), max_queue=2, queue_timeout=30) as (url, gateway), \
             aiohttp.ClientSession() as session:
         waiting = [asyncio.create_task(post(session, url, chat())) for _ in range(2)]
-        await wait_until(lambda: gateway.endpoints.waiting == 2, what="2 requests waiting")
+        await wait_until(lambda: gateway.queue.waiting == 2, what="2 requests waiting")
         status, headers, body = await post(session, url, chat())
         assert status == 429 and headers["Retry-After"] == "5"
         assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
         for task in waiting:  # the clients go away: their places are freed
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
-        await wait_until(lambda: gateway.endpoints.waiting == 0, what="the queue to empty")
+        await wait_until(lambda: gateway.queue.waiting == 0, what="the queue to empty")
 
 
 @contextlib.asynccontextmanager
@@ -120,16 +120,16 @@ async def test_a_full_endpoint_holds_requests_in_the_gateway_and_sends_them_on_i
         tasks = []
         for i in range(6):
             tasks.append(asyncio.create_task(post(session, url, chat(f"q{i}"))))
-            await wait_until(lambda: gateway.endpoints.waiting + gateway.endpoints.get(pod).in_flight == i + 1,
+            await wait_until(lambda: gateway.queue.waiting + gateway.endpoints.get(pod).in_flight == i + 1,
                              what=f"request {i} to arrive")
         await wait_until(lambda: len(arrived) == 2, what="two requests at the endpoint")
-        assert arrived == ["q0", "q1"] and gateway.endpoints.waiting == 4
+        assert arrived == ["q0", "q1"] and gateway.queue.waiting == 4
         for i in range(6):  # each answer frees one place: the oldest waiter takes it
             release(f"q{i}")
             await wait_until(lambda: len(arrived) == min(i + 3, 6), what=f"the request after q{i + 1}")
         assert arrived == [f"q{i}" for i in range(6)]
         assert [status for status, _, _ in await asyncio.gather(*tasks)] == [200] * 6
-        assert gateway.endpoints.waiting == 0 and gateway.endpoints.get(pod).in_flight == 0
+        assert gateway.queue.waiting == 0 and gateway.endpoints.get(pod).in_flight == 0
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 
 from slipstream.server.gateway.routing import (
-    POLICIES, BlockIndex, Choice, EndpointLoad, PrefixTable, RouteRequest, Router, Weights, score_endpoints)
+    POLICIES, PROFILES, BlockIndex, Choice, EndpointLoad, PrefixTable, Profile, RouteRequest, Router, Weights,
+    registry)
+from slipstream.server.gateway.routing.plugins import BaseScorer
+from slipstream.server.gateway.routing.scorers.queue import QueueScorer
 from slipstream.server.kv_hash import block_hash, prompt_block_hashes
 
 A, B, C = "http://127.0.0.2:8000", "http://127.0.0.3:8000", "http://127.0.0.4:8000"
@@ -77,7 +80,7 @@ def test_prefix_policy_sends_a_group_back_where_it_went():
 
 
 def test_prefix_hit_loses_to_a_much_longer_queue():
-    router = Router("prefix", weights=Weights(prefix=1.0, queue=1.0, kv_cache=0.0, affinity=0.0, queue_scale=8.0))
+    router = Router("prefix", weights=Weights(prefix=1.0, queue=1.0, kv_cache=0.0, affinity=0.0))
     request = RouteRequest(hashes(1, 4))
     router.record(request, Choice(A, "load"))
     assert router.pick(request, [EndpointLoad(A, waiting=1), EndpointLoad(B, waiting=0)]).endpoint == A
@@ -148,21 +151,82 @@ def test_session_affinity_breaks_ties_and_is_forgotten_with_its_endpoint():
 
 
 def test_scores_are_weighted_terms_in_unit_range():
-    request = RouteRequest(hashes(1, 4))
+    w = Weights(prefix=2.0, queue=1.0, kv_cache=0.5, affinity=0.25)
+    router = Router("prefix", weights=w)
+    request = RouteRequest(hashes(1, 4), session="s")
+    router.record(RouteRequest(request.block_hashes[:2]), Choice(A, "load"))  # A holds 2 of the 4 blocks
+    router.record(RouteRequest(session="s"), Choice(B, "load"))  # the session went to B
     endpoints = [EndpointLoad(A, waiting=4, kv_cache_usage=0.5), EndpointLoad(B, waiting=0, kv_cache_usage=0.0)]
-    w = Weights(prefix=2.0, queue=1.0, kv_cache=0.5, affinity=0.25, queue_scale=8.0)
-    scored = dict((e.name, s) for s, e in score_endpoints(endpoints, request, {A: 2}, B, w))
+    scored = dict(zip((A, B), router.score(request, endpoints)))
     assert scored[A] == pytest.approx(2.0 * 0.5 + 1.0 * (4 - 4) / 8 + 0.5 * 0.5)
     assert scored[B] == pytest.approx(0.0 + 1.0 * (4 - 0) / 8 + 0.5 * 1.0 + 0.25)
     wide = [EndpointLoad(A, waiting=20), EndpointLoad(B, waiting=0)]
-    scored = dict((e.name, s) for s, e in score_endpoints(wide, request, {}, None, w))
+    scored = dict(zip((A, B), router.score(RouteRequest(hashes(9, 4)), wide)))
     assert scored[A] == pytest.approx(0.5) and scored[B] == pytest.approx(1.0 + 0.5)
 
 
 def test_bad_configuration_is_refused():
     with pytest.raises(ValueError, match="routing policy"):
         Router("random")
-    with pytest.raises(ValueError, match="weight prefix"):
+    with pytest.raises(ValueError, match=r"routing weights\.prefix must be a number ≥ 0, got -1"):
         Weights(prefix=-1)
+    with pytest.raises(ValueError, match="unknown scorer"):
+        Weights(speed=1.0)
+    with pytest.raises(ValueError, match="at least one weight must be > 0"):
+        Weights(prefix=0, queue=0, kv_cache=0, affinity=0)
     with pytest.raises(ValueError, match="queue_scale"):
-        Weights(queue_scale=0)
+        QueueScorer(scale=0)
+    with pytest.raises(ValueError, match="routing picker 'best' is not registered"):
+        Router(Profile("mine", picker="best"))
+
+
+def test_weights_are_keyed_by_scorer_name_over_the_contracts_defaults():
+    assert dict(Weights()) == {"prefix": 3.0, "queue": 1.0, "kv_cache": 0.5, "affinity": 0.5}
+    assert Weights({"kv_cache": 0.0}) == Weights(kv_cache=0.0) and Weights(kv_cache=0.0)["prefix"] == 3.0
+    assert Router("prefix", weights={"queue": 2.0}).weights["queue"] == 2.0
+
+
+def test_every_policy_has_a_profile_and_the_prefix_ones_share_the_prefix_weight():
+    assert tuple(PROFILES) == POLICIES
+    assert [registry.SCORERS[name].weight for name in ("prefix", "kv_events")] == ["prefix", "prefix"]
+    assert Router("kv-events").reads_kv_events and Router("prefix").reads_prompt_blocks
+    assert not Router("prefix").reads_kv_events and not Router("least-loaded").reads_prompt_blocks
+
+
+class ShortestName(BaseScorer):
+    """A toy signal: endpoints with shorter names score higher."""
+
+    name = "shortest_name"
+
+    def score(self, request, endpoints, state):
+        longest = max(len(e.name) for e in endpoints)
+        return [1.0 - len(e.name) / longest for e in endpoints]
+
+    def reason(self, endpoint, state):
+        return "short-name"
+
+
+@pytest.fixture
+def toy_scorer():
+    registry.register_scorer("shortest_name", lambda ctx: ShortestName(), default_weight=2.0,
+                             help="score weight of a short endpoint name")
+    yield
+    del registry.SCORERS["shortest_name"]
+
+
+def test_a_new_scorer_is_one_class_and_its_registration(toy_scorer):
+    from slipstream.server.gateway.cli import config_from_args, gateway_parser
+
+    profile = Profile("short", scorers=("shortest_name", "queue"))
+    router = Router(profile, weights=Weights(shortest_name=2.0))
+    endpoints = [EndpointLoad("http://a-long-name:8000"), EndpointLoad("http://b:8000", waiting=2)]
+    # Its weight (2) outweighs the queue's (1): the short name wins despite its queue.
+    assert router.pick(RouteRequest(), endpoints) == Choice("http://b:8000", "short-name", 0,
+                                                           pytest.approx(2.0 * (1 - 13 / 23)))
+    assert Router(profile, weights=Weights(shortest_name=0.1)).pick(RouteRequest(), endpoints).endpoint == \
+        "http://a-long-name:8000"
+    # The gateway's command line has its flag, and its default comes from the registration.
+    config = config_from_args(gateway_parser().parse_args(["--weight-shortest-name", "0.5"]))
+    assert config.weights["shortest_name"] == 0.5 and Weights()["shortest_name"] == 2.0
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register_scorer("shortest_name", lambda ctx: ShortestName(), help="again")

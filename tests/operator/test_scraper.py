@@ -10,11 +10,12 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from slipstream.operator.scraper import GatewaySample, PodTarget, ScrapeResult, parse_gateway_metrics, \
+from slipstream.operator.scraper import GatewaySample, PodSample, PodTarget, ScrapeResult, parse_gateway_metrics, \
     parse_metrics, pod_targets, scrape_gateways, scrape_pods
 from slipstream.server.gateway.config import GatewayConfig
 from slipstream.server.gateway.endpoints import EndpointSet
 from slipstream.server.gateway.metrics import GatewayMetrics
+from slipstream.server.gateway.wait_queue import WaitQueue
 
 
 def exposition(waiting: float, running: float, kv: float, model: str = "smollm2") -> bytes:
@@ -143,8 +144,8 @@ async def test_no_targets_is_an_empty_tick():
 
 def test_parse_sums_requests_over_models_and_takes_the_fullest_kv_cache():
     text = (exposition(1, 2, 0.3, model="a") + exposition(4, 8, 0.6, model="b")).decode()
-    assert parse_metrics(text) == (5, 10, 0.6)
-    assert parse_metrics(text, model_name="a") == (1, 2, 0.3)
+    assert parse_metrics(text) == PodSample("", 0.0, 5, 10, 0.6)
+    assert parse_metrics(text, model_name="a", pod="p", time=3.0) == PodSample("p", 3.0, 1, 2, 0.3)
     with pytest.raises(ValueError, match="metrics missing"):
         parse_metrics(text, model_name="c")
 
@@ -187,17 +188,18 @@ def gateway_exposition(waiting: float, in_flight: dict[str, float]) -> bytes:
 async def test_parse_gateway_reads_what_the_gateway_exports():
     """The real gateway's /metrics: requests held for want of a pod, and in flight per endpoint."""
     endpoints = EndpointSet(GatewayConfig())
-    metrics = GatewayMetrics(endpoints)
-    assert parse_gateway_metrics(metrics.render().decode()) == (0.0, 0.0)  # no endpoint, none held
+    queue = WaitQueue(endpoints)
+    metrics = GatewayMetrics(endpoints, queue)
+    assert parse_gateway_metrics(metrics.render().decode()) == GatewaySample(0.0, 0.0)  # no endpoint, none held
 
-    held = [asyncio.create_task(endpoints.acquire(lambda loads: None, endpoints.clock() + 30))
+    held = [asyncio.create_task(queue.acquire(lambda loads: None, endpoints.clock() + 30))
             for _ in range(3)]
     await asyncio.sleep(0)
     endpoints.set_endpoints(["http://127.0.0.2:8000", "http://127.0.0.3:8000"])
     endpoints.get("http://127.0.0.2:8000").in_flight = 2
     endpoints.get("http://127.0.0.3:8000").in_flight = 1
     try:
-        assert parse_gateway_metrics(metrics.render().decode()) == (3.0, 3.0)
+        assert parse_gateway_metrics(metrics.render().decode()) == GatewaySample(3.0, 3.0)
     finally:
         for task in held:
             task.cancel()
@@ -207,7 +209,7 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
 def test_parse_gateway_without_in_flight_says_so_and_without_waiting_fails():
     registry = CollectorRegistry()
     Gauge("slipstream:gateway_requests_waiting", "", registry=registry).set(4)
-    assert parse_gateway_metrics(generate_latest(registry).decode()) == (4.0, None)
+    assert parse_gateway_metrics(generate_latest(registry).decode()) == GatewaySample(4.0, None)
     with pytest.raises(ValueError, match="metrics missing: slipstream:gateway_requests_waiting"):
         parse_gateway_metrics(exposition(1, 2, 0.3).decode())
 

@@ -30,13 +30,15 @@ def cli_flag(scorer: str) -> str:
     return "--weight-" + scorer.replace("_", "-")
 
 
-def check_weights(weights: Mapping[str, float], where: str = "routing weights") -> dict[str, float]:
-    """``weights`` over :data:`DEFAULT_WEIGHTS`, checked: known scorer names, numbers ≥ 0, at
-    least one > 0. Returns every scorer's weight. Raises ValueError naming ``where`` and the key."""
-    unknown = sorted(set(weights) - set(DEFAULT_WEIGHTS))
+def check_weights(weights: Mapping[str, float], where: str = "routing weights",
+                  defaults: Mapping[str, float] = DEFAULT_WEIGHTS) -> dict[str, float]:
+    """``weights`` over ``defaults`` (:data:`DEFAULT_WEIGHTS`, or those plus the weights of
+    scorers a gateway registers), checked: known scorer names, numbers ≥ 0, at least one > 0.
+    Returns every scorer's weight. Raises ValueError naming ``where`` and the key."""
+    unknown = sorted(set(weights) - set(defaults))
     if unknown:
-        raise ValueError(f"{where} has unknown scorer(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_WEIGHTS)}")
-    merged = {**DEFAULT_WEIGHTS, **weights}
+        raise ValueError(f"{where} has unknown scorer(s) {', '.join(unknown)}; known: {', '.join(defaults)}")
+    merged = {**defaults, **weights}
     for name, value in merged.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{where}.{crd_key(name)} must be a number ≥ 0, got {value!r}")

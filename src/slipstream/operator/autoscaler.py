@@ -14,44 +14,17 @@ from typing import Any, Mapping, Sequence
 
 # The spec's fields, defaults and ranges are the contract's; the policy is here.
 from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec  # noqa: F401
+from slipstream.api_types.load import GatewayLoad, PodLoad
 
 HISTORY_LIMIT = 10
 # ceil(4.000000001) must stay 4: sums of float samples carry rounding error.
 _EPS = 1e-9
 
 
-@dataclass(frozen=True, slots=True)
-class PodSample:
-    """One pod's gauges read at one scrape.
-
-    pod: the pod's name.
-    time: when it was read, seconds on the caller's clock.
-    num_requests_waiting / num_requests_running: requests (``slipstream:num_requests_*``).
-    kv_cache_usage_perc: KV-cache utilization, 0..1 (``slipstream:kv_cache_usage_perc``).
-    """
-
-    pod: str
-    time: float
-    num_requests_waiting: float
-    num_requests_running: float
-    kv_cache_usage_perc: float
-
-
-@dataclass(frozen=True, slots=True)
-class GatewaySample:
-    """The gateway's gauges read at one tick, summed over the gateway pods that answered.
-
-    waiting: requests held in the gateway for want of a ready pod
-        (``slipstream:gateway_requests_waiting``): the demand signal at zero replicas.
-    in_flight: requests the gateway has sent to pods and not finished
-        (``slipstream:gateway_endpoint_in_flight``, all endpoints); None when not exported.
-    complete: every ready gateway pod answered; a silent one may hold requests, so the policy
-        never scales to zero on an incomplete reading.
-    """
-
-    waiting: float
-    in_flight: float | None = None
-    complete: bool = True
+# One pod's scrape and the gateway pods' reading are the contract's types (the gateway and the
+# simulator make the same ones); the policy keeps its names for them.
+PodSample = PodLoad
+GatewaySample = GatewayLoad
 
 
 @dataclass(frozen=True, slots=True)

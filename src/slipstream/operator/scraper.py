@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from slipstream.api_types.metrics import read_gateway_load, read_pod_load
 from slipstream.operator.autoscaler import GatewaySample, PodSample
 
 __all__ = ["GatewayScrape", "GatewaySample", "PodSample", "PodTarget", "ScrapeFailure", "ScrapeResult",
            "parse_gateway_metrics", "parse_metrics", "pod_targets", "scrape_gateways", "scrape_pods"]
 
-WAITING = "slipstream:num_requests_waiting"
-RUNNING = "slipstream:num_requests_running"
-KV_CACHE = "slipstream:kv_cache_usage_perc"
-# The gateway's (server/gateway/metrics.py).
-GATEWAY_WAITING = "slipstream:gateway_requests_waiting"
-GATEWAY_IN_FLIGHT = "slipstream:gateway_endpoint_in_flight"
 DEFAULT_TIMEOUT = 1.0
 # A slipstream pod's exposition is tens of KiB; anything far larger is not one.
 MAX_BYTES = 4 << 20
@@ -77,44 +71,9 @@ class GatewayScrape:
     failures: tuple[ScrapeFailure, ...]
 
 
-def parse_metrics(text: str, model_name: str | None = None) -> tuple[float, float, float]:
-    """(waiting, running, kv_cache_usage_perc) from Prometheus text exposition.
-
-    Series of several ``model_name`` labels are summed for the request counts and the largest
-    KV-cache utilization is taken; ``model_name`` keeps only that label's series.
-    Raises ValueError when the text does not parse or a gauge is missing.
-    """
-    values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_CACHE: []}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in values and (model_name is None or sample.labels.get("model_name") == model_name):
-                values[sample.name].append(float(sample.value))
-    missing = [name for name, found in values.items() if not found]
-    if missing:
-        raise ValueError(f"metrics missing: {', '.join(missing)}")
-    return sum(values[WAITING]), sum(values[RUNNING]), max(values[KV_CACHE])
-
-
-def parse_gateway_metrics(text: str) -> tuple[float, float | None]:
-    """(waiting, in_flight) from a gateway's Prometheus text exposition: requests it holds for
-    want of a pod (``slipstream:gateway_requests_waiting``) and requests it has on pods, summed
-    over its endpoints (``slipstream:gateway_endpoint_in_flight``; 0 with no endpoint, None when
-    the family is not exported at all). Raises ValueError when the text does not parse or the
-    waiting gauge is missing.
-    """
-    waiting: list[float] = []
-    in_flight: list[float] | None = None
-    for family in text_string_to_metric_families(text):
-        if family.name == GATEWAY_IN_FLIGHT and in_flight is None:
-            in_flight = []  # exported, perhaps without series: no endpoint
-        for sample in family.samples:
-            if sample.name == GATEWAY_WAITING:
-                waiting.append(float(sample.value))
-            elif sample.name == GATEWAY_IN_FLIGHT:
-                in_flight = (in_flight or []) + [float(sample.value)]
-    if not waiting:
-        raise ValueError(f"metrics missing: {GATEWAY_WAITING}")
-    return sum(waiting), None if in_flight is None else sum(in_flight)
+# The contract's readers (slipstream.api_types.metrics), under the names the operator has used.
+parse_metrics = read_pod_load
+parse_gateway_metrics = read_gateway_load
 
 
 def pod_targets(pods: Iterable[Mapping[str, Any]], port: int) -> tuple[list[PodTarget], int]:
@@ -190,9 +149,9 @@ async def scrape_pods(
     clock: stamps the result and the samples (seconds; wall clock by default).
     """
     started = clock()
-    results = [PodSample(target.name, clock(), *gauges) if isinstance(gauges, tuple) else gauges
-               for target, gauges in await _read_all(targets, timeout, session,
-                                                     lambda text: parse_metrics(text, model_name))]
+    results = [r if isinstance(r, ScrapeFailure) else replace(r, pod=target.name, time=clock())
+               for target, r in await _read_all(targets, timeout, session,
+                                                lambda text: read_pod_load(text, model_name=model_name))]
     return ScrapeResult(
         time=started,
         samples=tuple(r for r in results if isinstance(r, PodSample)),
@@ -212,14 +171,14 @@ async def scrape_gateways(
     that answered exports it, and ``complete`` False when a pod did not answer.
     """
     started = clock()
-    results = [r for _, r in await _read_all(targets, timeout, session, parse_gateway_metrics)]
+    results = [r for _, r in await _read_all(targets, timeout, session, read_gateway_load)]
     read = [r for r in results if not isinstance(r, ScrapeFailure)]
     failures = tuple(r for r in results if isinstance(r, ScrapeFailure))
     sample = None
     if read:
-        in_flight = [f for _, f in read]
+        in_flight = [r.in_flight for r in read]
         sample = GatewaySample(
-            waiting=sum(w for w, _ in read),
+            waiting=sum(r.waiting for r in read),
             in_flight=None if any(f is None for f in in_flight) else sum(in_flight),
             complete=not failures)
     return GatewayScrape(started, sample, failures)

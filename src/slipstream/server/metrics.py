@@ -23,9 +23,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from slipstream.api_types import metrics as names
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PREFIX = "slipstream:"
-_LABELS = ["model_name"]
+_LABELS = [names.MODEL_NAME]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -55,39 +56,40 @@ class _EngineCollector:
             return fam
 
         gauges = {
-            "num_requests_waiting": ("Requests waiting to be scheduled.", stats.num_waiting if stats else 0),
-            "num_requests_running": ("Requests in the running batch.", stats.num_running if stats else 0),
-            "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0..1).",
-                                    stats.kv_cache_usage if stats else 0.0),
+            names.NUM_REQUESTS_WAITING: ("Requests waiting to be scheduled.", stats.num_waiting if stats else 0),
+            names.NUM_REQUESTS_RUNNING: ("Requests in the running batch.", stats.num_running if stats else 0),
+            names.KV_CACHE_USAGE_PERC: ("Fraction of KV-cache blocks in use (0..1).",
+                                        stats.kv_cache_usage if stats else 0.0),
         }
         for metric, (doc, value) in gauges.items():
-            yield family(GaugeMetricFamily, PREFIX + metric, doc, value)
+            yield family(GaugeMetricFamily, metric, doc, value)
             if self._vllm:
-                yield family(GaugeMetricFamily, "vllm:" + metric, doc + " (vLLM-compatible name)", value)
+                yield family(GaugeMetricFamily, names.VLLM_GAUGES[metric], doc + " (vLLM-compatible name)", value)
         counters = {
-            "num_preemptions": ("Requests preempted (blocks freed, recomputed later).", "num_preemptions_total"),
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_cache_queries_total"),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits_total"),
+            names.NUM_PREEMPTIONS: ("Requests preempted (blocks freed, recomputed later).", "num_preemptions_total"),
+            names.PREFIX_CACHE_QUERIES: ("Prompt tokens looked up in the prefix cache.",
+                                         "prefix_cache_queries_total"),
+            names.PREFIX_CACHE_HITS: ("Prompt tokens found in the prefix cache.", "prefix_cache_hits_total"),
         }
         for metric, (doc, attr) in counters.items():
-            yield family(CounterMetricFamily, PREFIX + metric, doc, getattr(stats, attr, 0) if stats else 0)
+            yield family(CounterMetricFamily, metric, doc, getattr(stats, attr, 0) if stats else 0)
         # read only where the engine imported the kernels: this module must not import torch
         kernels_module = sys.modules.get("slipstream.kernels.cpu_native")
         isa = kernels_module.loaded_isa() if kernels_module else None
         if isa is not None:
-            kernels = GaugeMetricFamily(PREFIX + "cpu_kernel_info", "The CPU kernel path in use, as a label (value "
+            kernels = GaugeMetricFamily(names.CPU_KERNEL_INFO, "The CPU kernel path in use, as a label (value "
                                         "1; none: quantized weights served dequantized to fp32).",
                                         labels=_LABELS + ["isa"])
             kernels.add_metric([name, isa], 1)
             yield kernels
         if stats is not None:
-            info = GaugeMetricFamily(PREFIX + "engine_config_info", "The engine's settings, as labels (value 1).",
+            info = GaugeMetricFamily(names.ENGINE_CONFIG_INFO, "The engine's settings, as labels (value 1).",
                                      labels=_LABELS + list(_CONFIG_LABELS))
             info.add_metric([name] + [_label_value(getattr(stats, attr)) for attr in _CONFIG_LABELS], 1)
             yield info
 
 
-_CONFIG_LABELS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+_CONFIG_LABELS = names.ENGINE_CONFIG_LABELS
 
 
 def _label_value(value: Any) -> str:
@@ -103,21 +105,21 @@ class ServerMetrics:
         r = self.registry
 
         def counter(metric: str, doc: str, labels: list[str] = _LABELS) -> Counter:
-            return Counter(PREFIX + metric, doc, labels, registry=r)
+            return Counter(metric, doc, labels, registry=r)
 
         def histogram(metric: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(PREFIX + metric, doc, _LABELS, buckets=buckets, registry=r)
+            return Histogram(metric, doc, _LABELS, buckets=buckets, registry=r)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests served.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated and delivered.")
-        self.request_success = counter("request_success", "Finished choices, by finish reason (error: the "
+        self.prompt_tokens = counter(names.PROMPT_TOKENS, "Prompt tokens of requests served.")
+        self.generation_tokens = counter(names.GENERATION_TOKENS, "Tokens generated and delivered.")
+        self.request_success = counter(names.REQUEST_SUCCESS, "Finished choices, by finish reason (error: the "
                                        "engine failed it, as a failed step or logits that are not finite).",
                                        _LABELS + ["finished_reason"])
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens", "Tokens (prefill + decode) per engine step.",
+        self.ttft = histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "Arrival to first generated token.", TTFT_BUCKETS)
+        self.itl = histogram(names.INTER_TOKEN_LATENCY_SECONDS, "Time between two generated tokens.", ITL_BUCKETS)
+        self.e2e = histogram(names.E2E_REQUEST_LATENCY_SECONDS, "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue_time = histogram(names.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram(names.ITERATION_TOKENS, "Tokens (prefill + decode) per engine step.",
                                           ITERATION_BUCKETS)
         r.register(_EngineCollector(model_name, stats, vllm_compatible))
 

@@ -22,10 +22,11 @@ from typing import Any
 
 import yaml
 
+from slipstream.api_types.routing import POLICIES
 from slipstream.operator.autoscaler import CRD_KEYS, AutoscalingSpec
 
 from .cli import HelpFormatter
-from .gateway.routing import POLICIES
+from .gateway.routing.weights import add_weight_flags, weights_from_args
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
@@ -100,6 +101,7 @@ def parser() -> argparse.ArgumentParser:
     pod.add_argument("--routing", type=parse_routing, default="round-robin", metavar="POLICY[,POLICY...]|all",
                      help=f"the gateway's policy ({', '.join(POLICIES)}); round-robin is what a ClusterIP "
                           "Service does; several (or all): one run each on the same arrivals, side by side")
+    add_weight_flags(pod)
     auto = p.add_argument_group("autoscaling (defaults: the CRD's, with maxReplicas 8)")
     auto.add_argument("--autoscaling", type=Path,
                       help="YAML: an InferenceService or its spec.autoscaling (camelCase keys); flags override it")
@@ -165,7 +167,8 @@ def run(args: argparse.Namespace, routing: str | None = None) -> SimResult:
         config = replace(config, prefix_caching=False)
     policies = parse_routing(args.routing) if isinstance(args.routing, str) else args.routing
     cluster = Cluster(profile, config, autoscaling_spec(args), startup_delay=args.startup_delay, tick=args.tick,
-                      initial=args.initial_replicas, routing=routing or policies[0])
+                      initial=args.initial_replicas, routing=routing or policies[0],
+                      weights=weights_from_args(args))
     return cluster.run(played, duration)
 
 

@@ -22,6 +22,7 @@ from .load import LoadScraper
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .proxy import REQUEST_ID, Proxy, error_response
 from .routing import BlockIndex, Router
+from .wait_queue import WaitQueue
 from .tokenize import PromptHasher
 
 log = logging.getLogger("slipstream.gateway")
@@ -36,7 +37,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.endpoints = EndpointSet(config)
-        self.metrics = GatewayMetrics(self.endpoints)
+        self.queue = WaitQueue(self.endpoints)
+        self.metrics = GatewayMetrics(self.endpoints, self.queue)
         self.block_index = BlockIndex(config.block_index_capacity)
         self.router = Router(config.policy, weights=config.weights, block_index=self.block_index,
                              prefix_capacity=config.prefix_capacity, sessions=config.sessions)
@@ -56,14 +58,14 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
-        if self.config.policy in ("prefix", "kv-events"):
+        if self.router.reads_prompt_blocks:
             self.hasher = PromptHasher(self.session, max_blocks=self.config.max_prompt_blocks,
                                        headers=self.config.upstream_headers)
-        if self.config.policy == "kv-events":
+        if self.router.reads_kv_events:
             self.subscriber = KVEventSubscriber(self.block_index, self.session, headers=self.config.upstream_headers)
             self.endpoints.add_listener(lambda name: self.subscriber.watch(name, name), self.subscriber.unwatch,
                                         self.subscriber.nudge)
-        self.proxy = Proxy(self.config, self.endpoints, self.router, self.session, self.metrics, self.hasher)
+        self.proxy = Proxy(self.config, self.endpoints, self.queue, self.router, self.session, self.metrics, self.hasher)
         self.scraper = LoadScraper(self.endpoints, self.session)
         self.scraper.start()
         if self.config.service is not None:
@@ -117,7 +119,7 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "starting"}, status=503)
     return web.json_response({"status": "ready", "endpoints": len(gateway.endpoints),
                               "routable": len(gateway.endpoints.routable_endpoints()),
-                              "waiting": gateway.endpoints.waiting})
+                              "waiting": gateway.queue.waiting})
 
 
 async def metrics(request: web.Request) -> web.Response:

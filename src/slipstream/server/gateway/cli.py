@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..cli import HelpFormatter, byte_size, configure_logging
 from .config import GatewayConfig
-from .routing import DEFAULT_POLICY, POLICIES, Weights
+from .routing import DEFAULT_POLICY, POLICIES
+from .routing.weights import add_weight_flags, weights_from_args
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -62,15 +63,7 @@ def gateway_parser() -> argparse.ArgumentParser:
     r.add_argument("--routing", default=DEFAULT_POLICY, choices=POLICIES,
                    help="round-robin; least-loaded; prefix (the gateway's own table of where it sent each prompt "
                         "block); kv-events (the pods' KV-cache events: what each pod really holds)")
-    w = Weights()
-    r.add_argument("--weight-prefix", type=_non_negative_float, default=w.prefix,
-                   help="score weight of the fraction of the prompt's blocks an endpoint holds")
-    r.add_argument("--weight-queue", type=_non_negative_float, default=w.queue, help="score weight of a short queue")
-    r.add_argument("--weight-kv-cache", type=_non_negative_float, default=w.kv_cache,
-                   help="score weight of free KV cache")
-    r.add_argument("--weight-affinity", type=_non_negative_float, default=w.affinity,
-                   help="score weight of the endpoint that served the same session (X-Session-Id, "
-                        "prompt_cache_key or user) before")
+    add_weight_flags(r)
     q = p.add_argument_group("queue and limits")
     q.add_argument("--max-queue", type=_int_at_least(0), default=d.max_queue,
                    help="most requests held while no endpoint can take them; one more gets 429")
@@ -127,7 +120,7 @@ def own_namespace() -> str:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The :class:`GatewayConfig` of parsed :func:`gateway_parser` options. Raises ValueError."""
-    weights = Weights(args.weight_prefix, args.weight_queue, args.weight_kv_cache, args.weight_affinity)
+    weights = weights_from_args(args)
     return GatewayConfig(
         endpoints=tuple(args.endpoints), service=args.service, namespace=args.namespace or own_namespace(),
         target_port=args.target_port, target_port_name=args.target_port_name, policy=args.routing, weights=weights, max_queue=args.max_queue,

@@ -22,7 +22,8 @@ class GatewayConfig:
     endpoints: base URLs of the pods (static ``--endpoint`` flags), or
     service / namespace: the headless Service whose EndpointSlices list the pods (in a cluster;
         exclusive with ``endpoints``), with ``target_port`` or the port named ``target_port_name``.
-    policy / weights: the routing policy and its score weights (:mod:`.routing`).
+    policy / weights: the routing policy and its score weights by scorer name (:mod:`.routing`;
+        a mapping is made :class:`~.routing.Weights`).
     max_queue: most requests held in the gateway while no endpoint can take them; one more gets 429.
     queue_timeout: seconds a request may wait there (its deadline, from arrival); then 503.
     max_in_flight: requests in flight per endpoint before it counts as full; None: the pod's
@@ -74,6 +75,8 @@ class GatewayConfig:
             raise ValueError("give either endpoints (--endpoint) or a Service (--service), not both")
         if self.target_port is not None and not 0 < self.target_port < 65536:
             raise ValueError(f"target_port must be a TCP port, got {self.target_port}")
+        if not isinstance(self.weights, Weights):
+            object.__setattr__(self, "weights", Weights(self.weights))
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("max_queue", "max_prompt_blocks", "sessions", "prefix_capacity", "block_index_capacity"):

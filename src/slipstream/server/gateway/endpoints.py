@@ -1,49 +1,27 @@
-"""The endpoints behind the gateway, their load, and the slots requests hold on them.
+"""The endpoints behind the gateway, their load, and the requests in flight on each.
 
 :class:`EndpointSet` is the one place that knows which pods exist (:meth:`EndpointSet.set_endpoints`,
 fed by ``--endpoint`` flags or an EndpointSlice watcher), which of them may take requests (``/ready``
 answered 200 and nothing said otherwise since, a good ``/metrics`` scrape within ``load_timeout``), and how
-many requests the gateway has in flight on each. A request takes a slot with
-:meth:`EndpointSet.acquire`: at once when the routing policy picks an endpoint, else it waits in a
-bounded FIFO queue until an endpoint appears or a slot frees, up to its deadline (the lossless
-cold path: scale from zero, a rollout, every pod at its limit).
+many requests the gateway has in flight on each (:meth:`EndpointSet.take` / :meth:`EndpointSet.release`).
+Requests that no endpoint can take yet wait in :class:`~.wait_queue.WaitQueue`, which hears from
+here whenever capacity may have freed.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable
+
+from slipstream.api_types.load import PodLoad
 
 from .config import GatewayConfig, normalize_url
-from .routing import Choice, EndpointLoad
+from .routing import EndpointLoad
 
 log = logging.getLogger("slipstream.gateway")
 
 DEFAULT_BLOCK_SIZE = 16
-Pick = Callable[[Sequence[EndpointLoad]], "Choice | None"]
-
-
-class QueueFull(Exception):
-    """The gateway's queue holds ``max_queue`` requests already (answer 429)."""
-
-
-class DeadlineExceeded(Exception):
-    """A request waited its whole ``queue_timeout`` for an endpoint (answer 503)."""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSample:
-    """One scrape of a pod's /metrics. block_size and max_num_seqs are None when the pod does not
-    export ``slipstream:engine_config_info``."""
-
-    waiting: float
-    running: float
-    kv_cache_usage: float
-    block_size: int | None = None
-    max_num_seqs: int | None = None
 
 
 @dataclass(slots=True)
@@ -63,18 +41,13 @@ class Endpoint:
     ready: bool = False
 
 
-@dataclass(slots=True)
-class _Waiter:
-    pick: Pick
-    exclude: Collection[str]
-    future: asyncio.Future = field(repr=False)
-
-
 class EndpointSet:
-    """Endpoints by name (the base URL), their load and in-flight counts, and the wait queue.
+    """Endpoints by name (the base URL), their load and in-flight counts.
 
     Listeners (:meth:`add_listener`) hear of each endpoint added or removed; the KV-event
-    subscriber follows the added ones and the router forgets the removed ones.
+    subscriber follows the added ones and the router forgets the removed ones. Capacity
+    listeners (:meth:`add_capacity_listener`) hear whenever an endpoint may take more than before:
+    a slot freed, a fresh scrape, a scraper tick.
     """
 
     def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic):
@@ -82,8 +55,8 @@ class EndpointSet:
         self.clock = clock
         self._endpoints: dict[str, Endpoint] = {}
         self._retired: dict[str, Endpoint] = {}  # removed with requests still in flight
-        self._waiters: deque[_Waiter] = deque()
         self._listeners: list[tuple[Callable[[str], None] | None, ...]] = []
+        self._capacity_listeners: list[Callable[[], None]] = []
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -93,6 +66,15 @@ class EndpointSet:
         """Call ``on_added(name)`` / ``on_removed(name)`` on each change from now on, and
         ``on_routable(name)`` each time an endpoint becomes routable (ready and scraped)."""
         self._listeners.append((on_added, on_removed, on_routable))
+
+    def add_capacity_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever an endpoint may take a request it could not before."""
+        self._capacity_listeners.append(callback)
+
+    def capacity_changed(self) -> None:
+        """Tell the capacity listeners (also each scraper tick: endpoints go stale, come back)."""
+        for callback in self._capacity_listeners:
+            callback()
 
     def set_endpoints(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
         """Make the set exactly ``urls`` (base URLs; normalized to names). The single entry point
@@ -151,13 +133,13 @@ class EndpointSet:
                              self.config.capacity(e.max_num_seqs))
                 for e in self.routable_endpoints() if e.name not in exclude]
 
-    def observe(self, name: str, sample: LoadSample, ready: bool = False) -> None:
+    def observe(self, name: str, sample: PodLoad, ready: bool = False) -> None:
         """A good scrape of ``name``: fresh load; ``ready``: its /ready answered 200 just now."""
         endpoint = self._endpoints.get(name)
         if endpoint is None:
             return
-        endpoint.waiting, endpoint.running = sample.waiting, sample.running
-        endpoint.kv_cache_usage = sample.kv_cache_usage
+        endpoint.waiting, endpoint.running = sample.num_requests_waiting, sample.num_requests_running
+        endpoint.kv_cache_usage = sample.kv_cache_usage_perc
         if sample.block_size is not None:
             endpoint.block_size = sample.block_size
         if sample.max_num_seqs is not None:
@@ -168,7 +150,7 @@ class EndpointSet:
         if not was and self.routable(endpoint):
             log.info("endpoint %s is routable", name)
             self._notify(2, name)
-        self.dispatch()
+        self.capacity_changed()
 
     def mark_unready(self, name: str, why: str) -> None:
         """A connection to ``name`` failed or it answered 503 (loading, draining): no new
@@ -178,84 +160,18 @@ class EndpointSet:
             endpoint.ready = False
             log.warning("endpoint %s is not ready (%s)", name, why)
 
-    # ---- slots and the wait queue -------------------------------------------------------------
+    # ---- slots ------------------------------------------------------------------------------
 
-    @property
-    def waiting(self) -> int:
-        """Requests waiting in the gateway for an endpoint."""
-        return len(self._waiters)
-
-    def _try(self, pick: Pick, exclude: Collection[str]) -> Choice | None:
-        loads = self.loads()
-        if exclude:  # excluded ones only when no other is routable (one pod that came back)
-            loads = [e for e in loads if e.name not in exclude] or loads
-        choice = pick(loads)
-        if choice is not None:
-            self._endpoints[choice.endpoint].in_flight += 1
-        return choice
-
-    async def acquire(self, pick: Pick, deadline: float, exclude: Collection[str] = ()) -> Choice:
-        """A slot on the endpoint ``pick`` chooses among the routable ones not in ``exclude``
-        (those only when no other is routable: an endpoint that failed is unready until its
-        /ready answers again, and then it may be the only one left).
-
-        Waits (FIFO behind earlier waiters) while ``pick`` returns None, until ``deadline`` (on
-        the set's clock). Raises QueueFull when ``max_queue`` requests wait already and
-        DeadlineExceeded past the deadline. The caller must :meth:`release` the choice's endpoint.
-        """
-        if not self._waiters:
-            choice = self._try(pick, exclude)
-            if choice is not None:
-                return choice
-        if len(self._waiters) >= self.config.max_queue:
-            raise QueueFull
-        waiter = _Waiter(pick, frozenset(exclude), asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
-        try:
-            done, _ = await asyncio.wait({waiter.future}, timeout=max(0.0, deadline - self.clock()))
-        except BaseException:  # cancelled: the client went away while waiting
-            self._abandon(waiter)
-            raise
-        if not done:
-            self._abandon(waiter)
-            raise DeadlineExceeded
-        return waiter.future.result()
-
-    def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.future.done() and not waiter.future.cancelled():
-            self.release(waiter.future.result().endpoint)  # handed a slot just as it gave up
-            return
-        waiter.future.cancel()
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
+    def take(self, name: str) -> None:
+        """A request was sent to ``name``: one more in flight there. Raises KeyError for an
+        endpoint not in the set."""
+        self._endpoints[name].in_flight += 1
 
     def release(self, name: str) -> None:
-        """A request on ``name`` finished: free its slot and hand slots to waiters."""
+        """A request on ``name`` finished: free its slot and tell the capacity listeners."""
         endpoint = self.get(name)
         if endpoint is not None and endpoint.in_flight > 0:
             endpoint.in_flight -= 1
             if endpoint.in_flight == 0 and self._retired.get(name) is endpoint:
                 del self._retired[name]
-        self.dispatch()
-
-    def dispatch(self) -> None:
-        """Hand free slots to waiters in arrival order. Stops at the first waiter without
-        exclusions that gets none: every endpoint is full or unroutable, so no later one would."""
-        if not self._waiters:
-            return
-        kept: deque[_Waiter] = deque()
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if waiter.future.done():
-                continue
-            choice = self._try(waiter.pick, waiter.exclude)
-            if choice is not None:
-                waiter.future.set_result(choice)
-                continue
-            kept.append(waiter)
-            if not waiter.exclude:
-                break
-        kept.extend(self._waiters)
-        self._waiters = kept
+        self.capacity_changed()

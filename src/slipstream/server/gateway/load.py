@@ -1,4 +1,5 @@
-"""Each endpoint's load, read from its ``/metrics`` a few times a second.
+"""Each endpoint's load, read from its ``/metrics`` a few times a second (with the contract's
+reader, :func:`slipstream.api_types.metrics.read_pod_load`).
 
 Every endpoint is scraped on its own task, so a slow or silent one never delays the others; a
 scrape that takes longer than ``scrape_timeout`` is dropped, and an endpoint without a good
@@ -12,48 +13,15 @@ import asyncio
 import logging
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from .endpoints import EndpointSet, LoadSample
+from slipstream.api_types.metrics import read_pod_load
+
+from .endpoints import EndpointSet
 
 log = logging.getLogger("slipstream.gateway")
 
-WAITING = "slipstream:num_requests_waiting"
-RUNNING = "slipstream:num_requests_running"
-KV_CACHE = "slipstream:kv_cache_usage_perc"
-ENGINE_INFO = "slipstream:engine_config_info"
 # A pod's exposition is tens of KiB; anything far larger is not one.
 MAX_BYTES = 4 << 20
-
-
-def parse_load(text: str) -> LoadSample:
-    """A :class:`LoadSample` from Prometheus text exposition.
-
-    Request counts are summed over ``model_name`` series and the largest KV usage is taken. The
-    info gauge ``slipstream:engine_config_info{block_size, max_num_seqs}`` is optional.
-    Raises ValueError when the text does not parse or a load gauge is missing.
-    """
-    values: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_CACHE: []}
-    block_size = max_num_seqs = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in values:
-                values[sample.name].append(float(sample.value))
-            elif sample.name == ENGINE_INFO:
-                block_size = _positive_int(sample.labels.get("block_size")) or block_size
-                max_num_seqs = _positive_int(sample.labels.get("max_num_seqs")) or max_num_seqs
-    missing = [name for name, found in values.items() if not found]
-    if missing:
-        raise ValueError(f"metrics missing: {', '.join(missing)}")
-    return LoadSample(sum(values[WAITING]), sum(values[RUNNING]), max(values[KV_CACHE]), block_size, max_num_seqs)
-
-
-def _positive_int(text: str | None) -> int | None:
-    try:
-        value = int(text) if text is not None else None
-    except ValueError:
-        return None
-    return value if value is not None and value > 0 else None
 
 
 class LoadScraper:
@@ -90,7 +58,7 @@ class LoadScraper:
                 if name not in self._scrapes:
                     self._scrapes[name] = asyncio.create_task(self._scrape(name), name=f"scrape {name}")
             # a dispatch each tick: waiters see endpoints go stale and others come back
-            self.endpoints.dispatch()
+            self.endpoints.capacity_changed()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.config.scrape_interval)
             except asyncio.TimeoutError:
@@ -112,7 +80,8 @@ class LoadScraper:
                     body = await response.content.read(MAX_BYTES + 1)
             if len(body) > MAX_BYTES:
                 raise ValueError(f"/metrics larger than {MAX_BYTES} bytes")
-            sample = parse_load(body.decode("utf-8", errors="replace"))
+            sample = read_pod_load(body.decode("utf-8", errors="replace"), pod=name,
+                                   time=self.endpoints.clock())
         except asyncio.CancelledError:
             raise
         except aiohttp.ClientConnectorError as exc:  # refused, unreachable: it is not there now

@@ -1,4 +1,5 @@
-"""The gateway's own Prometheus metrics (``slipstream:gateway_*``), on the app's own registry.
+"""The gateway's own Prometheus metrics (``slipstream:gateway_*``, named in
+:mod:`slipstream.api_types.metrics`), on the app's own registry.
 
 ``slipstream:gateway_requests_waiting`` is the demand signal the autoscaler reads when a service
 has no pod to scrape (scale from zero).
@@ -8,30 +9,34 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from slipstream.api_types import metrics as names
+
 from ..metrics import CONTENT_TYPE, REQUEST_BUCKETS, TTFT_BUCKETS
 from .endpoints import EndpointSet
+from .wait_queue import WaitQueue
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
-PREFIX = "slipstream:gateway_"
 
 
 class _EndpointCollector:
-    """Gauges read from the endpoint set at scrape time, so removed endpoints disappear."""
+    """Gauges read from the endpoint set and the wait queue at scrape time, so removed endpoints
+    disappear."""
 
-    def __init__(self, endpoints: EndpointSet):
+    def __init__(self, endpoints: EndpointSet, queue: WaitQueue):
         self.endpoints = endpoints
+        self.queue = queue
 
     def describe(self) -> list:
         return []
 
     def collect(self):
-        waiting = GaugeMetricFamily(PREFIX + "requests_waiting",
+        waiting = GaugeMetricFamily(names.GATEWAY_REQUESTS_WAITING,
                                     "Requests held in the gateway waiting for an endpoint")
-        waiting.add_metric([], self.endpoints.waiting)
+        waiting.add_metric([], self.queue.waiting)
         yield waiting
-        in_flight = GaugeMetricFamily(PREFIX + "endpoint_in_flight",
+        in_flight = GaugeMetricFamily(names.GATEWAY_ENDPOINT_IN_FLIGHT,
                                       "Requests the gateway has in flight on each endpoint", labels=["endpoint"])
-        up = GaugeMetricFamily(PREFIX + "endpoint_routable",
+        up = GaugeMetricFamily(names.GATEWAY_ENDPOINT_ROUTABLE,
                                "1 when the endpoint takes new requests (fresh load, no failed connection)",
                                labels=["endpoint"])
         now = self.endpoints.clock()
@@ -41,36 +46,36 @@ class _EndpointCollector:
             up.add_metric([name], 1.0 if self.endpoints.routable(endpoint, now) else 0.0)
         yield in_flight
         yield up
-        count = GaugeMetricFamily(PREFIX + "endpoints", "Endpoints known to the gateway")
+        count = GaugeMetricFamily(names.GATEWAY_ENDPOINTS, "Endpoints known to the gateway")
         count.add_metric([], len(self.endpoints))
         yield count
 
 
 class GatewayMetrics:
-    def __init__(self, endpoints: EndpointSet):
+    def __init__(self, endpoints: EndpointSet, queue: WaitQueue):
         self.registry = r = CollectorRegistry(auto_describe=True)
-        r.register(_EndpointCollector(endpoints))
-        self.requests = Counter(PREFIX + "requests", "Requests answered by the gateway, by HTTP status",
+        r.register(_EndpointCollector(endpoints, queue))
+        self.requests = Counter(names.GATEWAY_REQUESTS, "Requests answered by the gateway, by HTTP status",
                                 ["code"], registry=r)
-        self.decisions = Counter(PREFIX + "routing_decisions", "Routing decisions by policy and reason",
+        self.decisions = Counter(names.GATEWAY_ROUTING_DECISIONS, "Routing decisions by policy and reason",
                                  ["policy", "reason"], registry=r)
         self.prefix_blocks_requested = Counter(
-            PREFIX + "prefix_blocks_requested", "Full prompt blocks of routed requests", registry=r)
+            names.GATEWAY_PREFIX_BLOCKS_REQUESTED, "Full prompt blocks of routed requests", registry=r)
         self.prefix_blocks_matched = Counter(
-            PREFIX + "prefix_blocks_matched", "Prompt blocks the chosen endpoint held, as the gateway's index saw it",
+            names.GATEWAY_PREFIX_BLOCKS_MATCHED, "Prompt blocks the chosen endpoint held, as the gateway's index saw it",
             registry=r)
-        self.retries = Counter(PREFIX + "retries", "Requests sent again to another endpoint before the first byte",
+        self.retries = Counter(names.GATEWAY_RETRIES, "Requests sent again to another endpoint before the first byte",
                                ["reason"], registry=r)
-        self.rejections = Counter(PREFIX + "rejections", "Requests the gateway answered itself with an error",
+        self.rejections = Counter(names.GATEWAY_REJECTIONS, "Requests the gateway answered itself with an error",
                                   ["reason"], registry=r)
-        self.stream_errors = Counter(PREFIX + "upstream_errors_after_first_byte",
+        self.stream_errors = Counter(names.GATEWAY_UPSTREAM_ERRORS_AFTER_FIRST_BYTE,
                                      "Responses cut short because the endpoint failed mid-response", registry=r)
-        self.queue_time = Histogram(PREFIX + "queue_time_seconds", "Time a request waited for an endpoint",
+        self.queue_time = Histogram(names.GATEWAY_QUEUE_TIME_SECONDS, "Time a request waited for an endpoint",
                                     buckets=TTFT_BUCKETS, registry=r)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+        self.ttft = Histogram(names.GATEWAY_TIME_TO_FIRST_TOKEN_SECONDS,
                               "Arrival at the gateway to the first response byte sent to the client",
                               buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+        self.e2e = Histogram(names.GATEWAY_E2E_REQUEST_LATENCY_SECONDS,
                              "Arrival at the gateway to the last response byte", buckets=REQUEST_BUCKETS, registry=r)
 
     def render(self) -> bytes:

@@ -5,7 +5,7 @@ A request's path through the gateway:
 1. Read the body (bounded by ``max_request_bytes``) and build a :class:`RouteRequest` from it
    (the prompt's block hashes for the prefix policies, a session key) for the inference paths;
    every other path goes to the least-loaded endpoint.
-2. Take a slot (:meth:`EndpointSet.acquire`): at once, or after waiting in the gateway's queue
+2. Take a slot (:meth:`WaitQueue.acquire`): at once, or after waiting in the gateway's queue
    until the request's deadline (429 when the queue is full, 503 past the deadline).
 3. Send it with the client's end-to-end headers (``Authorization`` included: the pods enforce
    their ``--api-key``) and a request id. A connection error or a 503 before the first response
@@ -31,9 +31,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .config import GatewayConfig
-from .endpoints import DeadlineExceeded, EndpointSet, QueueFull
+from .endpoints import EndpointSet
 from .metrics import GatewayMetrics
 from .routing import Choice, RouteRequest, Router
+from .wait_queue import DeadlineExceeded, QueueFull, WaitQueue
 
 log = logging.getLogger("slipstream.gateway")
 
@@ -87,22 +88,24 @@ def _session_key(request: web.Request, payload: dict) -> str | None:
 
 
 class Proxy:
-    """Forwards requests to the endpoints of ``endpoints`` chosen by ``router``.
+    """Forwards requests to the endpoints of ``endpoints`` chosen by ``router``, holding them in
+    ``queue`` while none can take them.
 
     hasher: a ``PromptHasher`` (``block_hashes(path, body, endpoint_url, block_size)``) or None
     (then every request routes by load and session only).
     """
 
-    def __init__(self, config: GatewayConfig, endpoints: EndpointSet, router: Router,
+    def __init__(self, config: GatewayConfig, endpoints: EndpointSet, queue: WaitQueue, router: Router,
                  session: aiohttp.ClientSession, metrics: GatewayMetrics, hasher: Any = None):
         self.config = config
         self.endpoints = endpoints
+        self.queue = queue
         self.router = router
         self.fallback = Router("least-loaded")
         self.session = session
         self.metrics = metrics
         self.hasher = hasher
-        self._hashing = hasher is not None and router.policy in ("prefix", "kv-events")
+        self._hashing = hasher is not None and router.reads_prompt_blocks
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
@@ -120,7 +123,7 @@ class Proxy:
         last_error = ""
         for attempt in range(self.config.max_tries):
             try:
-                choice = await self.endpoints.acquire(lambda loads: router.pick(route, loads), deadline, tried)
+                choice = await self.queue.acquire(lambda loads: router.pick(route, loads), deadline, tried)
             except QueueFull:
                 return self._reject(429, "queue_full", request_id,
                                     f"The gateway holds {self.config.max_queue} requests waiting for a model server "

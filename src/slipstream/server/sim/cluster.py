@@ -30,10 +30,10 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
-from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, GatewaySample, PodSample, \
-    decide
+from slipstream.api_types.load import GatewayLoad, PodLoad
+from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, decide
 
 from ..engine.kv_cache import STORED, KVCacheManager
 from ..engine.outputs import RequestMetrics
@@ -169,9 +169,9 @@ class VirtualReplica:
     def load(self) -> int:
         return self.scheduler.num_waiting + self.scheduler.num_running
 
-    def sample(self, now: float) -> PodSample:
+    def sample(self, now: float) -> PodLoad:
         """The gauges a scrape would read now."""
-        return PodSample(self.name, now, self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage)
+        return PodLoad(self.name, now, self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage)
 
     def add(self, sim: SimRequest, now: float, prompt_ids: list[int] | None = None,
             block_hashes: tuple[bytes, ...] = ()) -> None:
@@ -277,15 +277,19 @@ class Cluster:
         initial: replicas ready at time 0 (default ``spec.min_replicas``).
         routing: a :data:`~slipstream.server.gateway.routing.POLICIES` name (round-robin is what a
             ClusterIP Service does; the rest are the gateway's), or a :class:`Router` to use.
-    Raises ValueError for an unknown policy or a bad tick or delay.
+        weights: the router's score weights by scorer name (default the gateway's; not with a
+            :class:`Router`, which has its own).
+    Raises ValueError for an unknown policy or weight, or a bad tick or delay.
     """
 
     def __init__(self, profile: Profile, config: ReplicaConfig, spec: AutoscalingSpec, *,
                  startup_delay: float = 60.0, tick: float = 2.0, initial: int | None = None,
-                 routing: str | Router = "round-robin"):
+                 routing: str | Router = "round-robin", weights: Mapping[str, float] | None = None):
         if tick <= 0 or startup_delay < 0:
             raise ValueError(f"tick must be > 0 and startup_delay >= 0, got {tick}, {startup_delay}")
-        self.router = routing if isinstance(routing, Router) else Router(routing)
+        if isinstance(routing, Router) and weights is not None:
+            raise ValueError("give the weights to the Router, not beside it")
+        self.router = routing if isinstance(routing, Router) else Router(routing, weights=weights)
         self.profile, self.config, self.spec = profile, config, spec
         self.startup_delay, self.tick, self.routing = startup_delay, tick, self.router.policy
         self.state = AutoscalerState()
@@ -300,7 +304,7 @@ class Cluster:
     # --- replicas -----------------------------------------------------------------------------
     def _create(self, now: float, ready_at: float) -> None:
         self.replicas.append(VirtualReplica(f"pod-{next(self._names)}", self.profile, self.config, now, ready_at,
-                                            kv_events=self.routing == "kv-events"))
+                                            kv_events=self.router.reads_kv_events))
 
     @property
     def active(self) -> list[VirtualReplica]:
@@ -373,7 +377,7 @@ class Cluster:
             # The requests held for want of a ready replica are what the gateway reports waiting
             # (the demand signal at zero replicas); the rest are on replicas, in their gauges.
             decision = decide(self.spec, self.state, samples, now, current, len(ready), len(starting),
-                              GatewaySample(waiting=float(len(self.pending))))
+                              GatewayLoad(waiting=float(len(self.pending))))
             self.state = decision.state
             desired = decision.desired_replicas
             if decision.scaled:

@@ -1,0 +1,53 @@
+"""One pod's load and the gateway's, as read from their ``/metrics``: the samples the gateway
+routes by, the operator's autoscaler decides on and the simulator produces.
+
+:class:`PodLoad` is the one type for a pod's scraped load (the gateway, the operator's scraper and
+the simulator's virtual replicas all make it). The gateway's router keeps its own view,
+``slipstream.server.gateway.routing.EndpointLoad``, beside it rather than in it: the router adds
+what no scrape holds (its own in-flight count, fresher than any scrape, and the capacity its
+settings give the pod) and the simulator builds it with no scrape at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PodLoad:
+    """One pod's gauges read at one scrape (:func:`~slipstream.api_types.metrics.read_pod_load`).
+
+    pod: the pod's name (the gateway uses the endpoint's base URL).
+    time: when it was read, seconds on the reader's clock.
+    num_requests_waiting / num_requests_running: requests (``slipstream:num_requests_*``, summed
+        over ``model_name`` series).
+    kv_cache_usage_perc: KV-cache utilization, 0..1 (``slipstream:kv_cache_usage_perc``, the
+        largest over series).
+    block_size / max_num_seqs: the engine's settings from ``slipstream:engine_config_info``;
+        None when the pod does not export it (older pods, or not loaded yet).
+    """
+
+    pod: str
+    time: float
+    num_requests_waiting: float
+    num_requests_running: float
+    kv_cache_usage_perc: float
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayLoad:
+    """The gateway's gauges (:func:`~slipstream.api_types.metrics.read_gateway_load`), of one
+    gateway pod or summed over those that answered one tick.
+
+    waiting: requests held in the gateway for want of a ready pod
+        (``slipstream:gateway_requests_waiting``): the demand signal at zero replicas.
+    in_flight: requests the gateway has sent to pods and not finished
+        (``slipstream:gateway_endpoint_in_flight``, all endpoints); None when not exported.
+    complete: every ready gateway pod answered; a silent one may hold requests, so the
+        autoscaler never scales to zero on an incomplete reading.
+    """
+
+    waiting: float
+    in_flight: float | None = None
+    complete: bool = True
