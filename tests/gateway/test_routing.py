@@ -168,8 +168,11 @@ def test_scores_are_weighted_terms_in_unit_range():
 def test_bad_configuration_is_refused():
     with pytest.raises(ValueError, match="routing policy"):
         Router("random")
-    with pytest.raises(ValueError, match=r"routing weights\.prefix must be a number ≥ 0, got -1"):
+    with pytest.raises(ValueError, match=r"routing weights\.prefix must be a finite number ≥ 0, got -1"):
         Weights(prefix=-1)
+    # an infinite weight made every score NaN: no endpoint was best and each pick failed
+    with pytest.raises(ValueError, match=r"routing weights\.queue must be a finite number ≥ 0, got inf"):
+        Weights(queue=float("inf"))
     with pytest.raises(ValueError, match="unknown scorer"):
         Weights(speed=1.0)
     with pytest.raises(ValueError, match="at least one weight must be > 0"):

@@ -518,3 +518,10 @@ def test_gateway_accepts_the_rendered_arguments(body):
     assert (args.host, args.port, args.routing, args.max_queue, args.queue_timeout) == (
         "0.0.0.0", 8000, spec.routing.policy, spec.routing.queue_size,
         spec.routing.queue_timeout_seconds)
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1])
+def test_a_routing_weight_that_is_not_a_finite_number_at_least_0_is_refused(weight):
+    """An infinite weight turned every gateway score into NaN and each request into a 500."""
+    with pytest.raises(SpecError, match=r"spec\.routing\.weights\.queue must be a (finite )?number ≥ 0"):
+        parse_spec({"routing": {"weights": {"queue": weight}}}, name="x")

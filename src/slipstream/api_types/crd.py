@@ -150,7 +150,7 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Write :data:`OUTPUTS` under ``argv[0]`` (default ``.``); print each path written."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) > 1:
+    if len(args) > 1 or any(a.startswith("-") for a in args):
         print("usage: python -m slipstream.api_types.crd [ROOT]", file=sys.stderr)
         return 2
     root, text = Path(args[0] if args else "."), render()

@@ -7,6 +7,7 @@ A scorer's name is snake_case (``kv_cache``); the CRD spells it camelCase (``kvC
 """
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 from typing import Mapping
 
@@ -40,8 +41,9 @@ def check_weights(weights: Mapping[str, float], where: str = "routing weights",
         raise ValueError(f"{where} has unknown scorer(s) {', '.join(unknown)}; known: {', '.join(defaults)}")
     merged = {**defaults, **weights}
     for name, value in merged.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{where}.{crd_key(name)} must be a number ≥ 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= value < math.inf:
+            raise ValueError(f"{where}.{crd_key(name)} must be a finite number ≥ 0, got {value!r}")
     if not any(value > 0 for value in merged.values()):
         raise ValueError(f"{where}: at least one weight must be > 0, or every endpoint scores the same")
     return merged

@@ -4,6 +4,7 @@ gateway`` and ``slipstream simulate``."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Iterator, Mapping
 
 from slipstream.api_types.routing import check_weights, cli_flag
@@ -42,10 +43,14 @@ class Weights(Mapping[str, float]):
         return f"Weights({self._by_name!r})"
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+def _weight(text: str) -> float:
+    """A ``--weight-*`` value: a finite number ≥ 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -56,7 +61,7 @@ def _dest(key: str) -> str:
 def add_weight_flags(group: argparse._ActionsContainer) -> None:
     """A ``--weight-KEY`` option (a number ≥ 0, default the key's) for every weight key."""
     for key, default in registry.weight_defaults().items():
-        group.add_argument(cli_flag(key), dest=_dest(key), type=_non_negative_float, default=default,
+        group.add_argument(cli_flag(key), dest=_dest(key), type=_weight, default=default,
                            help=registry.weight_help(key))
 
 
