@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from .model_uri import SIM_PROFILE
 from .schema import CelRule, Quantity, SpecModel, spec_field
 
 MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
@@ -17,7 +18,7 @@ MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
 OCI_MOUNTS = ("auto", "image-volume", "modelcar")
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$"
 # ``sim:PROFILE[,key=value...]``'s PROFILE: a name and options (the server checks their values).
-SIM_PROFILE_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(,(time_scale|output_len|seed)=[-+.0-9eE]+)*$"
+SIM_PROFILE_PATTERN = SIM_PROFILE.pattern
 # The API server's check of ``spec.model.uri``, one alternative per scheme; the operator parses
 # the same forms with a message per scheme.
 URI_PATTERN = (r"^(hf://)?[A-Za-z0-9][-_.A-Za-z0-9]*/[A-Za-z0-9][-_.A-Za-z0-9]*(@[^@:\s]+)?(:[^@:\s]+)?$"
