@@ -6,8 +6,10 @@ import fnmatch
 
 import pytest
 
-from slipstream.api_types.model_uri import (SERVER_SCHEMES, SPEC_SCHEMES, ModelURIError, forms,
-                                            parse_model_uri)
+import re
+
+from slipstream.api_types.model_uri import (SERVER_SCHEMES, SPEC_SCHEMES, SPEC_URI_PATTERN, ModelURIError,
+                                            forms, parse_model_uri)
 
 
 def test_each_form_parses_into_its_parts():
@@ -95,3 +97,24 @@ def test_the_grammar_imports_nothing_of_slipstream_but_itself():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
         {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(name and name.startswith("slipstream") for name in imported), imported
+
+
+@pytest.mark.parametrize("text, parses", [
+    ("builtin", True), ("sim:tiny,seed=7", True), ("hf://Org/Model-1.5B@v1.0:*Q4_K_M.gguf", True),
+    ("Org/Model", True), ("s3://my-bucket/models/llama/", True), ("pvc://weights", True),
+    ("oci://127.0.0.1:5000/models/smollm2@sha256:" + "a" * 64, True), ("oci://ghcr.io/org/model:1", True),
+    ("sim:Tiny", False), ("hf://org", False), ("hf://org/name@", False), ("hf://org/name:a:b", False),
+    ("hf://org/name@v 1", False), ("hf://" + "o" * 97 + "/n", False), ("s3://ab/x", False),
+    ("s3://models/a b", False), ("pvc://Weights/x", False), ("oci://ghcr.io", False),
+    ("oci://ghcr.io/org/model:", False), ("ftp://example/model", False), ("/models/x.gguf", False),
+])
+def test_the_crd_pattern_is_the_grammar(text, parses):
+    """SPEC_URI_PATTERN (the API server's check) is composed from the parser's own regexes: it
+    accepts what the parser accepts; the parser alone refuses what no regex can say (``..``)."""
+    try:
+        parse_model_uri(text)
+        ours = parse_model_uri(text).scheme in SPEC_SCHEMES
+    except ModelURIError:
+        ours = False
+    assert ours is parses
+    assert bool(re.search(SPEC_URI_PATTERN, text)) is parses

@@ -10,23 +10,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from .model_uri import SIM_PROFILE
+from .model_uri import SIM_PROFILE, SPEC_URI_PATTERN
 from .schema import CelRule, Quantity, SpecModel, spec_field
 
 MODEL_SOURCES = ("builtin", "image", "pvc", "sim")
 # How a model image reaches the server: auto picks image-volume where the cluster has them.
 OCI_MOUNTS = ("auto", "image-volume", "modelcar")
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$"
-# ``sim:PROFILE[,key=value...]``'s PROFILE: a name and options (the server checks their values).
-SIM_PROFILE_PATTERN = SIM_PROFILE.pattern
-# The API server's check of ``spec.model.uri``, one alternative per scheme; the operator parses
-# the same forms with a message per scheme.
-URI_PATTERN = (r"^(hf://)?[A-Za-z0-9][-_.A-Za-z0-9]*/[A-Za-z0-9][-_.A-Za-z0-9]*(@[^@:\s]+)?(:[^@:\s]+)?$"
-               r"|^s3://[a-z0-9][-.a-z0-9]{1,61}[a-z0-9](/\S*)?$"
-               r"|^oci://[a-z0-9]([-.a-z0-9]*[a-z0-9])?(:[0-9]{1,5})?/[a-z0-9]+([._/-][a-z0-9]+)*"
-               r"(:[A-Za-z0-9_][-.A-Za-z0-9_]{0,127}|@sha256:[0-9a-f]{64})?$"
-               r"|^pvc://[a-z0-9]([-.a-z0-9]*[a-z0-9])?(/\S*)?$|^builtin$"
-               r"|^sim:" + SIM_PROFILE_PATTERN[1:])
 # A quantity without a sign (a size).
 SIZE_PATTERN = (r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
                 r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -130,7 +120,7 @@ class ModelSpec(SpecModel):
         description="The PersistentVolumeClaim holding the weights (source pvc).")
     # The profile's and the uri's patterns are checked by the operator with the grammar's messages.
     profile: str | None = spec_field(
-        None, min_length=1, max_length=253, schema={"pattern": SIM_PROFILE_PATTERN},
+        None, min_length=1, max_length=253, schema={"pattern": SIM_PROFILE.pattern},
         description="With source sim: the simulated model and GPU, as slipstream serve --model "
                     "sim:PROFILE takes it: tiny, llama3-8b-h100, llama3-8b-h200 or llama3-8b-l4, "
                     "optionally followed by ,time_scale=S (wall seconds per modelled second) "
@@ -139,7 +129,7 @@ class ModelSpec(SpecModel):
         None, min_length=1, max_length=256,
         description="The model name clients send in requests (default metadata.name).")
     uri: str | None = spec_field(
-        None, min_length=1, max_length=1024, schema={"pattern": URI_PATTERN},
+        None, min_length=1, max_length=1024, schema={"pattern": SPEC_URI_PATTERN},
         description="The model, named on its own (no source, path, claimName or profile beside it): "
                     "hf://ORG/NAME[@REVISION][:FILE] (or ORG/NAME) from the Hugging Face Hub, "
                     "s3://BUCKET/PREFIX from S3 or an S3-compatible store (downloaded once per "

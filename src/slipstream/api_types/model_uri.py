@@ -61,6 +61,23 @@ OCI_REFERENCE = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?(:[0-9]{1,5})?/[a-z0
                            r"(:[A-Za-z0-9_][-.A-Za-z0-9_]{0,127}|@sha256:[0-9a-f]{64})?$")
 
 
+
+def _body(pattern: re.Pattern[str]) -> str:
+    """``pattern``'s text without its ``^`` and ``$`` anchors, to compose a larger pattern."""
+    return pattern.pattern.removeprefix("^").removesuffix("$")
+
+
+# The API server's check of ``spec.model.uri`` (the CRD's ``pattern``), one alternative per form of
+# :data:`SPEC_SCHEMES`, built from the regexes above; :func:`parse` gives the precise message.
+SPEC_URI_PATTERN = "|".join((
+    rf"^(hf://)?{_body(HF_REPO)}(@{_body(HF_PART)})?(:{_body(HF_PART)})?$",
+    rf"^s3://{_body(S3_BUCKET)}(/\S*)?$",
+    rf"^oci://{_body(OCI_REFERENCE)}$",
+    rf"^pvc://{_body(PVC_CLAIM)}(/\S*)?$",
+    r"^builtin$",
+    rf"^sim:{_body(SIM_PROFILE)}$",
+))
+
 def forms(schemes: Iterable[str]) -> str:
     """The accepted forms of ``schemes`` (keys of :data:`FORMS`), for error messages."""
     return ", ".join(FORMS[s] for s in schemes)
