@@ -44,7 +44,7 @@ import aiohttp
 
 from slipstream.api_types import metrics as names
 from slipstream.api_types.routing import POLICIES
-from slipstream.operator.autoscaler import AutoscalingSpec
+from slipstream.api_types.autoscaling import AutoscalingSpec
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig
 from slipstream.server.sim.cost_model import get_profile
 from slipstream.server.sim.trace import Arrival, Phase

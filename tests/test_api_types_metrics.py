@@ -49,12 +49,11 @@ def test_a_gateway_reading_tells_no_endpoint_from_no_in_flight_family():
 
 
 def test_the_gateway_and_the_operator_read_with_the_contracts_reader_and_sample_type():
-    from slipstream.operator import autoscaler, scraper
+    from slipstream.operator import scraper
     from slipstream.server.gateway import load
 
     assert scraper.parse_metrics is read_pod_load and scraper.parse_gateway_metrics is read_gateway_load
     assert load.read_pod_load is read_pod_load
-    assert autoscaler.PodSample is PodLoad and autoscaler.GatewaySample is GatewayLoad
 
 
 def test_every_load_gauge_the_readers_need_is_one_the_server_exports():

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from slipstream.operator.autoscaler import AutoscalingSpec
+from slipstream.api_types.autoscaling import AutoscalingSpec
 from slipstream.server import cli
 from slipstream.server.gateway.routing import POLICIES, Router
 from slipstream.server.kv_hash import prompt_block_hashes

@@ -6,7 +6,7 @@ import pytest
 
 import yaml
 
-from slipstream.operator.autoscaler import CRD_KEYS, AutoscalingSpec
+from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec
 from slipstream.operator.spec import SpecError, parse_spec
 from slipstream.server import cli, simulate
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig, SimRequest, VirtualReplica

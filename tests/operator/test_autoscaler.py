@@ -11,22 +11,16 @@ from typing import Callable
 
 import pytest
 
-from slipstream.operator.autoscaler import (
-    AutoscalerState,
-    AutoscalingSpec,
-    Decision,
-    GatewaySample,
-    PodSample,
-    append_scaling_history,
-    decide,
-)
+from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.api_types.load import GatewayLoad, PodLoad
+from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, decide
 
 TICK = 2.0
 
 
-def samples(n: int, waiting_total: float, kv_total: float = 0.0, now: float = 0.0) -> list[PodSample]:
+def samples(n: int, waiting_total: float, kv_total: float = 0.0, now: float = 0.0) -> list[PodLoad]:
     """n pods sharing the load evenly; kv_total in pods' worth (2 pods at 0.9 are 1.8)."""
-    return [PodSample(f"pod-{i}", now, waiting_total / n, 1.0, min(1.0, kv_total / n)) for i in range(n)]
+    return [PodLoad(f"pod-{i}", now, waiting_total / n, 1.0, min(1.0, kv_total / n)) for i in range(n)]
 
 
 @dataclass
@@ -218,7 +212,7 @@ def test_kv_cache_spike_alone_enters_panic():
 
 def test_exact_multiples_of_the_target_do_not_round_up():
     # 3 x 0.8 sums to 2.4000000000000004 in floats: still 3 pods, not 4
-    pods = [PodSample(f"pod-{i}", 0.0, 0.0, 1.0, 0.8) for i in range(3)]
+    pods = [PodLoad(f"pod-{i}", 0.0, 0.0, 1.0, 0.8) for i in range(3)]
     d = decide(spec(), AutoscalerState(), pods, 0.0, 5, 3, 2)
     assert d.recommendation == 3
 
@@ -340,13 +334,13 @@ def test_scaling_history_keeps_the_newest_entries():
 
 # --- scale to zero and from zero -------------------------------------------------------------
 
-def idle(n: int, now: float) -> list[PodSample]:
+def idle(n: int, now: float) -> list[PodLoad]:
     """n ready pods with nothing running or waiting."""
-    return [PodSample(f"pod-{i}", now, 0.0, 0.0, 0.0) for i in range(n)]
+    return [PodLoad(f"pod-{i}", now, 0.0, 0.0, 0.0) for i in range(n)]
 
 
-def busy(n: int, now: float, running: float = 1.0) -> list[PodSample]:
-    return [PodSample(f"pod-{i}", now, 0.0, running / n, 0.1) for i in range(n)]
+def busy(n: int, now: float, running: float = 1.0) -> list[PodLoad]:
+    return [PodLoad(f"pod-{i}", now, 0.0, running / n, 0.1) for i in range(n)]
 
 
 def zero_spec(**fields) -> AutoscalingSpec:
@@ -354,10 +348,10 @@ def zero_spec(**fields) -> AutoscalingSpec:
                    "scale_to_zero_after_seconds": 30, **fields})
 
 
-QUIET = GatewaySample(waiting=0.0, in_flight=0.0)
+QUIET = GatewayLoad(waiting=0.0, in_flight=0.0)
 
 
-def quiet_pods(t: float, n: int) -> list[PodSample]:
+def quiet_pods(t: float, n: int) -> list[PodLoad]:
     return idle(n, t)
 
 
@@ -378,16 +372,16 @@ def test_at_zero_the_first_request_waiting_in_the_gateway_scales_to_one_at_the_s
         assert d.desired_replicas == 0 and not d.scaled
     assert d.reason == ("holding 0: scaled to zero after 30s idle; no request waiting in the gateway")
 
-    d = decide(s, state, [], 60.0, 0, 0, 0, GatewaySample(waiting=1.0, in_flight=0.0))
+    d = decide(s, state, [], 60.0, 0, 0, 0, GatewayLoad(waiting=1.0, in_flight=0.0))
     assert d.desired_replicas == 1 and d.queue_depth == 1.0
     assert d.reason == "scaling from zero: 1 request waiting in the gateway; 0 -> 1"
 
 
 def test_from_zero_the_gateways_backlog_sizes_the_first_step():
-    d = decide(zero_spec(), AutoscalerState(), [], 0.0, 0, 0, 0, GatewaySample(waiting=50.0))
+    d = decide(zero_spec(), AutoscalerState(), [], 0.0, 0, 0, 0, GatewayLoad(waiting=50.0))
     assert d.desired_replicas == 3  # 50 / 5 per pod = 10 pods, rate limit 4, maxReplicas 3
     assert d.reason.startswith("scaling from zero: 50 requests waiting in the gateway")
-    d = decide(zero_spec(max_replicas=20), AutoscalerState(), [], 0.0, 0, 0, 0, GatewaySample(waiting=50.0))
+    d = decide(zero_spec(max_replicas=20), AutoscalerState(), [], 0.0, 0, 0, 0, GatewayLoad(waiting=50.0))
     assert d.desired_replicas == 4
 
 
@@ -398,13 +392,13 @@ def test_at_zero_without_a_gateway_reading_the_count_holds():
 
 def test_requests_waiting_in_the_gateway_add_to_the_pods_queue():
     # 2 idle pods and 16 requests the gateway could not place: 16 / 4 per pod = 4 pods
-    d = decide(spec(), AutoscalerState(), idle(2, 0.0), 0.0, 2, 2, 0, GatewaySample(waiting=16.0))
+    d = decide(spec(), AutoscalerState(), idle(2, 0.0), 0.0, 2, 2, 0, GatewayLoad(waiting=16.0))
     assert d.desired_replicas == 4 and d.queue_depth == 16.0
 
 
 def run_quiet_after(s: AutoscalingSpec, last_request: float, end: float,
-                    gateway: Callable[[float], GatewaySample | None] = lambda t: QUIET,
-                    pods: Callable[[float, int], list[PodSample]] = quiet_pods) -> list[tuple[float, Decision]]:
+                    gateway: Callable[[float], GatewayLoad | None] = lambda t: QUIET,
+                    pods: Callable[[float, int], list[PodLoad]] = quiet_pods) -> list[tuple[float, Decision]]:
     """One ready pod serving a request until ``last_request``, then idle; ticks every 2 s."""
     state, replicas, log = AutoscalerState(), 1, []
     t = 0.0
@@ -436,11 +430,11 @@ def test_scale_to_zero_drops_every_pod_at_once_not_by_halves():
 def test_no_scale_to_zero_while_anything_is_in_flight_or_unseen():
     s = zero_spec()
     cases = {
-        "the gateway has a request on a pod": (lambda t: GatewaySample(0.0, in_flight=1.0), quiet_pods),
-        "the gateway holds a request": (lambda t: GatewaySample(1.0, in_flight=0.0), quiet_pods),
+        "the gateway has a request on a pod": (lambda t: GatewayLoad(0.0, in_flight=1.0), quiet_pods),
+        "the gateway holds a request": (lambda t: GatewayLoad(1.0, in_flight=0.0), quiet_pods),
         "a pod runs a request": (lambda t: QUIET, lambda t, n: busy(n, t)),
         "a ready pod did not answer": (lambda t: QUIET, lambda t, n: []),
-        "a gateway pod did not answer": (lambda t: GatewaySample(0.0, 0.0, complete=False), quiet_pods),
+        "a gateway pod did not answer": (lambda t: GatewayLoad(0.0, 0.0, complete=False), quiet_pods),
         "no gateway": (lambda t: None, quiet_pods),
     }
     for what, (gateway, pods) in cases.items():
@@ -451,7 +445,7 @@ def test_no_scale_to_zero_while_anything_is_in_flight_or_unseen():
 def test_a_request_in_the_idle_delay_starts_it_over():
     s = zero_spec()
     log = run_quiet_after(s, last_request=10.0, end=100.0,
-                          gateway=lambda t: GatewaySample(0.0, in_flight=1.0 if t == 30.0 else 0.0))
+                          gateway=lambda t: GatewayLoad(0.0, in_flight=1.0 if t == 30.0 else 0.0))
     [(when, _)] = [(t, d) for t, d in log if d.scaled]
     assert when == 30.0 + 30.0
 

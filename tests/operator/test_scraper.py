@@ -10,8 +10,9 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from slipstream.operator.scraper import GatewaySample, PodSample, PodTarget, ScrapeResult, parse_gateway_metrics, \
-    parse_metrics, pod_targets, scrape_gateways, scrape_pods
+from slipstream.api_types.load import GatewayLoad, PodLoad
+from slipstream.operator.scraper import PodTarget, ScrapeResult, parse_gateway_metrics, parse_metrics, pod_targets, \
+    scrape_gateways, scrape_pods
 from slipstream.server.gateway.config import GatewayConfig
 from slipstream.server.gateway.endpoints import EndpointSet
 from slipstream.server.gateway.metrics import GatewayMetrics
@@ -144,8 +145,8 @@ async def test_no_targets_is_an_empty_tick():
 
 def test_parse_sums_requests_over_models_and_takes_the_fullest_kv_cache():
     text = (exposition(1, 2, 0.3, model="a") + exposition(4, 8, 0.6, model="b")).decode()
-    assert parse_metrics(text) == PodSample("", 0.0, 5, 10, 0.6)
-    assert parse_metrics(text, model_name="a", pod="p", time=3.0) == PodSample("p", 3.0, 1, 2, 0.3)
+    assert parse_metrics(text) == PodLoad("", 0.0, 5, 10, 0.6)
+    assert parse_metrics(text, model_name="a", pod="p", time=3.0) == PodLoad("p", 3.0, 1, 2, 0.3)
     with pytest.raises(ValueError, match="metrics missing"):
         parse_metrics(text, model_name="c")
 
@@ -190,7 +191,7 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
     endpoints = EndpointSet(GatewayConfig())
     queue = WaitQueue(endpoints)
     metrics = GatewayMetrics(endpoints, queue)
-    assert parse_gateway_metrics(metrics.render().decode()) == GatewaySample(0.0, 0.0)  # no endpoint, none held
+    assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(0.0, 0.0)  # no endpoint, none held
 
     held = [asyncio.create_task(queue.acquire(lambda loads: None, endpoints.clock() + 30))
             for _ in range(3)]
@@ -199,7 +200,7 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
     endpoints.get("http://127.0.0.2:8000").in_flight = 2
     endpoints.get("http://127.0.0.3:8000").in_flight = 1
     try:
-        assert parse_gateway_metrics(metrics.render().decode()) == GatewaySample(3.0, 3.0)
+        assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(3.0, 3.0)
     finally:
         for task in held:
             task.cancel()
@@ -209,7 +210,7 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
 def test_parse_gateway_without_in_flight_says_so_and_without_waiting_fails():
     registry = CollectorRegistry()
     Gauge("slipstream:gateway_requests_waiting", "", registry=registry).set(4)
-    assert parse_gateway_metrics(generate_latest(registry).decode()) == GatewaySample(4.0, None)
+    assert parse_gateway_metrics(generate_latest(registry).decode()) == GatewayLoad(4.0, None)
     with pytest.raises(ValueError, match="metrics missing: slipstream:gateway_requests_waiting"):
         parse_gateway_metrics(exposition(1, 2, 0.3).decode())
 
@@ -218,12 +219,12 @@ async def test_gateway_pods_are_summed_and_a_silent_one_makes_the_reading_incomp
     a = await pods("gateway-a", serving(gateway_exposition(2, {"http://p1": 1, "http://p2": 3})))
     b = await pods("gateway-b", serving(gateway_exposition(1, {})))
     result = await scrape_gateways([a, b], clock=lambda: 5.0)
-    assert result.sample == GatewaySample(waiting=3.0, in_flight=4.0, complete=True)
+    assert result.sample == GatewayLoad(waiting=3.0, in_flight=4.0, complete=True)
     assert result.time == 5.0 and result.failures == ()
 
     down = PodTarget("gateway-c", "127.0.0.1", closed_port())
     result = await scrape_gateways([a, down])
-    assert result.sample == GatewaySample(waiting=2.0, in_flight=4.0, complete=False)
+    assert result.sample == GatewayLoad(waiting=2.0, in_flight=4.0, complete=False)
     assert [f.pod for f in result.failures] == ["gateway-c"]
     assert (await scrape_gateways([down])).sample is None
     assert (await scrape_gateways([])).sample is None

@@ -13,18 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 # The spec's fields, defaults and ranges are the contract's; the policy is here.
-from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec  # noqa: F401
+from slipstream.api_types.autoscaling import AutoscalingSpec
 from slipstream.api_types.load import GatewayLoad, PodLoad
 
 HISTORY_LIMIT = 10
 # ceil(4.000000001) must stay 4: sums of float samples carry rounding error.
 _EPS = 1e-9
-
-
-# One pod's scrape and the gateway pods' reading are the contract's types (the gateway and the
-# simulator make the same ones); the policy keeps its names for them.
-PodSample = PodLoad
-GatewaySample = GatewayLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,20 +153,20 @@ def _describe(spec: AutoscalingSpec, window: Sequence[Observation], ready: int) 
 def decide(
     spec: AutoscalingSpec,
     state: AutoscalerState,
-    samples: Sequence[PodSample],
+    samples: Sequence[PodLoad],
     now: float,
     current_replicas: int,
     ready_replicas: int,
     starting_replicas: int = 0,
-    gateway: GatewaySample | None = None,
+    gateway: GatewayLoad | None = None,
 ) -> Decision:
     """One autoscaling tick; pure: ``state`` is not changed, the new one is ``Decision.state``.
 
-    samples: this tick's :class:`PodSample` of the ready pods that answered (missing pods are
+    samples: this tick's :class:`PodLoad` of the ready pods that answered (missing pods are
         simply absent). now: seconds on any monotonic clock, the same for every call.
     current_replicas: the Deployment's ``spec.replicas``. ready_replicas: pods Ready.
     starting_replicas: pods that exist but are not Ready yet (pending or loading the model).
-    gateway: this tick's :class:`GatewaySample` (None: no gateway, or none of its pods answered).
+    gateway: this tick's :class:`GatewayLoad` (None: no gateway, or none of its pods answered).
 
     Algorithm (Knative KPA's stable/panic windows and scale to zero, AIBrix APA's per-metric
     targets, Kubernetes HPA's tolerance and scale-down stabilization):

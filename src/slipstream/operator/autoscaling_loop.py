@@ -42,8 +42,8 @@ import aiohttp
 import kopf
 
 from slipstream.operator import status as st
-from slipstream.operator.autoscaler import AutoscalerState, Decision, GatewaySample, \
-    append_scaling_history, decide
+from slipstream.api_types.load import GatewayLoad
+from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, decide
 from slipstream.operator.events import post_event
 from slipstream.operator.foreign import QUIET_SECONDS, ReplicasWriter, foreign_writer, \
     still_writing
@@ -76,7 +76,7 @@ class TickResult:
     failures: tuple[str, ...]
     replicas: int | None
     foreign: ReplicasWriter | None = None
-    gateway: GatewaySample | None = None
+    gateway: GatewayLoad | None = None
 
 
 def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:

@@ -15,9 +15,9 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVa
 import aiohttp
 
 from slipstream.api_types.metrics import read_gateway_load, read_pod_load
-from slipstream.operator.autoscaler import GatewaySample, PodSample
+from slipstream.api_types.load import GatewayLoad, PodLoad
 
-__all__ = ["GatewayScrape", "GatewaySample", "PodSample", "PodTarget", "ScrapeFailure", "ScrapeResult",
+__all__ = ["GatewayScrape", "PodTarget", "ScrapeFailure", "ScrapeResult",
            "parse_gateway_metrics", "parse_metrics", "pod_targets", "scrape_gateways", "scrape_pods"]
 
 DEFAULT_TIMEOUT = 1.0
@@ -53,7 +53,7 @@ class ScrapeResult:
     """
 
     time: float
-    samples: tuple[PodSample, ...]
+    samples: tuple[PodLoad, ...]
     failures: tuple[ScrapeFailure, ...]
 
     @property
@@ -67,7 +67,7 @@ class GatewayScrape:
     other pod did not answer. time: when the tick started, seconds on the scraper's clock."""
 
     time: float
-    sample: GatewaySample | None
+    sample: GatewayLoad | None
     failures: tuple[ScrapeFailure, ...]
 
 
@@ -154,7 +154,7 @@ async def scrape_pods(
                                                 lambda text: read_pod_load(text, model_name=model_name))]
     return ScrapeResult(
         time=started,
-        samples=tuple(r for r in results if isinstance(r, PodSample)),
+        samples=tuple(r for r in results if isinstance(r, PodLoad)),
         failures=tuple(r for r in results if isinstance(r, ScrapeFailure)),
     )
 
@@ -177,7 +177,7 @@ async def scrape_gateways(
     sample = None
     if read:
         in_flight = [r.in_flight for r in read]
-        sample = GatewaySample(
+        sample = GatewayLoad(
             waiting=sum(r.waiting for r in read),
             in_flight=None if any(f is None for f in in_flight) else sum(in_flight),
             complete=not failures)

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from slipstream.api_types.routing import POLICIES
-from slipstream.operator.autoscaler import CRD_KEYS, AutoscalingSpec
+from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec
 
 from .cli import HelpFormatter
 from .gateway.routing.weights import add_weight_flags, weights_from_args

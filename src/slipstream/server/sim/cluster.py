@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from slipstream.api_types.load import GatewayLoad, PodLoad
-from slipstream.operator.autoscaler import AutoscalerState, AutoscalingSpec, Decision, decide
+from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.operator.autoscaler import AutoscalerState, Decision, decide
 
 from ..engine.kv_cache import STORED, KVCacheManager
 from ..engine.outputs import RequestMetrics
