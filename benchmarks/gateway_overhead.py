@@ -36,6 +36,8 @@ from pathlib import Path
 
 import aiohttp
 
+from slipstream.api_types.metrics import GATEWAY_ENDPOINT_IN_FLIGHT
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 BACKEND = ("127.0.0.2", 8301)
@@ -44,6 +46,7 @@ GATEWAY = ("127.0.0.1", 8302)
 BACKEND_CODE = r'''
 import asyncio, json, sys
 from aiohttp import web
+from slipstream.api_types import metrics as m
 chunks, interval = int(sys.argv[3]), float(sys.argv[4])
 state = {"running": 0}
 BODY = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "canned",
@@ -69,9 +72,9 @@ async def complete(request):
 async def ready(request):
     return web.json_response({"status": "ready"})
 async def metrics(request):
-    text = (f"slipstream:num_requests_waiting 0\nslipstream:num_requests_running {state['running']}\n"
-            "slipstream:kv_cache_usage_perc 0.0\n"
-            'slipstream:engine_config_info{block_size="16",max_num_seqs="100000"} 1\n')
+    text = (f"{m.NUM_REQUESTS_WAITING} 0\n{m.NUM_REQUESTS_RUNNING} {state['running']}\n"
+            f"{m.KV_CACHE_USAGE_PERC} 0.0\n"
+            f'{m.ENGINE_CONFIG_INFO}{{block_size="16",max_num_seqs="100000"}} 1\n')
     return web.Response(text=text, content_type="text/plain")
 app = web.Application()
 app.router.add_post("/v1/completions", complete)
@@ -262,7 +265,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     try:
                         async with s.get(gateway_url + "/metrics") as r:
                             for line in (await r.text()).splitlines():
-                                if line.startswith("slipstream:gateway_endpoint_in_flight"):
+                                if line.startswith(GATEWAY_ENDPOINT_IN_FLIGHT):
                                     peak_in_flight = max(peak_in_flight, int(float(line.split()[-1])))
                     except aiohttp.ClientError:
                         pass
