@@ -33,9 +33,9 @@ $(STAMP): pyproject.toml Makefile
 # build; SLIPSTREAM_CPU_KERNELS=0 make install accepts serving GGUF weights dequantized to fp32.
 kernels: $(KERNELS_STAMP)
 
-$(KERNELS_STAMP): $(STAMP) $(wildcard $(KERNELS)/*.c $(KERNELS)/*.h) $(KERNELS)/cpu_build.py
+$(KERNELS_STAMP): $(STAMP) $(wildcard $(KERNELS)/*.c $(KERNELS)/*.h) $(KERNELS)/cpu_build.py $(KERNELS)/install.py
 	mkdir -p $(KERNELS)/lib
-	$(PY) -m slipstream.kernels.cpu_build
+	$(PY) -m slipstream.kernels.install
 	@# nothing built when fp32 was accepted: a later make install builds them
 	$(PY) -c 'import sys; from slipstream.kernels import cpu_build; sys.exit(not cpu_build.enabled())' \
 		&& touch $(KERNELS_STAMP) || true

@@ -21,7 +21,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
 # the CPU kernels too (every path of the architecture), for CPU-side GGUF work and --device cpu
-RUN pip install ".[gpu]" && python -m slipstream.kernels.cpu_build && pip uninstall -y pip
+RUN pip install ".[gpu]" && python -m slipstream.kernels.install && pip uninstall -y pip
 
 FROM ${CUDA_IMAGE}
 ARG VERSION=0.1.0

@@ -23,7 +23,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip install . && python -m slipstream.kernels.cpu_build && pip uninstall -y pip
+RUN pip install . && python -m slipstream.kernels.install && pip uninstall -y pip
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ARG VERSION=0.1.0

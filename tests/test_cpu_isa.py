@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.kernels import cpu_build, cpu_native, reference
+from slipstream.kernels import cpu_build, cpu_native, install, reference
 from test_kernels import make_batch
 from test_quant import TYPES, _blocks, _cols
 
@@ -98,7 +98,7 @@ def test_prebuilt_paths_load_without_a_compiler(fresh_library, monkeypatch, tmp_
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "empty-cache"))
     for v in cpu_build.variants():
         assert cpu_build.find(v) is not None and cpu_build.find(v).parent == cpu_build.PACKAGE_DIR, \
-            f"{v.isa} was not built into the package (make install runs python -m slipstream.kernels.cpu_build)"
+            f"{v.isa} was not built into the package (make install runs python -m slipstream.kernels.install)"
     assert cpu_native.library() is not None
 
 
@@ -112,7 +112,7 @@ def test_nothing_built_and_no_compiler_is_a_warning_naming_the_fix(fresh_library
     record = next(r for r in caplog.records if "CPU kernels unavailable" in r.message)
     assert record.levelno == logging.WARNING
     assert "no C compiler" in record.message and "dequantized to fp32" in record.message
-    assert "python -m slipstream.kernels.cpu_build" in record.message and "SLIPSTREAM_CPU_KERNELS=0" in record.message
+    assert "python -m slipstream.kernels.install" in record.message and "SLIPSTREAM_CPU_KERNELS=0" in record.message
 
 
 # --- building -----------------------------------------------------------------------------
@@ -312,11 +312,11 @@ def test_the_install_step_fails_loudly_unless_fp32_is_accepted(tmp_path, monkeyp
         exit 1
         """)
     monkeypatch.delenv("SLIPSTREAM_CPU_KERNELS", raising=False)
-    assert cpu_build.main(["--out", str(tmp_path / "out"), "--cc", str(cc)]) == 1
+    assert install.main(["--out", str(tmp_path / "out"), "--cc", str(cc)]) == 1
     err = capsys.readouterr().err
     assert "failed to build" in err and "SLIPSTREAM_CPU_KERNELS=0" in err
     monkeypatch.setenv("SLIPSTREAM_CPU_KERNELS", "0")
-    assert cpu_build.main(["--out", str(tmp_path / "out"), "--cc", str(cc)]) == 0
+    assert install.main(["--out", str(tmp_path / "out"), "--cc", str(cc)]) == 0
     assert "dequantized to fp32" in capsys.readouterr().out
 
 

@@ -77,7 +77,7 @@ KOPF_EVENTS = ("", "events", "create")
 KOPF_CRDS = ("apiextensions.k8s.io", "customresourcedefinitions")
 KOPF_NAMESPACES = ("", "namespaces")
 
-# kopf.adopt (resources.render_children) sets ``blockOwnerDeletion: true`` on the children's owner
+# kopf.adopt (render.render_children) sets ``blockOwnerDeletion: true`` on the children's owner
 # reference; where the OwnerReferencesPermissionEnforcement admission plugin runs (OpenShift,
 # and the test cluster of e2e/cluster), that needs `update` on the owner's finalizers
 # subresource. Not a call the operator makes: a condition the API server puts on its creates.

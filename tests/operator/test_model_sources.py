@@ -12,8 +12,9 @@ import pytest
 
 from slipstream.operator import status as st
 from slipstream.operator.model_spec import parse_uri
+from slipstream.operator.render import render_children
 from slipstream.operator.resources import (DOWNLOAD_CONTAINER, MODEL_CACHE_MOUNT, MODEL_REVISION_FILE,
-                                           MODEL_REVISION_MOUNT, render_children, render_deployment)
+                                           MODEL_REVISION_MOUNT, render_deployment)
 from slipstream.operator.spec import SpecError, parse_spec
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)

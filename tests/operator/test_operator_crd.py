@@ -20,7 +20,7 @@ from invalid_specs import INVALID, header
 from operator_helpers import EXAMPLES
 from kube_emulator import KUBERNETES_VERSION, schema_defaults
 from slipstream.api_types.autoscaling import CRD_KEYS
-from slipstream.operator.resources import render_children
+from slipstream.operator.render import render_children
 from slipstream.operator.spec import SpecError, parse_spec
 
 

@@ -12,9 +12,9 @@ import yaml
 
 from operator_helpers import CRD_PATH, EXAMPLES
 from pod_security import restricted_violations
+from slipstream.operator.render import render_children
 from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNOTATION,
-                                           needs_disruption_budget, pod_selector,
-                                           render_children, render_deployment,
+                                           needs_disruption_budget, pod_selector, render_deployment,
                                            render_disruption_budget, render_service, spec_hash)
 from slipstream.operator.gateway_resources import GATEWAY_RULES, gateway_args, \
     render_gateway, render_gateway_deployment, render_pods_service

@@ -7,14 +7,10 @@ library built on one node runs on every node of its architecture that has that i
 :mod:`.cpu_native` asks the CPU which it has and loads the best (llama.cpp's
 ``GGML_CPU_ALL_VARIANTS`` and PyTorch's CPU capability dispatch do the same).
 
-Run ``python -m slipstream.kernels.cpu_build`` to build every path of this machine's
-architecture into the package (``--out DIR`` elsewhere; ``--arch aarch64 --cc
-aarch64-linux-gnu-gcc`` cross-compiles). It exits 1 when a path fails to build, unless
-``SLIPSTREAM_CPU_KERNELS=0`` says to serve dequantized fp32 weights instead.
+``python -m slipstream.kernels.install`` (:mod:`.install`) is the install step.
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import fcntl
 import hashlib
@@ -27,7 +23,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -257,7 +252,7 @@ def build(v: Variant, out_dir: Path, cc: str | None = None, timeout: float | Non
                 raise BuildError(f"{note['error']} (remembered from an earlier start: delete {failed} to try again)")
         if first_use:
             log.warning("compiling the %s CPU kernels with %s into %s (once per machine; run `python -m "
-                        "slipstream.kernels.cpu_build` at install time to skip this)", v.isa, who, out_dir)
+                        "slipstream.kernels.install` at install time to skip this)", v.isa, who, out_dir)
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as src:
             for name, text in texts.items():
@@ -311,39 +306,3 @@ def build_all(out_dir: Path = PACKAGE_DIR, arch: str | None = None, cc: str | No
         if old.name.lstrip(".").split(".")[0] not in keep:  # other sources' libraries, notes and locks
             old.unlink(missing_ok=True)
     return results
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slipstream.kernels.cpu_build", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=PACKAGE_DIR, help="folder for the libraries (default: the package's)")
-    parser.add_argument("--arch", default=None, help=f"architecture to build for (default: {machine_arch()})")
-    parser.add_argument("--cc", default=None, help="C compiler (default: $CC, else cc)")
-    args = parser.parse_args(argv)
-    if not enabled():
-        print("CPU kernels: not built (SLIPSTREAM_CPU_KERNELS=0): quantized GGUF weights will be served "
-              "dequantized to fp32")
-        return 0
-    started = time.monotonic()
-    results = build_all(args.out, args.arch, args.cc)
-    took = time.monotonic() - started
-    failed = {isa: r for isa, r in results.items() if isinstance(r, BuildError)}
-    for isa, r in results.items():
-        print(f"CPU kernels [{isa}]: {r if isa in failed else r.name}")
-    if failed:
-        print(f"CPU kernels: {len(failed)} of {len(results)} paths failed to build. Install a C compiler with "
-              "OpenMP (gcc), or set SLIPSTREAM_CPU_KERNELS=0 to serve quantized weights dequantized to fp32.",
-              file=sys.stderr)
-        return 1
-    print(f"CPU kernels: {', '.join(results)} built into {args.out} in {took:.1f} s")
-    if (args.arch or machine_arch()) == machine_arch():
-        from . import cpu_native  # noqa: PLC0415 - reports what the loader will choose here
-
-        isa = cpu_native.best_isa()
-        cpu = cpu_native.cpu_model()
-        print(f"CPU kernels: this machine ({cpu}) will use the {isa} path ({variant(isa).description})")
-    return 0
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    sys.exit(main())

@@ -148,7 +148,7 @@ def library() -> ctypes.CDLL | None:
     except (OSError, cpu_build.BuildError) as e:
         log.warning("CPU kernels unavailable (%s): quantized GGUF weights are served dequantized to fp32 (slower, "
                     "4-8x the memory) and attention takes the torch path. To fix that cause: `python -m "
-                    "slipstream.kernels.cpu_build` (make install) builds them where a C compiler is installed, and "
+                    "slipstream.kernels.install` (make install) builds them where a C compiler is installed, and "
                     "the built libraries must be readable; SLIPSTREAM_CPU_KERNELS=0 accepts fp32 without this "
                     "warning.", e)
         _loaded["isa"] = "none"

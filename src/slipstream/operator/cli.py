@@ -21,7 +21,8 @@ import kopf
 import yaml
 
 from slipstream.operator.handlers import OperatorConfig, register
-from slipstream.operator.resources import API_VERSION, KIND, render_children
+from slipstream.operator.render import render_children
+from slipstream.operator.resources import API_VERSION, KIND
 from slipstream.operator.spec import SpecError
 
 DEFAULT_PEERING = "slipstream-operator"

@@ -1,5 +1,6 @@
 """Pure renderers: an InferenceService (dict) → the Deployment, Service and PodDisruptionBudget
-(dicts) it owns; the gateway's objects are rendered by gateway_resources.py.
+(dicts) it owns; the gateway's objects are rendered by gateway_resources.py, all of them together
+by render.py.
 
 Nothing here talks to a cluster; ``slipstream operator render`` prints what these return, and the
 reconcile loop applies it. Shapes follow apps/v1 Deployment, core/v1 Service and policy/v1
@@ -13,7 +14,6 @@ import json
 import math
 from typing import Any, Mapping
 
-import kopf
 from kubernetes.utils.quantity import parse_quantity
 
 from slipstream.api_types.inference_service import GROUP, KIND, PLURAL, VERSION
@@ -454,28 +454,6 @@ def render_disruption_budget(body: Mapping[str, Any], spec: InferenceServiceSpec
         "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
     }
-
-
-def render_children(body: Mapping[str, Any],
-                    kube_version: tuple[int, int] | None = None) -> list[dict[str, Any]]:
-    """[Deployment, Service, headless Service ``NAME-pods``], the PodDisruptionBudget when the
-    service can run more than one pod, and while routing is enabled the gateway's
-    ServiceAccount, Role, RoleBinding and Deployment. When ``body`` has a uid (it came from a
-    cluster), all carry its owner reference and labels (``kopf.adopt``), so deleting it deletes
-    them. ``kube_version``: see :func:`render_deployment`. Raises SpecError when the spec
-    cannot be served."""
-    # gateway_resources builds on this module's labels and security settings.
-    from slipstream.operator.gateway_resources import render_gateway, render_pods_service
-
-    name = body.get("metadata", {}).get("name")
-    spec = parse_spec(body.get("spec"), name=name)
-    budget = render_disruption_budget(body, spec)
-    children = [render_deployment(body, spec, kube_version), render_service(body, spec),
-                render_pods_service(body, spec)] + ([budget] if budget else [])
-    children += render_gateway(body, spec)
-    if body.get("metadata", {}).get("uid"):
-        kopf.adopt(children, owner=dict(body))
-    return children
 
 
 def spec_hash(deployment: Mapping[str, Any]) -> str:
