@@ -129,6 +129,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=d["enable_prefix_caching"], help="do not share KV blocks of equal prompt prefixes (sharing is on by default)")
     e.add_argument("--trace", action="store_true", default=d["trace"], help="record one trace record per engine step")
+    par = p.add_argument_group("parallelism (torch.distributed: gloo on CPU, NCCL on GPU)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=d["tensor_parallel_size"],
+                     help="split every layer over this many ranks (worker processes this server starts; on GPUs one "
+                          "GPU each). The attention heads must be a multiple of it; KV heads are split, or replicated "
+                          "when fewer than the ranks. On CPU the ranks share --num-threads or the cores")
     return m
 
 

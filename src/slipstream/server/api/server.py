@@ -6,6 +6,8 @@ without dropping requests: ``/ready`` turns 503 so the pod leaves the Service, n
 503, in-flight ones finish (up to ``--shutdown-timeout``), then the process exits 0. A second
 signal exits at once. A signal that comes while the model is still being fetched stops the fetch
 at its next chunk (releasing its lock for another process) and exits 130 (SIGINT) or 143 (SIGTERM).
+An engine that cannot run another step (a tensor-parallel rank died) fails its requests, turns
+``/ready`` 503 and the process exits 1, for the kubelet to restart it.
 """
 from __future__ import annotations
 
@@ -114,11 +116,18 @@ async def serve(engine_config, options: ServerOptions, host: str, port: int) -> 
             logger.error("loading the model failed", exc_info=exc)
         code = 1
     else:
-        await stopper
-        if interrupted and not state.ready:
+        waits = {stopper}
+        if state.llm is not None:
+            waits.add(asyncio.create_task(state.llm.failed.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if state.llm is not None and state.llm.failure is not None:
+            state.ready, state.draining = False, True
+            logger.error("the engine failed (%s): exiting", state.llm.failure)
+            code = 1
+        elif interrupted and not state.ready:
             logger.error("%s while loading the model: stopped", signal.Signals(interrupted[0]).name)
             code = 128 + interrupted[0]
-        if state.ready:
+        elif state.ready:
             finished = await state.drain(options.shutdown_timeout)
             logger.info("drained: %s", "all requests finished" if finished else "aborted the rest at the timeout")
     loader.cancel()

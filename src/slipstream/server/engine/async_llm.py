@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from ..distributed.executor import RankFailed
 from ..weights.errors import ModelLoadError
 from .config import EngineConfig
 from .engine import LLMEngine
@@ -69,6 +70,9 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Set when the engine cannot run another step (a tensor-parallel rank died): the server exits.
+        self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
         self._kv_listeners: list[Callable[[KVEventBatch], None]] = []  # called on the loop
         self._kv_seq = 0  # engine thread: the last batch handed out
 
@@ -101,6 +105,7 @@ class AsyncLLM:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        self.engine.close()
         for rid, q in list(self._streams.items()):  # ended by the step loop's last abort, or never added
             if q.empty():
                 q.put_nowait(RequestOutput(rid, [], [CompletionOutput(0, "", [], FinishReason.ABORT.value)], True,
@@ -243,6 +248,13 @@ class AsyncLLM:
                 continue
             try:
                 outputs = engine.step()
+            except RankFailed as e:  # no later step can run: fail everything and stop
+                log.error("%s: the engine stops", e)
+                self.failure, self._stopping = e, True
+                self._abort_all(f"engine failed: {e}")
+                self._flush_kv_events()
+                self._loop.call_soon_threadsafe(self.failed.set)
+                break
             except Exception as e:  # a scheduler bug must not hang every client
                 log.exception("engine step crashed; failing all requests")
                 self._abort_all(f"internal engine error: {type(e).__name__}: {e}")

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 # The settings the operator's spec.engine shares with the engine: one home for their defaults.
 from slipstream.api_types.engine import (CPU_KV_CACHE_BYTES, DEFAULT_BLOCK_SIZE,  # noqa: F401
                                          DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                          DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, check_gpu_memory_utilization)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -36,7 +40,11 @@ class EngineConfig:
     trace: record a :class:`~slipstream.server.engine.trace.StepRecord` per step.
     num_threads: torch intra-op threads for the forward pass; None keeps torch's default, capped at
         the CPUs the cgroup quota (a pod's CPU limit) and affinity mask allow. On a shared CPU
-        fewer threads can be much faster (OpenMP threads spin while waiting).
+        fewer threads can be much faster (OpenMP threads spin while waiting). With tensor
+        parallelism: each rank's (None: the cores divided between the ranks).
+    tensor_parallel_size: ranks that split every layer (:mod:`slipstream.server.distributed`);
+        above 1, this process is rank 0 and starts the others as worker processes. Each rank's
+        KV pool is ``kv_cache_memory_bytes`` (per rank, as vLLM's) of its own KV heads.
     """
 
     model: str = "builtin"
@@ -54,6 +62,7 @@ class EngineConfig:
     num_threads: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
@@ -62,6 +71,8 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:

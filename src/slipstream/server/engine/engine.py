@@ -10,9 +10,10 @@ from dataclasses import replace
 
 import torch
 
+from ..distributed.executor import ParallelRunner, RankFailed, threads_per_rank
 from ..models import crossover
 from ..models.loader import LoadedModel, load_model
-from .config import CPU_KV_CACHE_BYTES, EngineConfig
+from .config import CPU_KV_CACHE_BYTES, DTYPES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequest, RequestRejected
 from .kv_cache import KVCacheManager
@@ -32,15 +33,12 @@ log = logging.getLogger("slipstream.engine")
 NON_FINITE_ERROR = ("internal error in model: the logits are not finite (NaN or infinity); "
                     "the weights or the numerics are broken")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = config.dtype or ("float32" if device.type == "cpu" else "bfloat16")
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
-    return device, _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return device, DTYPES[name]
 
 
 class LLMEngine:
@@ -67,6 +65,12 @@ class LLMEngine:
         self.device, self.dtype = resolve_device(config)
         torch.manual_seed(config.seed)
         self.apply_threads()
+        if config.tensor_parallel_size > 1:
+            if loaded is not None or runner is not None:
+                raise ValueError("tensor_parallel_size > 1 starts its ranks and loads each one's slice itself: "
+                                 "pass neither a loaded model nor a runner")
+            runner = ParallelRunner(config, self.device, self.dtype, self.num_threads)
+            loaded = runner.loaded
         loaded = loaded or load_model(config.model, self.device, self.dtype, config.quantization)
         if self.device.type == "cpu" and runner is None and loaded.model is not None:
             crossover.apply(crossover.calibrate(loaded.model, self.num_threads))
@@ -77,7 +81,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
                              f"of {cfg.max_position_embeddings} tokens")
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        block_bytes = config.block_size * cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        kv_cfg = cfg if loaded.model is None else loaded.model.cfg  # a tensor-parallel rank's own KV heads
+        block_bytes = config.block_size * kv_cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         self.runner: StepRunner = runner or ModelRunner(loaded.model, config.block_size, self.device, self.dtype,
                                                         max_num_seqs=config.max_num_seqs,
                                                         enforce_eager=config.enforce_eager)
@@ -114,6 +119,12 @@ class LLMEngine:
                  num_blocks * block_bytes / 2**20, self.max_model_len)
         release_openmp_team()  # the loading thread's workers; the stepping thread starts its own
 
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine (nothing to do for one process)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def _request_capacity(self) -> int:
         """Tokens one request can reach alone in the pool: every slot, or ``max_model_len`` when
         every layer slides and the blocks of a window plus a prefill chunk fit (those behind the
@@ -130,8 +141,11 @@ class LLMEngine:
         config = self.config
         if config.kv_cache_memory_bytes is not None:
             return config.kv_cache_memory_bytes
-        if self.device.type != "cuda" or not isinstance(self.runner, ModelRunner):
+        if self.device.type != "cuda" or not isinstance(self.runner, (ModelRunner, ParallelRunner)):
             return CPU_KV_CACHE_BYTES
+        if isinstance(self.runner, ParallelRunner):
+            return self.runner.kv_cache_bytes(config.max_num_batched_tokens, config.gpu_memory_utilization,
+                                              block_bytes, config.block_size, self.max_model_len)
         profile = self.runner.profile_memory(config.max_num_batched_tokens)
         plan = plan_kv_cache(profile, config.gpu_memory_utilization, block_bytes, config.block_size,
                              self.max_model_len)
@@ -144,6 +158,10 @@ class LLMEngine:
         mask allow. Decided (and logged) on the first call; later calls apply the same count."""
         if self.num_threads is None:
             self.num_threads, why = choose_threads(self.config.num_threads, torch.get_num_threads(), cpu_limit())
+            size = self.config.tensor_parallel_size
+            if size > 1 and self.config.num_threads is None:
+                self.num_threads = threads_per_rank(self.num_threads, size)
+                why += f", shared by {size} tensor-parallel ranks"
             log.info("torch threads: %d (%s)", self.num_threads, why)
         torch.set_num_threads(self.num_threads)
 
@@ -312,6 +330,8 @@ class LLMEngine:
                 out = self.runner.run(batch, sample_idx)
             sampled = self.sampler(out.logits, to_sample)
             damaged = out.non_finite_requests(batch)  # after the sampler's copy: the flag is already on the host
+        except RankFailed:  # no step can run any more: the caller fails every request and stops
+            raise
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("step %d failed; aborting its %d requests", self.num_steps, len(batch.requests))
             return self._fail(batch.requests, f"internal error in engine step: {type(e).__name__}: {e}")

@@ -10,7 +10,7 @@ import math
 import mmap
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -21,7 +21,7 @@ from .cuda_graphs import DecodeGraphs, capture_sizes
 from .memory import MemoryProfile
 from .outputs import Logprob
 from .scheduler import SchedulerOutput
-from .step_inputs import DeviceStep, HostStep, Transfer, dummy_step, layout, unpack
+from .step_inputs import HostStep, Transfer, dummy_step, layout, unpack
 
 log = logging.getLogger("slipstream.engine")
 
@@ -113,6 +113,30 @@ def prompt_spans(batch: SchedulerOutput) -> list[PromptSpan]:
     return spans
 
 
+@dataclass(frozen=True, slots=True)
+class LogitsChunk:
+    """Up to :data:`PROMPT_LOGPROBS_CHUNK_ROWS` consecutive rows of one span whose full-vocabulary
+    logits are taken at once: rows ``row0 .. row0 + len(targets) - 1`` predict ``targets``."""
+
+    span: int
+    row0: int
+    targets: list[int]
+    top_n: int
+
+
+def logits_chunks(step: HostStep, batch: SchedulerOutput, spans: list[PromptSpan]) -> list[LogitsChunk]:
+    """The spans' rows in the order their logits are taken, at most
+    :data:`PROMPT_LOGPROBS_CHUNK_ROWS` rows at a time."""
+    chunks = []
+    for i, span in enumerate(spans):
+        req = batch.requests[span.index]
+        row0 = int(step.query_start_loc[span.index]) + (span.first - 1 - req.num_computed_tokens)
+        targets = req.prompt_token_ids[span.first:span.first + span.count]
+        for s in range(0, span.count, PROMPT_LOGPROBS_CHUNK_ROWS):
+            chunks.append(LogitsChunk(i, row0 + s, targets[s:s + PROMPT_LOGPROBS_CHUNK_ROWS], span.top_n))
+    return chunks
+
+
 class StepRunner(Protocol):
     """What :class:`~slipstream.server.engine.engine.LLMEngine` calls to run its steps.
 
@@ -177,6 +201,9 @@ class ModelRunner:
         self.transfer = Transfer(self.device)
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        # Tensor parallel, rank 0: called with each step's inputs and its logits rows
+        # (first row, count) before the forward pass, to send them to the other ranks.
+        self.on_step: Callable[[HostStep, list[tuple[int, int]]], None] | None = None
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the cache and, on the graph path, capture the decode graphs over it."""
@@ -193,12 +220,6 @@ class ModelRunner:
             self.graphs.capture_all()
             log.info("captured CUDA graphs for decode batches of %s in %.1f s (%.0f MiB)", self.graphs.sizes,
                      time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - before) / 2**20)
-
-    def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> tuple[HostStep, DeviceStep]:
-        """Lay the step out flat (``[num_tokens]`` ids and positions, the attention metadata, the
-        sampled rows) and move it to the device in one copy."""
-        step = layout(batch, self.block_size, sample_rows)
-        return step, unpack(self.transfer(step), step)
 
     def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> StepOutput:
         """Forward the step; the :class:`StepOutput` of the given requests (indices into
@@ -217,22 +238,41 @@ class ModelRunner:
         """
         if self.graphs is not None and not spans and self.graphs.fits(batch):
             hidden, rows = self.graphs.run(batch, sample_rows, self.transfer)
+            chunks = []
         else:
-            step, inputs = self.prepare(batch, sample_rows)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.attention)
-            rows = inputs.sample_rows
+            step = layout(batch, self.block_size, sample_rows)
+            chunks = logits_chunks(step, batch, spans)
+            if self.on_step is not None:
+                self.on_step(step, [(c.row0, len(c.targets)) for c in chunks])
+            hidden, rows = self.forward(step)
         non_finite = ~torch.isfinite(hidden).all(dim=-1)  # every row: a NaN's K/V is written whether sampled or not
-        if sample_rows:
-            logits = self.model.logits(hidden.index_select(0, rows))
-        else:
-            logits = hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        computed = []
-        for span in spans:
-            req = batch.requests[span.index]
-            row0 = int(step.query_start_loc[span.index]) + (span.first - 1 - req.num_computed_tokens)
-            targets = req.prompt_token_ids[span.first:span.first + span.count]
-            computed.append(self._logprobs(hidden[row0:row0 + span.count], targets, span.top_n))
+        logits = self.sample_logits(hidden, rows)
+        computed: list[list[Logprob]] = [[] for _ in spans]
+        for chunk in chunks:
+            rows_logits = self.model.logits(hidden[chunk.row0:chunk.row0 + len(chunk.targets)])
+            computed[chunk.span].extend(_logprobs(rows_logits, chunk.targets, chunk.top_n))
         return StepOutput(logits, computed, non_finite)
+
+    def forward(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's hidden states ``[num_tokens, hidden_size]`` and its sampled rows on the device."""
+        inputs = unpack(self.transfer(step), step)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.attention), \
+            inputs.sample_rows
+
+    def sample_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``[len(rows), vocab_size]`` fp32 logits of the sampled rows (none: an empty tensor)."""
+        if len(rows):
+            return self.model.logits(hidden.index_select(0, rows))
+        return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
+
+    def replay(self, step: HostStep, chunks: list[tuple[int, int]]) -> None:
+        """A tensor-parallel worker's share of rank 0's step (:attr:`on_step`): the same forward
+        pass and the same logits calls, in the same order, so that every collective meets its
+        peers; the results stay with rank 0."""
+        hidden, rows = self.forward(step)
+        self.sample_logits(hidden, rows)
+        for row0, count in chunks:
+            self.model.logits(hidden[row0:row0 + count])
 
     @torch.inference_mode()
     def profile_memory(self, max_num_batched_tokens: int) -> MemoryProfile:
@@ -279,18 +319,16 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(dev)
         return MemoryProfile(total, free, weights, peak, reserve)
 
-    def _logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[Logprob]:
-        """``hidden`` ``[k, hidden_size]``, ``targets`` the k tokens those rows predict."""
-        out: list[Logprob] = []
-        for s in range(0, len(targets), PROMPT_LOGPROBS_CHUNK_ROWS):
-            chunk = targets[s:s + PROMPT_LOGPROBS_CHUNK_ROWS]
-            logprobs = torch.log_softmax(self.model.logits(hidden[s:s + len(chunk)]), dim=-1)
-            ids = torch.tensor(chunk, device=logprobs.device)
-            own = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-            if top_n:
-                top_vals, top_ids = logprobs.topk(top_n, dim=-1)
-                tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
-            else:
-                tops = [[] for _ in chunk]
-            out.extend(Logprob(t, lp, top) for t, lp, top in zip(chunk, own, tops))
-        return out
+
+def _logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[Logprob]:
+    """``logits`` ``[k, vocab]`` fp32 of the rows predicting the k ``targets``: each target's
+    :class:`Logprob`, with the ``top_n`` most likely tokens when asked."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = torch.tensor(targets, device=logprobs.device)
+    own = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    if top_n:
+        top_vals, top_ids = logprobs.topk(top_n, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
+    else:
+        tops = [[] for _ in targets]
+    return [Logprob(t, lp, top) for t, lp, top in zip(targets, own, tops)]

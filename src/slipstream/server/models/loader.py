@@ -30,6 +30,7 @@ from .gguf_file import gguf_tokenizer, read_gguf, write_weight_cache
 from .hf_checkpoint import read_hf_dir
 from .layers import rope_inv_freq
 from .llama import LlamaModel
+from .tensor_parallel import Collectives, shard_model
 
 log = logging.getLogger("slipstream.loader")
 
@@ -101,7 +102,8 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str = "auto") -> LoadedModel:
+def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str = "auto",
+               tensor_parallel: Collectives | None = None) -> LoadedModel:
     """Load weights, config and tokenizer.
 
     Args:
@@ -112,6 +114,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
         quantization: ``"auto"`` serves a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors as stored when the
             device is the CPU and the dtype fp32 (anything else is dequantized, with a log line);
             ``"none"`` dequantizes every tensor to ``dtype``. Safetensors load as they are.
+        tensor_parallel: this rank's group: the model keeps only its slice
+            (:func:`.tensor_parallel.shard_model`), cut on the CPU before it moves to ``device``.
 
     Raises:
         ModelLoadError: missing file, pickle checkpoint, unsupported architecture or
@@ -147,6 +151,11 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
     net.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint; rebuild off the meta device
     if cache_entry is not None:
         disk_cache.fill_cache(cache_entry, lambda tmp: write_weight_cache(tmp, cfg, net), path)
+    if tensor_parallel is not None:
+        try:
+            shard_model(net, tensor_parallel)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
     net.to(device).eval()
     log.info("loaded %s in %.1f s", name, time.perf_counter() - start)
     return LoadedModel(net, cfg, tokenizer, name, str(path))

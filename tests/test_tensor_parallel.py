@@ -1,0 +1,240 @@
+"""Tensor parallelism on CPU (gloo between worker processes the engine starts itself): greedy
+tokens equal transformers' on the same random weights, batched, chunked, preempted and after a
+prefix-cache hit, for Llama, Qwen3, Gemma 2 and Mixtral at two ranks and the built-in GGUF (9
+query heads, 3 KV heads, Q4_1 blocks) at three; logprobs within 1e-4 of one process; a rank
+that dies fails the engine clearly. The slicing itself is checked against the full tensors."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+import transformers
+
+from slipstream.kernels import ggml_cpu
+from slipstream.server.distributed.executor import RankFailed
+from slipstream.server.engine import LLM, SamplingParams
+from slipstream.server.models import tensor_parallel as tp
+from slipstream.server.models.loader import load_tokenizer
+from slipstream.server.models.quant import GGMLTensor
+from test_architectures import ARCHS, COMMON, MAX_TOKENS, PROMPTS, _generate, _randomize
+
+TP_ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(attention_bias=False)),
+    "qwen3": ARCHS["qwen3"],
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+               dict(query_pre_attn_scalar=32, attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                    sliding_window=24, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "mixtral": ARCHS["mixtral"],
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, prompt_logprobs=2)
+CACHED = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)  # prompt logprobs skip the prefix cache
+
+
+# --- which slice a rank keeps --------------------------------------------------------------
+
+@pytest.mark.parametrize("heads, kv, size, want", [
+    (9, 3, 3, [(0, 3, 0, 1), (3, 3, 1, 1), (6, 3, 2, 1)]),  # the built-in model: KV heads split
+    (4, 2, 2, [(0, 2, 0, 1), (2, 2, 1, 1)]),
+    (8, 2, 4, [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]),  # fewer KV heads: replicated
+])
+def test_each_rank_keeps_its_query_heads_and_the_kv_heads_they_read(heads, kv, size, want):
+    splits = [tp.head_split(heads, kv, r, size) for r in range(size)]
+    assert [(s.q_start, s.num_heads, s.kv_start, s.num_kv_heads) for s in splits] == want
+    group = heads // kv
+    for s in splits:  # every query head of a rank reads a KV head the rank holds
+        assert all(s.kv_start <= h // group < s.kv_start + s.num_kv_heads for h in range(s.q_start, s.q_start + s.num_heads))
+
+
+@pytest.mark.parametrize("heads, kv, size", [(9, 3, 2), (4, 2, 3), (12, 8, 3)])
+def test_a_split_the_heads_do_not_allow_is_refused_with_the_reason(heads, kv, size):
+    with pytest.raises(ValueError, match="tensor parallel size"):
+        tp.head_split(heads, kv, 0, size)
+
+
+def _blocks(rows: int, cols: int, qtype: str) -> GGMLTensor:
+    g = torch.Generator().manual_seed(rows * cols)
+    raw = torch.randint(0, 256, (rows, ggml_cpu.row_bytes(qtype, cols)), dtype=torch.uint8, generator=g)
+    return GGMLTensor(raw, qtype, (rows, cols))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, random bytes' NaN scales included."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K"])
+def test_blocks_are_sliced_by_rows_and_on_block_boundaries_by_columns(qtype):
+    w = _blocks(6, 512, qtype)
+    dense = w.dequantize()
+    picked = tp.rows(w, [(1, 3), (4, 6)])
+    assert isinstance(picked, GGMLTensor) and _same(picked.dequantize(), dense[[1, 2, 4, 5]])
+    cut = tp.columns(w, 256, 512, "w")
+    assert isinstance(cut, GGMLTensor) and _same(cut.dequantize(), dense[:, 256:])
+    padded = tp.pad_rows(w, 8)
+    assert _same(padded.dequantize(), torch.cat([dense, torch.zeros(2, 512)]))
+
+
+def test_a_column_split_inside_a_block_dequantizes_that_tensor_loudly(caplog):
+    w = _blocks(2, 512, "Q4_K")
+    cut = tp.columns(w, 128, 384, "layers.0.mlp.down_proj")
+    assert isinstance(cut, torch.Tensor) and _same(cut, w.dequantize()[:, 128:384])
+    assert "layers.0.mlp.down_proj" in caplog.text and "dequantized" in caplog.text
+
+
+# --- the oracle, across ranks -----------------------------------------------------------------
+
+def _save(path, arch: str, tokenizer):
+    config_cls, model_cls, extra = TP_ARCHS[arch]
+    cfg = config_cls(**{**COMMON, **extra}, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = model_cls(cfg).eval()
+    _randomize(model, seed=sum(map(ord, arch)))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _logprobs(outputs) -> list[float]:
+    flat = []
+    for o in outputs:
+        for lp in [*(o.prompt_logprobs or [])[1:], *o.outputs[0].logprobs]:
+            flat += [lp.logprob, *(v for _, v in lp.top)]
+    return flat
+
+
+def _run_all_modes(llm: LLM) -> tuple[list, list]:
+    """Every prompt at once (chunked and preempted by the engine's settings), then the two that
+    share a prefix one after the other; returns the batch's outputs and the second one's."""
+    batch = llm.generate(PROMPTS, GREEDY)
+    llm.generate(PROMPTS[4], CACHED)
+    return batch, llm.generate(PROMPTS[5], CACHED)
+
+
+@pytest.mark.parametrize("arch", list(TP_ARCHS))
+def test_two_ranks_equal_transformers_batched_chunked_preempted_and_prefix_cached(arch, tmp_path, no_leaks):
+    tokenizer = load_tokenizer("builtin")
+    hf = _save(tmp_path, arch, tokenizer)
+    expected = _generate(hf, PROMPTS, tokenizer.eos_token_id)
+    assert len({tuple(out) for out in expected}) == len(expected), "prompts should give different outputs"
+    blocks = math.ceil((max(map(len, PROMPTS)) + MAX_TOKENS) / 16) + 2
+    per_token = 2 * COMMON["num_hidden_layers"] * COMMON["head_dim"] * 4  # per KV head, fp32
+    settings = dict(max_num_batched_tokens=16, trace=True)
+    one = LLM(model=str(tmp_path), kv_cache_memory_bytes=blocks * 16 * per_token * 2, **settings)
+    two = LLM(model=str(tmp_path), tensor_parallel_size=2, kv_cache_memory_bytes=blocks * 16 * per_token, **settings)
+    try:
+        assert two.engine.kv.num_blocks == one.engine.kv.num_blocks == blocks, "each rank holds one of the 2 KV heads"
+        batch, cached = _run_all_modes(two)
+        assert _tokens(batch) == expected and _tokens(cached) == [expected[5]]
+        assert two.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small for all at once"
+        assert any(r.num_prefill_tokens and r.num_decode_tokens for r in two.engine.trace)
+        assert cached[0].num_cached_tokens == 48, "the shared 50-token prefix holds three full blocks"
+        no_leaks(two.engine)
+        ref_batch, ref_cached = _run_all_modes(one)
+        assert _tokens(ref_batch) == expected
+        assert _logprobs(batch + cached) == pytest.approx(_logprobs(ref_batch + ref_cached), abs=1e-4)
+    finally:
+        two.engine.close()
+
+
+def test_three_ranks_on_the_builtin_gguf_equal_one_process(no_leaks):
+    """9 query and 3 KV heads, one KV head per rank; Q4_1 blocks sliced as stored (o_proj's 192
+    columns per rank are six blocks)."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(200, 290)), [1, 9690, 28, 2]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    one = LLM(kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=32)
+    three = LLM(tensor_parallel_size=3, kv_cache_memory_bytes=(16 << 20) // 3, max_num_batched_tokens=32, trace=True)
+    try:
+        attn = three.engine.runner.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (3, 1)
+        assert type(attn.o_proj.inner).__name__ == "QuantLinear", "blocks should stay blocks"
+        got, want = three.generate(prompts, params), one.generate(prompts, params)
+        assert _tokens(got) == _tokens(want)
+        assert _logprobs(got) == pytest.approx(_logprobs(want), abs=1e-4)
+        assert any(r.num_prefill_tokens and r.num_decode_tokens for r in three.engine.trace)
+        no_leaks(three.engine)
+    finally:
+        three.engine.close()
+    assert not three.engine.runner.workers, "closing the engine stops its workers"
+
+
+def test_a_rank_that_dies_fails_the_engine_with_its_name():
+    llm = LLM(tensor_parallel_size=3, kv_cache_memory_bytes=8 << 20)
+    try:
+        worker = llm.engine.runner.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+    finally:
+        llm.engine.close()
+
+
+def test_a_model_that_cannot_be_split_is_refused_before_serving():
+    with pytest.raises(ValueError, match="tensor parallel size 2 must divide the model's 9 attention heads"):
+        LLM(tensor_parallel_size=2)
+
+
+def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_serve_starts_its_ranks_answers_and_exits_1_when_a_rank_dies(tmp_path):
+    """``slipstream serve --tensor-parallel-size 3``: no torchrun, one command; a killed worker
+    fails the request with its name, /ready stops answering 200 and the server exits 1 with no
+    worker left behind."""
+    import subprocess
+    import sys
+    import time
+
+    from slipstream.server.distributed.group import free_port
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    server = subprocess.Popen([sys.executable, "-m", "slipstream.server", "serve", "--tensor-parallel-size", "3", "--host",
+                               "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", "16MiB"],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
+    try:
+        for _ in range(240):
+            try:
+                if _get(base + "/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None, open(tmp_path / "serve.log").read()
+            time.sleep(0.5)
+        status, body = _get(base + "/v1/chat/completions", chat)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+        workers = [int(p) for p in children if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+        assert len(workers) == 2, "ranks 1 and 2 run as the server's child processes"
+        os.kill(workers[0], signal.SIGKILL)
+        status, body = _get(base + "/v1/chat/completions", chat)
+        assert status == 500 and "exited with code -9" in body["error"]["message"]
+        assert server.wait(timeout=60) == 1
+        for _ in range(50):  # multiprocessing's resource tracker leaves once its last user has gone
+            left = subprocess.run(["pgrep", "-s", str(server.pid)], capture_output=True, text=True).stdout.split()
+            if not left:
+                break
+            time.sleep(0.2)
+        assert not left, "no rank outlives the server"
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
