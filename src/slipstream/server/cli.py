@@ -15,6 +15,8 @@ import re
 import sys
 from dataclasses import fields
 
+from .cli_types import fraction, positive_int
+
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
     "tokenizer": "slipstream.server.tokenizer_cli",
@@ -50,22 +52,8 @@ def configure_logging(level: str) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
 # argparse names a refused value by its type's __name__ ("invalid fraction value: 'abc'")
-_positive_int.__name__, _fraction.__name__ = "positive integer", "fraction"
+positive_int.__name__, fraction.__name__ = "positive integer", "fraction"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -106,31 +94,31 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "stored (a sixth of fp32's bytes per decode step for 4-bit types; other types are dequantized); 'none': dequantize every "
                         "weight to the compute dtype")
     m.add_argument("--seed", type=int, default=d["seed"], help="engine random seed; requests without a 'seed' of their own sample from it")
-    m.add_argument("--num-threads", type=_positive_int, default=d["num_threads"],
+    m.add_argument("--num-threads", type=positive_int, default=d["num_threads"],
                    help="torch threads for the forward pass (default: torch's own, capped at the CPUs this process may use: "
                         "the cgroup quota, i.e. a pod's CPU limit, and the affinity mask; on a busy CPU 1 can be faster)")
     e = p.add_argument_group("engine (continuous batching, paged KV cache)")
-    e.add_argument("--max-num-seqs", type=_positive_int, default=d["max_num_seqs"],
+    e.add_argument("--max-num-seqs", type=positive_int, default=d["max_num_seqs"],
                    help="most sequences running in one batch")
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=d["max_num_batched_tokens"],
+    e.add_argument("--max-num-batched-tokens", type=positive_int, default=d["max_num_batched_tokens"],
                    help="token budget of one step: decode tokens plus prefill-chunk tokens")
     e.add_argument("--kv-cache-memory-bytes", type=byte_size, default=d["kv_cache_memory_bytes"],
                    help="memory of the KV block pool (e.g. 512MiB, 2GiB); sets the number of blocks (default: on CUDA "
                         "what --gpu-memory-utilization leaves after weights, activations and CUDA graphs; 1GiB on CPU)")
-    e.add_argument("--gpu-memory-utilization", type=_fraction, default=d["gpu_memory_utilization"],
+    e.add_argument("--gpu-memory-utilization", type=fraction, default=d["gpu_memory_utilization"],
                    help="fraction of the GPU's memory this server may use in all (weights, activations, CUDA graphs, "
                         "KV cache); CUDA only")
     e.add_argument("--enforce-eager", action="store_true", default=d["enforce_eager"],
                    help="run every step eagerly: no CUDA graphs for decode (CUDA only)")
-    e.add_argument("--max-model-len", type=_positive_int, default=d["max_model_len"],
+    e.add_argument("--max-model-len", type=positive_int, default=d["max_model_len"],
                    help="most tokens (prompt + output) per request (default: the model's context length, "
                         "or what the KV cache holds if that is less)")
-    e.add_argument("--block-size", type=_positive_int, default=d["block_size"], help="tokens per KV-cache block")
+    e.add_argument("--block-size", type=positive_int, default=d["block_size"], help="tokens per KV-cache block")
     e.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=d["enable_prefix_caching"], help="do not share KV blocks of equal prompt prefixes (sharing is on by default)")
     e.add_argument("--trace", action="store_true", default=d["trace"], help="record one trace record per engine step")
     par = p.add_argument_group("parallelism (torch.distributed: gloo on CPU, NCCL on GPU)")
-    par.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=d["tensor_parallel_size"],
+    par.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=d["tensor_parallel_size"],
                      help="split every layer over this many ranks (worker processes this server starts; on GPUs one "
                           "GPU each). The attention heads must be a multiple of it; KV heads are split, or replicated "
                           "when fewer than the ranks. On CPU the ranks share --num-threads or the cores")

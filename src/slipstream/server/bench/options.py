@@ -8,6 +8,7 @@ import math
 import os
 
 from .workload import parse_range
+from ..cli_types import positive_int
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -17,22 +18,15 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """``--num-requests``, ``--workload-seed``, ``--prompt-len``, ``--max-output`` and
     ``--output-json``: the arguments of :func:`.workload.make_workload` plus where to save."""
     w = p.add_argument_group("workload (random token-id prompts, heavy-tailed forced output lengths)")
-    w.add_argument("--num-requests", type=_positive, default=32, help="how many requests")
+    w.add_argument("--num-requests", type=positive_int, default=32, help="how many requests")
     w.add_argument("--workload-seed", type=int, default=0, help="the same seed draws the same workload")
     w.add_argument("--prompt-len", type=_range, default=(32, 256), metavar="MIN-MAX",
                    help="prompt length in tokens, uniform in MIN-MAX, or one length (default: 32-256)")
-    w.add_argument("--max-output", type=_positive, default=512,
+    w.add_argument("--max-output", type=positive_int, default=512,
                    help="cap on the output lengths drawn from 16, 32, …, 512 tokens (EOS ignored)")
     p.add_argument("--output-json", metavar="FILE", help="also write the results to FILE as JSON")
 

@@ -7,34 +7,12 @@ import os
 from pathlib import Path
 
 from ..cli import HelpFormatter, byte_size, configure_logging
+from ..cli_types import int_at_least, non_negative_float, positive_float
 from .config import GatewayConfig
 from .routing import DEFAULT_POLICY, POLICIES
 from .routing.weights import add_weight_flags, weights_from_args
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
 
 
 def gateway_parser() -> argparse.ArgumentParser:
@@ -65,42 +43,42 @@ def gateway_parser() -> argparse.ArgumentParser:
                         "block); kv-events (the pods' KV-cache events: what each pod really holds)")
     add_weight_flags(r)
     q = p.add_argument_group("queue and limits")
-    q.add_argument("--max-queue", type=_int_at_least(0), default=d.max_queue,
+    q.add_argument("--max-queue", type=int_at_least(0), default=d.max_queue,
                    help="most requests held while no endpoint can take them; one more gets 429")
-    q.add_argument("--queue-timeout", type=_positive_float, default=d.queue_timeout,
+    q.add_argument("--queue-timeout", type=positive_float, default=d.queue_timeout,
                    help="seconds a request may wait for an endpoint before a 503 with Retry-After "
                         "(at least the pods' startup time, for scale from zero)")
-    q.add_argument("--max-in-flight", type=_int_at_least(1), default=None,
+    q.add_argument("--max-in-flight", type=int_at_least(1), default=None,
                    help="requests in flight per endpoint before it is full (default: the pod's max_num_seqs "
                         "plus --queue-headroom, when the pod reports it; else no limit)")
-    q.add_argument("--queue-headroom", type=_int_at_least(0), default=None,
+    q.add_argument("--queue-headroom", type=int_at_least(0), default=None,
                    help="requests queued on a pod beyond its max_num_seqs before it is full (default: max_num_seqs)")
-    q.add_argument("--max-tries", type=_int_at_least(1), default=d.max_tries,
+    q.add_argument("--max-tries", type=int_at_least(1), default=d.max_tries,
                    help="most endpoints one request is sent to (a connection error or 503 before the first "
                         "byte moves it on; never after)")
-    q.add_argument("--retry-after", type=_int_at_least(0), default=d.retry_after,
+    q.add_argument("--retry-after", type=int_at_least(0), default=d.retry_after,
                    help="seconds in the Retry-After of the gateway's own 429 and 503")
     q.add_argument("--max-request-bytes", type=byte_size, default=d.max_request_bytes,
                    help="largest request body accepted; larger ones get 413")
-    q.add_argument("--max-prompt-blocks", type=_int_at_least(1), default=d.max_prompt_blocks,
+    q.add_argument("--max-prompt-blocks", type=int_at_least(1), default=d.max_prompt_blocks,
                    help="most leading prompt blocks hashed for prefix routing")
-    q.add_argument("--prefix-capacity", type=_int_at_least(1), default=d.prefix_capacity,
+    q.add_argument("--prefix-capacity", type=int_at_least(1), default=d.prefix_capacity,
                    help="block hashes the prefix policy's table keeps (LRU)")
-    q.add_argument("--block-index-capacity", type=_int_at_least(1), default=d.block_index_capacity,
+    q.add_argument("--block-index-capacity", type=int_at_least(1), default=d.block_index_capacity,
                    help="(block, endpoint) entries the kv-events index keeps")
     l = p.add_argument_group("load and timeouts")
-    l.add_argument("--scrape-interval", type=_positive_float, default=d.scrape_interval,
+    l.add_argument("--scrape-interval", type=positive_float, default=d.scrape_interval,
                    help="seconds between reads of each endpoint's /metrics")
-    l.add_argument("--scrape-timeout", type=_positive_float, default=d.scrape_timeout,
+    l.add_argument("--scrape-timeout", type=positive_float, default=d.scrape_timeout,
                    help="seconds one /metrics read may take")
-    l.add_argument("--load-timeout", type=_positive_float, default=d.load_timeout,
+    l.add_argument("--load-timeout", type=positive_float, default=d.load_timeout,
                    help="seconds without a good /metrics read after which an endpoint gets no new requests")
-    l.add_argument("--connect-timeout", type=_positive_float, default=d.connect_timeout,
+    l.add_argument("--connect-timeout", type=positive_float, default=d.connect_timeout,
                    help="seconds to connect to an endpoint before trying another")
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     h.add_argument("--port", type=int, default=8080, help="port to listen on")
-    h.add_argument("--shutdown-timeout", type=_non_negative_float, default=d.shutdown_timeout,
+    h.add_argument("--shutdown-timeout", type=non_negative_float, default=d.shutdown_timeout,
                    help="seconds a stopping gateway (SIGTERM) gives in-flight requests")
     h.add_argument("--api-key", default=os.environ.get("SLIPSTREAM_API_KEY"),
                    help="the pods' --api-key, sent with the gateway's own requests to them (tokenizer files, KV "

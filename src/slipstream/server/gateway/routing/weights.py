@@ -4,10 +4,11 @@ gateway`` and ``slipstream simulate``."""
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Iterator, Mapping
 
 from slipstream.api_types.routing import check_weights, cli_flag
+
+from ...cli_types import finite_non_negative_float
 
 from . import registry
 
@@ -43,17 +44,6 @@ class Weights(Mapping[str, float]):
         return f"Weights({self._by_name!r})"
 
 
-def _weight(text: str) -> float:
-    """A ``--weight-*`` value: a finite number ≥ 0 (argparse names the flag in its error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def _dest(key: str) -> str:
     return "weight_" + key
 
@@ -61,7 +51,7 @@ def _dest(key: str) -> str:
 def add_weight_flags(group: argparse._ActionsContainer) -> None:
     """A ``--weight-KEY`` option (a number ≥ 0, default the key's) for every weight key."""
     for key, default in registry.weight_defaults().items():
-        group.add_argument(cli_flag(key), dest=_dest(key), type=_weight, default=default,
+        group.add_argument(cli_flag(key), dest=_dest(key), type=finite_non_negative_float, default=default,
                            help=registry.weight_help(key))
 
 

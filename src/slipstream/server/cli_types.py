@@ -1,0 +1,61 @@
+"""argparse ``type=`` checkers shared by the commands (serve, gateway, bench, simulate): each
+turns the flag's text into a number or raises ``argparse.ArgumentTypeError`` saying what the value
+must be, which argparse prints after the flag's name."""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An integer ≥ ``low``."""
+    def parse(text: str) -> int:
+        value = _number(text, int)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+
+
+def non_negative_float(text: str) -> float:
+    """A number ≥ 0 (infinity allowed)."""
+    value = _number(text, float)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def finite_non_negative_float(text: str) -> float:
+    """A finite number ≥ 0."""
+    value = non_negative_float(text)
+    if value == math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (infinity allowed)."""
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
