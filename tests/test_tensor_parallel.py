@@ -1,8 +1,9 @@
-"""Tensor parallelism on CPU (gloo between worker processes the engine starts itself): greedy
-tokens equal transformers' on the same random weights, batched, chunked, preempted and after a
-prefix-cache hit, for Llama, Qwen3, Gemma 2 and Mixtral at two ranks and the built-in GGUF (9
-query heads, 3 KV heads, Q4_1 blocks) at three; logprobs within 1e-4 of one process; a rank
-that dies fails the engine clearly. The slicing itself is checked against the full tensors."""
+"""Tensor and pipeline parallelism on CPU (gloo between worker processes the engine starts
+itself): greedy tokens equal transformers' on the same random weights, batched, chunked,
+preempted and after a prefix-cache hit, for Llama, Qwen3, Gemma 2 and Mixtral at tensor 2 and at
+tensor 2 × pipeline 2, and the built-in GGUF (9 query heads, 3 KV heads, Q4_1 blocks, 30 layers)
+at tensor 3 and at pipeline 4; logprobs within 1e-4 of one process; a rank that dies fails the
+engine and the server clearly. The slicing itself is checked against the full tensors."""
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ from slipstream.server.distributed.executor import RankFailed
 from slipstream.server.engine import LLM, SamplingParams
 from slipstream.server.models import tensor_parallel as tp
 from slipstream.server.models.loader import load_tokenizer
+from slipstream.server.models.pipeline_parallel import stage_layers
 from slipstream.server.models.quant import GGMLTensor
 from test_architectures import ARCHS, COMMON, MAX_TOKENS, PROMPTS, _generate, _randomize
 
@@ -52,6 +54,13 @@ def test_each_rank_keeps_its_query_heads_and_the_kv_heads_they_read(heads, kv, s
 def test_a_split_the_heads_do_not_allow_is_refused_with_the_reason(heads, kv, size):
     with pytest.raises(ValueError, match="tensor parallel size"):
         tp.head_split(heads, kv, 0, size)
+
+
+def test_stages_split_the_layers_as_evenly_as_they_can():
+    assert [stage_layers(30, 4, s) for s in range(4)] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert [stage_layers(3, 2, s) for s in range(2)] == [(0, 2), (2, 3)]
+    with pytest.raises(ValueError, match="pipeline parallel size 4 exceeds the model's 3 layers"):
+        stage_layers(3, 4, 0)
 
 
 def _blocks(rows: int, cols: int, qtype: str) -> GGMLTensor:
@@ -116,19 +125,24 @@ def _run_all_modes(llm: LLM) -> tuple[list, list]:
     return batch, llm.generate(PROMPTS[5], CACHED)
 
 
+@pytest.mark.parametrize("tensor, pipeline", [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
 @pytest.mark.parametrize("arch", list(TP_ARCHS))
-def test_two_ranks_equal_transformers_batched_chunked_preempted_and_prefix_cached(arch, tmp_path, no_leaks):
+def test_ranks_equal_transformers_batched_chunked_preempted_and_prefix_cached(arch, tensor, pipeline, tmp_path,
+                                                                              no_leaks):
     tokenizer = load_tokenizer("builtin")
     hf = _save(tmp_path, arch, tokenizer)
     expected = _generate(hf, PROMPTS, tokenizer.eos_token_id)
     assert len({tuple(out) for out in expected}) == len(expected), "prompts should give different outputs"
     blocks = math.ceil((max(map(len, PROMPTS)) + MAX_TOKENS) / 16) + 2
-    per_token = 2 * COMMON["num_hidden_layers"] * COMMON["head_dim"] * 4  # per KV head, fp32
+    per_head_and_layer = 2 * COMMON["head_dim"] * 4  # K and V, fp32, per token
     settings = dict(max_num_batched_tokens=16, trace=True)
-    one = LLM(model=str(tmp_path), kv_cache_memory_bytes=blocks * 16 * per_token * 2, **settings)
-    two = LLM(model=str(tmp_path), tensor_parallel_size=2, kv_cache_memory_bytes=blocks * 16 * per_token, **settings)
+    one = LLM(model=str(tmp_path), kv_cache_memory_bytes=blocks * 16 * per_head_and_layer * 3 * 2, **settings)
+    # Rank 0 holds one of the 2 KV heads, of all 3 layers or (first of two stages) of 2 of them.
+    layers = 3 if pipeline == 1 else 2
+    two = LLM(model=str(tmp_path), tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
+              kv_cache_memory_bytes=blocks * 16 * per_head_and_layer * layers, **settings)
     try:
-        assert two.engine.kv.num_blocks == one.engine.kv.num_blocks == blocks, "each rank holds one of the 2 KV heads"
+        assert two.engine.kv.num_blocks == one.engine.kv.num_blocks == blocks
         batch, cached = _run_all_modes(two)
         assert _tokens(batch) == expected and _tokens(cached) == [expected[5]]
         assert two.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small for all at once"
@@ -142,25 +156,32 @@ def test_two_ranks_equal_transformers_batched_chunked_preempted_and_prefix_cache
         two.engine.close()
 
 
-def test_three_ranks_on_the_builtin_gguf_equal_one_process(no_leaks):
-    """9 query and 3 KV heads, one KV head per rank; Q4_1 blocks sliced as stored (o_proj's 192
-    columns per rank are six blocks)."""
+@pytest.mark.parametrize("tensor, pipeline", [(3, 1), (1, 4)], ids=["tp3", "pp4"])
+def test_the_builtin_gguf_over_ranks_equals_one_process(tensor, pipeline, no_leaks):
+    """Three tensor ranks: 9 query and 3 KV heads, one KV head per rank; Q4_1 blocks sliced as
+    stored (o_proj's 192 columns per rank are six blocks). Four stages: 30 layers as 8, 8, 7, 7."""
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(200, 290)), [1, 9690, 28, 2]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     one = LLM(kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=32)
-    three = LLM(tensor_parallel_size=3, kv_cache_memory_bytes=(16 << 20) // 3, max_num_batched_tokens=32, trace=True)
+    share = tensor * 30 // {1: 30, 4: 8}[pipeline]  # rank 0's share of the pool: its heads and layers
+    many = LLM(tensor_parallel_size=tensor, pipeline_parallel_size=pipeline, kv_cache_memory_bytes=(16 << 20) // share,
+               max_num_batched_tokens=32, trace=True)
     try:
-        attn = three.engine.runner.model.layers[0].self_attn
-        assert (attn.num_heads, attn.num_kv_heads) == (3, 1)
-        assert type(attn.o_proj.inner).__name__ == "QuantLinear", "blocks should stay blocks"
-        got, want = three.generate(prompts, params), one.generate(prompts, params)
+        model = many.engine.runner.model
+        assert model.cfg.num_layers == 30 // pipeline + (pipeline == 4)
+        if tensor == 3:
+            attn = model.layers[0].self_attn
+            assert (attn.num_heads, attn.num_kv_heads) == (3, 1)
+            assert type(attn.o_proj.inner).__name__ == "QuantLinear", "blocks should stay blocks"
+        got, want = many.generate(prompts, params), one.generate(prompts, params)
         assert _tokens(got) == _tokens(want)
         assert _logprobs(got) == pytest.approx(_logprobs(want), abs=1e-4)
-        assert any(r.num_prefill_tokens and r.num_decode_tokens for r in three.engine.trace)
-        no_leaks(three.engine)
+        assert many.engine.kv.num_blocks >= one.engine.kv.num_blocks
+        assert any(r.num_prefill_tokens and r.num_decode_tokens for r in many.engine.trace)
+        no_leaks(many.engine)
     finally:
-        three.engine.close()
-    assert not three.engine.runner.workers, "closing the engine stops its workers"
+        many.engine.close()
+    assert not many.engine.runner.workers, "closing the engine stops its workers"
 
 
 def test_a_rank_that_dies_fails_the_engine_with_its_name():

@@ -122,6 +122,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                      help="split every layer over this many ranks (worker processes this server starts; on GPUs one "
                           "GPU each). The attention heads must be a multiple of it; KV heads are split, or replicated "
                           "when fewer than the ranks. On CPU the ranks share --num-threads or the cores")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=d["pipeline_parallel_size"],
+                     help="split the layers into this many stages run in turn (each stage has --tensor-parallel-size "
+                          "ranks): for a model larger than the GPUs of one stage")
     return m
 
 

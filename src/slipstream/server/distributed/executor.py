@@ -1,8 +1,8 @@
-"""Rank 0 of a tensor-parallel engine: starts the other ranks as worker processes on this
-machine (multiprocessing ``spawn``; no torchrun), loads its own slice of the model, and runs
-every step as a :class:`~slipstream.server.engine.model_runner.StepRunner` whose inputs it first
-broadcasts, so that the workers replay the same forward pass (vLLM's multiprocessing executor
-has the same shape: one scheduler, step inputs broadcast to every rank).
+"""Rank 0 of a parallel engine (``tensor × pipeline`` ranks on this machine): starts the other
+ranks as worker processes (multiprocessing ``spawn``; no torchrun), loads its own slice of the
+model, and runs every step as a :class:`~slipstream.server.engine.model_runner.StepRunner` whose
+inputs it first broadcasts, so that every rank runs its part of the same step (vLLM's
+multiprocessing executor has the same shape: one scheduler, step inputs broadcast to every rank).
 
 A rank that dies fails the next collective on rank 0 at once ("connection closed by peer");
 rank 0 then raises :class:`RankFailed` naming the rank and, when it could say, why.
@@ -16,12 +16,12 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..engine.memory import plan_kv_cache
-from ..engine.model_runner import ModelRunner, PromptSpan, StepOutput
+from ..engine.model_runner import PromptSpan, StepOutput, chunk_logprobs, logits_chunks
 from ..engine.scheduler import SchedulerOutput
-from ..engine.step_inputs import HostStep
-from ..models.loader import LoadedModel, load_model
-from .group import TensorParallelGroup, free_port
-from .worker import ERROR_KEY, WorkerSpec, run_worker
+from ..engine.step_inputs import HostStep, layout
+from .group import free_port
+from .pipeline import receive_outputs, run_stage
+from .worker import ERROR_KEY, WorkerSpec, block_bytes, join, run_worker
 
 log = logging.getLogger("slipstream.engine")
 
@@ -29,7 +29,7 @@ HOST = "127.0.0.1"  # every rank of a single-machine group
 
 
 class RankFailed(RuntimeError):
-    """A tensor-parallel rank died or failed; the engine cannot run another step."""
+    """A rank of a parallel engine died or failed; the engine cannot run another step."""
 
 
 def threads_per_rank(num_threads: int, size: int) -> int:
@@ -38,98 +38,104 @@ def threads_per_rank(num_threads: int, size: int) -> int:
 
 
 class ParallelRunner:
-    """The engine's step runner over ``config.tensor_parallel_size`` ranks; rank 0 is this process.
+    """The engine's step runner over ``tensor_parallel_size × pipeline_parallel_size`` ranks;
+    rank 0 (stage 0's first tensor rank) is this process.
 
     Args:
-        config: the engine's settings (``model``, ``tensor_parallel_size``, …), sent to every rank.
-        device, dtype: this rank's; a worker of rank r on CUDA takes ``cuda:r``.
+        config: the engine's settings (``model``, the parallel sizes, …), sent to every rank.
+        device, dtype: this rank's; on CUDA rank r takes ``cuda:r``.
         num_threads: this rank's torch threads; each worker gets the same.
 
     Raises:
-        ValueError: the model cannot be split that many ways (its heads or MLP width).
-        ModelLoadError: the model could not be loaded on rank 0.
-        RankFailed: a worker failed to start or to load.
+        ModelLoadError: the model could not be loaded, or cannot be split that way (its heads,
+            MLP width or layers).
+        RankFailed: a worker failed to start.
     """
 
     supports_prompt_logprobs = True
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, num_threads: int):
-        self.size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.pipeline_size = config.pipeline_parallel_size
         port = free_port(HOST)
         ctx = multiprocessing.get_context("spawn")
         dtype_name = str(dtype).removeprefix("torch.")
-        self.workers = []
-        self.group: TensorParallelGroup | None = None
-        for rank in range(1, self.size):
+        self.workers: list[multiprocessing.Process] = []
+        self.groups = None
+        for rank in range(1, self.world_size):
             rank_device = f"cuda:{rank}" if device.type == "cuda" else str(device)
-            spec = WorkerSpec(config, rank, self.size, HOST, port, rank_device, dtype_name, num_threads)
-            proc = ctx.Process(target=run_worker, args=(spec,), name=f"slipstream-tp-rank-{rank}", daemon=True)
+            spec = WorkerSpec(config, rank, HOST, port, rank_device, dtype_name, num_threads)
+            proc = ctx.Process(target=run_worker, args=(spec,), name=f"slipstream-rank-{rank}", daemon=True)
             proc.start()
             self.workers.append(proc)
-        log.info("tensor parallel: %d ranks (workers: pids %s), %d threads each", self.size,
+        log.info("parallel engine: tensor %d × pipeline %d ranks (workers: pids %s), %d threads each",
+                 config.tensor_parallel_size, config.pipeline_parallel_size,
                  ", ".join(str(p.pid) for p in self.workers), num_threads)
         try:
-            self.group = TensorParallelGroup(0, self.size, HOST, port, device, check_ranks=self._check_started)
-            self.loaded: LoadedModel = load_model(config.model, device, dtype, config.quantization,
-                                                  tensor_parallel=self.group)
+            self.groups, self.loaded, self.runner = join(config, 0, HOST, port, device, dtype,
+                                                         check_ranks=self._check_started)
         except Exception:
             self.close()
             raise
-        self.runner = ModelRunner(self.loaded.model, config.block_size, device, dtype,
-                                  max_num_seqs=config.max_num_seqs, graphs=False)
-        self.runner.on_step = self._send_step
+        self.block_size = config.block_size
+        if self.pipeline_size == 1:
+            self.runner.on_step = self._send_step
 
     def _check_started(self) -> None:
         dead = [(rank, p) for rank, p in enumerate(self.workers, start=1) if not p.is_alive()]
         if dead:
-            raise RankFailed("tensor parallel: " + "; ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode} "
-                                                            f"before joining (its log says why)" for r, p in dead))
-
-    @property
-    def kv_cache(self) -> torch.Tensor | None:
-        return self.runner.kv_cache
+            raise RankFailed("parallel engine: " + "; ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode} "
+                                                             f"before joining (its log says why)" for r, p in dead))
 
     @property
     def model(self) -> torch.nn.Module:
         """Rank 0's slice of the model."""
         return self.runner.model
 
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        return self.runner.kv_cache
+
     def _send(self, command: tuple) -> None:
+        if not all(p.is_alive() for p in self.workers):  # a rank that died between steps: say so now
+            raise self.failure(None)
         try:
-            self.group.broadcast_object(command)
+            self.groups.broadcast_object(command)
         except RuntimeError as e:
             raise self.failure(e) from e
 
     def _send_step(self, step: HostStep, chunks: list[tuple[int, int]]) -> None:
         self._send(("step", step, chunks))
 
-    def failure(self, cause: BaseException) -> RankFailed:
+    def failure(self, cause: BaseException | None) -> RankFailed:
         """A :class:`RankFailed` naming the ranks that died and what they recorded."""
         why = []
         for rank, proc in enumerate(self.workers, start=1):
             try:
-                recorded = self.group.store.check([ERROR_KEY.format(rank=rank)])
-                note = self.group.store.get(ERROR_KEY.format(rank=rank)).decode() if recorded else None
+                key = ERROR_KEY.format(rank=rank)
+                note = self.groups.store.get(key).decode() if self.groups.store.check([key]) else None
             except Exception:
                 note = None
             if note or not proc.is_alive():
                 why.append(f"rank {rank} (pid {proc.pid}) " + (f"failed: {note}" if note else
                                                                f"exited with code {proc.exitcode}"))
-        return RankFailed("tensor parallel: " + ("; ".join(why) or f"a collective failed: {cause}"))
+        return RankFailed("parallel engine: " + ("; ".join(why) or f"a collective failed: {cause}"))
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """Every rank allocates ``num_blocks`` blocks of its own KV heads."""
+        """Every rank allocates ``num_blocks`` blocks of its own layers and KV heads."""
         self._send(("allocate", num_blocks, max_model_len))
         self.runner.allocate_kv_cache(num_blocks, max_model_len)
 
-    def kv_cache_bytes(self, max_num_batched_tokens: int, utilization: float, block_bytes: int, block_size: int,
+    def kv_cache_bytes(self, max_num_batched_tokens: int, utilization: float, block_size: int,
                        max_model_len: int) -> int:
-        """CUDA: the KV pool each rank can hold after profiling its own memory (the smallest of them)."""
-        self._send(("profile", max_num_batched_tokens, utilization, block_bytes, block_size, max_model_len))
-        plan = plan_kv_cache(self.runner.profile_memory(max_num_batched_tokens), utilization, block_bytes,
-                             block_size, max_model_len)
+        """CUDA: rank 0's bytes for the fewest KV blocks any rank can hold after profiling its own
+        memory (a block's bytes differ between stages of different depths)."""
+        self._send(("profile", max_num_batched_tokens, utilization, block_size, max_model_len))
+        own = block_bytes(self.runner, block_size)
+        plan = plan_kv_cache(self.runner.profile_memory(max_num_batched_tokens), utilization, own, block_size,
+                             max_model_len)
         try:
-            return self.group.min_over_ranks(plan.kv_cache_bytes)
+            return self.groups.min_over_ranks(plan.kv_cache_bytes // own) * own
         except RuntimeError as e:
             raise self.failure(e) from e
 
@@ -139,7 +145,9 @@ class ParallelRunner:
     def run_with_prompt_logprobs(self, batch: SchedulerOutput, sample_rows: list[int],
                                  spans: list[PromptSpan]) -> StepOutput:
         try:
-            return self.runner.run_with_prompt_logprobs(batch, sample_rows, spans)
+            if self.pipeline_size == 1:  # rank 0 holds the logits itself
+                return self.runner.run_with_prompt_logprobs(batch, sample_rows, spans)
+            return self._run_pipeline(batch, sample_rows, spans)
         except RankFailed:
             raise
         except RuntimeError as e:  # a collective whose peer went away
@@ -147,12 +155,25 @@ class ParallelRunner:
                 raise self.failure(e) from e
             raise
 
+    def _run_pipeline(self, batch: SchedulerOutput, sample_rows: list[int], spans: list[PromptSpan]) -> StepOutput:
+        step = layout(batch, self.block_size, sample_rows)
+        chunks = logits_chunks(step, batch, spans)
+        rows = [(c.row0, len(c.targets)) for c in chunks]
+        self._send_step(step, rows)
+        run_stage(self.groups, self.runner, step, rows)
+        non_finite, logits, chunk_logits = receive_outputs(self.groups, step, rows, self.loaded.config.vocab_size,
+                                                           self.runner.device)
+        computed = [[] for _ in spans]
+        for chunk, rows_logits in zip(chunks, chunk_logits):
+            computed[chunk.span].extend(chunk_logprobs(rows_logits, chunk.targets, chunk.top_n))
+        return StepOutput(logits, computed, non_finite)
+
     def close(self) -> None:
         """Stop the workers (asked first, then terminated); idempotent."""
         asked = False
-        if self.group is not None and all(p.is_alive() for p in self.workers):
+        if self.groups is not None and all(p.is_alive() for p in self.workers):
             try:
-                self.group.broadcast_object(("stop",))
+                self.groups.broadcast_object(("stop",))
                 asked = True
             except RuntimeError:
                 pass

@@ -1,10 +1,10 @@
-"""A tensor-parallel worker rank: a process started by rank 0's
-:class:`~.executor.ParallelRunner` that loads its slice of the model and then does what rank 0
-broadcasts, step after step, until told to stop or rank 0 goes away.
+"""A worker rank: a process started by rank 0's :class:`~.executor.ParallelRunner` that loads
+its slice of the model (its pipeline stage's layers, its tensor rank's share of each) and then
+does what rank 0 broadcasts, step after step, until told to stop or rank 0 goes away.
 
 Commands (tuples, pickled over the control group):
-``("profile", max_num_batched_tokens, utilization, block_bytes, block_size, max_model_len)``
-(CUDA: profile this rank's memory; every rank then takes the smallest KV pool),
+``("profile", max_num_batched_tokens, utilization, block_size, max_model_len)`` (CUDA: profile
+this rank's memory; every rank then takes the fewest KV blocks any rank can hold),
 ``("allocate", num_blocks, max_model_len)``, ``("step", host_step, logits_rows)`` and ``("stop",)``.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ import torch
 from ..engine.config import DTYPES, EngineConfig
 from ..engine.memory import plan_kv_cache
 from ..engine.model_runner import ModelRunner
-from ..models.loader import load_model
-from .group import TensorParallelGroup
+from ..models.loader import LoadedModel, load_model
+from .group import ParallelGroups
+from .pipeline import run_stage
 
 log = logging.getLogger("slipstream.engine")
 
@@ -30,18 +31,34 @@ ERROR_KEY = "error/{rank}"  # in the group's store: why a rank failed, for rank 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker needs to join its group: the engine's settings, its rank, where rank 0's
-    store listens, the device and dtype (``"cpu"``, ``"cuda:N"``; ``"float32"``, …) and its
+    """What a worker needs to join its groups: the engine's settings, its global rank, where rank
+    0's store listens, the device and dtype (``"cpu"``, ``"cuda:N"``; ``"float32"``, …) and its
     torch thread count (the cores are shared between the ranks of one machine)."""
 
     config: EngineConfig
     rank: int
-    size: int
     host: str
     port: int
     device: str
     dtype: str
     num_threads: int
+
+
+def join(config: EngineConfig, rank: int, host: str, port: int, device: torch.device, dtype: torch.dtype,
+         check_ranks=None) -> tuple[ParallelGroups, LoadedModel, ModelRunner]:
+    """Join the groups as ``rank`` and load this rank's slice: what rank 0 and every worker do first."""
+    groups = ParallelGroups(rank, config.tensor_parallel_size, config.pipeline_parallel_size, host, port, device,
+                            check_ranks=check_ranks)
+    loaded = load_model(config.model, device, dtype, config.quantization, tensor_parallel=groups.tensor,
+                        pipeline_stage=(groups.stage, groups.pipeline_size))
+    runner = ModelRunner(loaded.model, config.block_size, device, dtype, max_num_seqs=config.max_num_seqs,
+                         graphs=False)
+    return groups, loaded, runner
+
+
+def block_bytes(runner: ModelRunner, block_size: int) -> int:
+    """Bytes of one KV block on this rank: its own layers and KV heads."""
+    return block_size * runner.model.cfg.kv_bytes_per_token(torch.finfo(runner.dtype).bits // 8)
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -53,36 +70,37 @@ def run_worker(spec: WorkerSpec) -> None:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = TensorParallelGroup(spec.rank, spec.size, spec.host, spec.port, device)
+    groups = None
     try:
-        serve(group, spec)
+        groups, _, runner = join(spec.config, spec.rank, spec.host, spec.port, device, DTYPES[spec.dtype])
+        serve(groups, runner)
     except Exception as e:
         try:
-            group.store.set(ERROR_KEY.format(rank=spec.rank), f"{type(e).__name__}: {e}")
+            if groups is not None:
+                groups.store.set(ERROR_KEY.format(rank=spec.rank), f"{type(e).__name__}: {e}")
         except Exception:  # rank 0 (the store's host) is gone: nobody to tell
             pass
         traceback.print_exc()
         sys.exit(1)
 
 
-def serve(group: TensorParallelGroup, spec: WorkerSpec) -> None:
-    """Load this rank's slice and run rank 0's commands until ``("stop",)``."""
-    config = spec.config
-    device = torch.device(spec.device)
-    loaded = load_model(config.model, device, DTYPES[spec.dtype], config.quantization, tensor_parallel=group)
-    runner = ModelRunner(loaded.model, config.block_size, device, DTYPES[spec.dtype],
-                         max_num_seqs=config.max_num_seqs, graphs=False)
+def serve(groups: ParallelGroups, runner: ModelRunner) -> None:
+    """Run rank 0's commands until ``("stop",)``."""
     while True:
-        command = group.broadcast_object()
+        command = groups.broadcast_object()
         kind = command[0]
         if kind == "step":
-            runner.replay(command[1], command[2])
+            if groups.pipeline_size > 1:
+                run_stage(groups, runner, command[1], command[2])
+            else:
+                runner.replay(command[1], command[2])
         elif kind == "allocate":
             runner.allocate_kv_cache(command[1], command[2])
         elif kind == "profile":
-            tokens, utilization, block_bytes, block_size, max_model_len = command[1:]
-            plan = plan_kv_cache(runner.profile_memory(tokens), utilization, block_bytes, block_size, max_model_len)
-            group.min_over_ranks(plan.kv_cache_bytes)
+            tokens, utilization, block_size, max_model_len = command[1:]
+            own = block_bytes(runner, block_size)
+            plan = plan_kv_cache(runner.profile_memory(tokens), utilization, own, block_size, max_model_len)
+            groups.min_over_ranks(plan.kv_cache_bytes // own)
         elif kind == "stop":
             return
         else:

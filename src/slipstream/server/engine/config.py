@@ -45,6 +45,8 @@ class EngineConfig:
     tensor_parallel_size: ranks that split every layer (:mod:`slipstream.server.distributed`);
         above 1, this process is rank 0 and starts the others as worker processes. Each rank's
         KV pool is ``kv_cache_memory_bytes`` (per rank, as vLLM's) of its own KV heads.
+    pipeline_parallel_size: stages that each run a contiguous share of the layers, in turn
+        (:mod:`slipstream.server.models.pipeline_parallel`); ranks are ``tensor × pipeline``.
     """
 
     model: str = "builtin"
@@ -63,6 +65,12 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the engine: ``tensor_parallel_size × pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
@@ -71,8 +79,10 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:

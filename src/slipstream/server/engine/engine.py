@@ -65,9 +65,9 @@ class LLMEngine:
         self.device, self.dtype = resolve_device(config)
         torch.manual_seed(config.seed)
         self.apply_threads()
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             if loaded is not None or runner is not None:
-                raise ValueError("tensor_parallel_size > 1 starts its ranks and loads each one's slice itself: "
+                raise ValueError("a parallel engine starts its ranks and loads each one's slice itself: "
                                  "pass neither a loaded model nor a runner")
             runner = ParallelRunner(config, self.device, self.dtype, self.num_threads)
             loaded = runner.loaded
@@ -81,7 +81,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
                              f"of {cfg.max_position_embeddings} tokens")
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        kv_cfg = cfg if loaded.model is None else loaded.model.cfg  # a tensor-parallel rank's own KV heads
+        kv_cfg = cfg if loaded.model is None else loaded.model.cfg  # a parallel rank's own layers and KV heads
         block_bytes = config.block_size * kv_cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         self.runner: StepRunner = runner or ModelRunner(loaded.model, config.block_size, self.device, self.dtype,
                                                         max_num_seqs=config.max_num_seqs,
@@ -145,7 +145,7 @@ class LLMEngine:
             return CPU_KV_CACHE_BYTES
         if isinstance(self.runner, ParallelRunner):
             return self.runner.kv_cache_bytes(config.max_num_batched_tokens, config.gpu_memory_utilization,
-                                              block_bytes, config.block_size, self.max_model_len)
+                                              config.block_size, self.max_model_len)
         profile = self.runner.profile_memory(config.max_num_batched_tokens)
         plan = plan_kv_cache(profile, config.gpu_memory_utilization, block_bytes, config.block_size,
                              self.max_model_len)
@@ -158,10 +158,10 @@ class LLMEngine:
         mask allow. Decided (and logged) on the first call; later calls apply the same count."""
         if self.num_threads is None:
             self.num_threads, why = choose_threads(self.config.num_threads, torch.get_num_threads(), cpu_limit())
-            size = self.config.tensor_parallel_size
+            size = self.config.world_size
             if size > 1 and self.config.num_threads is None:
                 self.num_threads = threads_per_rank(self.num_threads, size)
-                why += f", shared by {size} tensor-parallel ranks"
+                why += f", shared by {size} ranks"
             log.info("torch threads: %d (%s)", self.num_threads, why)
         torch.set_num_threads(self.num_threads)
 

@@ -250,14 +250,16 @@ class ModelRunner:
         computed: list[list[Logprob]] = [[] for _ in spans]
         for chunk in chunks:
             rows_logits = self.model.logits(hidden[chunk.row0:chunk.row0 + len(chunk.targets)])
-            computed[chunk.span].extend(_logprobs(rows_logits, chunk.targets, chunk.top_n))
+            computed[chunk.span].extend(chunk_logprobs(rows_logits, chunk.targets, chunk.top_n))
         return StepOutput(logits, computed, non_finite)
 
-    def forward(self, step: HostStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's hidden states ``[num_tokens, hidden_size]`` and its sampled rows on the device."""
+    def forward(self, step: HostStep, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's hidden states ``[num_tokens, hidden_size]`` and its sampled rows on the device;
+        ``hidden``: a later pipeline stage's input from the stage before."""
         inputs = unpack(self.transfer(step), step)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.attention), \
-            inputs.sample_rows
+        staged = {} if hidden is None else {"hidden": hidden}
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.attention,
+                          **staged), inputs.sample_rows
 
     def sample_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``[len(rows), vocab_size]`` fp32 logits of the sampled rows (none: an empty tensor)."""
@@ -301,11 +303,15 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(dev)
             before = torch.cuda.memory_allocated(dev)
             inputs = unpack(self.transfer(step), step)
-            hidden = self.model(inputs.input_ids, inputs.positions, cache, inputs.meta, self.attention)
-            # Full-vocabulary rows at their most: the sampled rows, or a chunk of prompt logprobs.
-            rows = min(step.num_tokens, max(step.num_requests, PROMPT_LOGPROBS_CHUNK_ROWS))
-            logits = self.model.logits(hidden[:rows])
-            torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's top-p path: its largest buffers
+            # A later pipeline stage starts from hidden states, and only the last takes logits.
+            staged = {} if getattr(self.model, "embed_tokens", True) is not None else \
+                {"hidden": torch.zeros(step.num_tokens, cfg.hidden_size, dtype=self.dtype, device=dev)}
+            hidden = self.model(inputs.input_ids, inputs.positions, cache, inputs.meta, self.attention, **staged)
+            if getattr(self.model, "lm_head", True) is not None:
+                # Full-vocabulary rows at their most: the sampled rows, or a chunk of prompt logprobs.
+                rows = min(step.num_tokens, max(step.num_requests, PROMPT_LOGPROBS_CHUNK_ROWS))
+                logits = self.model.logits(hidden[:rows])
+                torch.log_softmax(logits, dim=-1).sort(dim=-1)  # the sampler's top-p path: its largest buffers
             torch.cuda.synchronize(dev)
             return torch.cuda.max_memory_allocated(dev) - before
 
@@ -320,7 +326,7 @@ class ModelRunner:
         return MemoryProfile(total, free, weights, peak, reserve)
 
 
-def _logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[Logprob]:
+def chunk_logprobs(logits: torch.Tensor, targets: list[int], top_n: int) -> list[Logprob]:
     """``logits`` ``[k, vocab]`` fp32 of the rows predicting the k ``targets``: each target's
     :class:`Logprob`, with the ``top_n`` most likely tokens when asked."""
     logprobs = torch.log_softmax(logits, dim=-1)

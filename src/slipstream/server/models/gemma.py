@@ -109,14 +109,19 @@ class GemmaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, attention: AttentionBackend | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, attention: AttentionBackend | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` after the final norm; arguments as
         :meth:`~.llama.LlamaModel.forward` (``input_ids``/``positions`` ``[num_tokens]`` int64,
-        ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``)."""
+        ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, ``hidden``
+        a later pipeline stage's input)."""
         attention = attention or kernels.resolve_backend(input_ids.device)
         meta.backend_cache.clear()  # the layout may have been refilled in place (CUDA-graph buffers)
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # the scale rounded as Gemma's
+        if hidden is None:
+            x = self.embed_tokens(input_ids)
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)  # the scale rounded as Gemma's
+        else:
+            x = hidden
         rope = {}
         for name, inv_freq in (("global", self.inv_freq), ("local", self.local_inv_freq)):
             freqs = positions.float()[:, None] * inv_freq[None, :]
@@ -125,7 +130,7 @@ class GemmaModel(nn.Module):
         for layer, layer_cache in zip(self.layers, kv_cache):
             cos, sin = rope["global" if layer.self_attn.window is None else "local"]
             x = layer(x, cos, sin, layer_cache, meta, attention)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,8 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, attention: AttentionBackend | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, attention: AttentionBackend | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of the step's tokens.
 
         Args:
@@ -49,13 +50,16 @@ class LlamaModel(nn.Module):
             meta: where each request's tokens and context are (see :class:`AttentionMetadata`).
             attention: the backend the runner resolved once; None resolves one for ``input_ids``'
                 device (a direct call, e.g. in tests).
+            hidden: a later pipeline stage's input, ``[num_tokens, hidden_size]`` from the stage
+                before (:mod:`.pipeline_parallel`); None embeds ``input_ids``.
 
         Returns:
-            ``[num_tokens, hidden_size]`` after the final norm; see :meth:`logits`.
+            ``[num_tokens, hidden_size]`` after the final norm (before it, on a pipeline stage
+            that is not the last); see :meth:`logits`.
         """
         attention = attention or kernels.resolve_backend(input_ids.device)
         meta.backend_cache.clear()  # the layout may have been refilled in place (CUDA-graph buffers)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim], broadcast over heads
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -65,7 +69,7 @@ class LlamaModel(nn.Module):
             return self.norm(x)
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, layer_cache, meta, attention)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
 
     def fused_plan(self):
         """The layers packed for one-call decode steps (:mod:`.fused_decode`), or None when this

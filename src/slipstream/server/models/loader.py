@@ -30,6 +30,7 @@ from .gguf_file import gguf_tokenizer, read_gguf, write_weight_cache
 from .hf_checkpoint import read_hf_dir
 from .layers import rope_inv_freq
 from .llama import LlamaModel
+from .pipeline_parallel import keep_stage
 from .tensor_parallel import Collectives, shard_model
 
 log = logging.getLogger("slipstream.loader")
@@ -103,7 +104,8 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str = "auto",
-               tensor_parallel: Collectives | None = None) -> LoadedModel:
+               tensor_parallel: Collectives | None = None,
+               pipeline_stage: tuple[int, int] | None = None) -> LoadedModel:
     """Load weights, config and tokenizer.
 
     Args:
@@ -116,6 +118,8 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
             ``"none"`` dequantizes every tensor to ``dtype``. Safetensors load as they are.
         tensor_parallel: this rank's group: the model keeps only its slice
             (:func:`.tensor_parallel.shard_model`), cut on the CPU before it moves to ``device``.
+        pipeline_stage: ``(stage, stages)``: keep only that pipeline stage's layers
+            (:func:`.pipeline_parallel.keep_stage`), before the tensor-parallel cut.
 
     Raises:
         ModelLoadError: missing file, pickle checkpoint, unsupported architecture or
@@ -151,11 +155,13 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype, quantizatio
     net.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint; rebuild off the meta device
     if cache_entry is not None:
         disk_cache.fill_cache(cache_entry, lambda tmp: write_weight_cache(tmp, cfg, net), path)
-    if tensor_parallel is not None:
-        try:
+    try:
+        if pipeline_stage is not None:
+            keep_stage(net, *pipeline_stage)
+        if tensor_parallel is not None and tensor_parallel.size > 1:
             shard_model(net, tensor_parallel)
-        except ValueError as e:
-            raise ModelLoadError(f"{path}: {e}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     net.to(device).eval()
     log.info("loaded %s in %.1f s", name, time.perf_counter() - start)
     return LoadedModel(net, cfg, tokenizer, name, str(path))

@@ -260,21 +260,24 @@ def _shard_vocab(net: nn.Module, group: Collectives) -> None:
     per_rank = math.ceil(vocab / group.size)
     start = min(group.rank * per_rank, vocab)
     count = min(per_rank, vocab - start)
-    tied = _weight(net.lm_head) is _weight(net.embed_tokens)
+    # A pipeline stage may hold only one of them (:mod:`.pipeline_parallel`).
+    has_embed, has_head = net.embed_tokens is not None, net.lm_head is not None
+    tied = has_embed and has_head and _weight(net.lm_head) is _weight(net.embed_tokens)
 
     def shard(module: nn.Module) -> Weight:
         return pad_rows(rows(_weight(module), [(start, start + count)]), per_rank)
 
-    table = shard(net.embed_tokens)
-    if isinstance(table, GGMLTensor):
-        embed = QuantEmbedding(table)
-    else:
-        embed = nn.Embedding(per_rank, table.shape[1], _weight=table)
-    head = linear(table, None) if tied else linear(shard(net.lm_head), None)
-    if tied and isinstance(head, Linear) and isinstance(embed, nn.Embedding):
-        head.weight = embed.weight
-    net.embed_tokens = VocabParallelEmbedding(embed, start, count, group)
-    net.lm_head = VocabParallelHead(head, vocab, group)
+    embed = None
+    if has_embed:
+        table = shard(net.embed_tokens)
+        embed = QuantEmbedding(table) if isinstance(table, GGMLTensor) else \
+            nn.Embedding(per_rank, table.shape[1], _weight=table)
+        net.embed_tokens = VocabParallelEmbedding(embed, start, count, group)
+    if has_head:
+        head = linear(table, None) if tied else linear(shard(net.lm_head), None)
+        if tied and isinstance(head, Linear) and isinstance(embed, nn.Embedding):
+            head.weight = embed.weight
+        net.lm_head = VocabParallelHead(head, vocab, group)
 
 
 def shard_model(net: nn.Module, group: Collectives) -> nn.Module:
