@@ -259,3 +259,58 @@ def test_serve_starts_its_ranks_answers_and_exits_1_when_a_rank_dies(tmp_path):
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def _serve(args: list[str], log):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "slipstream.server", "serve", "--host", "127.0.0.1", *args],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_two_nodes_serve_one_model_and_node_0_exits_1_when_node_1_dies(tmp_path):
+    """Pipeline 2 over two `serve` processes that meet at node 0's --master-port, as two pods of a
+    LeaderWorkerSet group do: node 0 answers with one process's tokens; node 1 answers /health,
+    not /ready; killing node 1's rank fails node 0, which exits 1, and node 1 exits 1 too."""
+    import subprocess
+    import time
+
+    from slipstream.server.distributed.group import free_port
+
+    ports = [free_port() for _ in range(3)]
+    group = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(ports[2]), "--kv-cache-memory-bytes", "16MiB"]
+    logs = [open(tmp_path / f"node{i}.log", "w+") for i in range(2)]
+    nodes = [_serve([*group, "--port", str(ports[0])], logs[0]),
+             _serve([*group, "--node-rank", "1", "--port", str(ports[1])], logs[1])]
+    leader, follower = (f"http://127.0.0.1:{p}" for p in ports[:2])
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    try:
+        for _ in range(240):
+            try:
+                if _get(leader + "/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert all(n.poll() is None for n in nodes), [open(tmp_path / f"node{i}.log").read() for i in range(2)]
+            time.sleep(0.5)
+        status, body = _get(leader + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                                                         "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        want = LLM(kv_cache_memory_bytes=16 << 20).generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                                                  ignore_eos=True))
+        assert body["choices"][0]["text"] == want[0].outputs[0].text
+        assert _get(follower + "/health")[0] == 200 and _get(follower + "/ready")[0] == 503
+        rank = [int(p) for p in subprocess.run(["pgrep", "-P", str(nodes[1].pid)], capture_output=True,
+                                               text=True).stdout.split()
+                if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+        os.kill(rank[0], signal.SIGKILL)
+        status, body = _get(leader + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                                                         "max_tokens": 4})
+        assert status == 500, body
+        assert nodes[0].wait(timeout=60) == 1 and nodes[1].wait(timeout=60) == 1
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)

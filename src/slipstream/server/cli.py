@@ -125,6 +125,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     par.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=d["pipeline_parallel_size"],
                      help="split the layers into this many stages run in turn (each stage has --tensor-parallel-size "
                           "ranks): for a model larger than the GPUs of one stage")
+    par.add_argument("--nnodes", type=positive_int, default=d["nnodes"],
+                     help="machines (pods) the ranks spread over, each running tensor × pipeline / nnodes of them")
+    par.add_argument("--node-rank", type=int, default=0,
+                     help="this machine's index; node 0 schedules and serves the API, the others run their ranks "
+                          "only (and answer /health)")
+    par.add_argument("--master-addr", default=d["master_addr"], help="node 0's address, where the ranks meet")
+    par.add_argument("--master-port", type=positive_int, default=d["master_port"],
+                     help="the port node 0 listens on for the ranks to meet (needed with --nnodes > 1)")
     return m
 
 
@@ -201,7 +209,14 @@ def run_serve(argv: list[str]) -> int:
     from slipstream.server.api.server import serve
     from slipstream.server.api.state import ServerOptions
 
-    engine = engine_config(args)
+    try:
+        engine = engine_config(args)
+    except ValueError as e:
+        raise SystemExit(f"slipstream serve: {e}") from None
+    if args.node_rank:
+        from slipstream.server.distributed.node import run_node
+
+        return asyncio.run(run_node(engine, args.node_rank, args.host, args.port))
     options = ServerOptions(served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,

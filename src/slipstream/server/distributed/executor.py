@@ -37,6 +37,22 @@ def threads_per_rank(num_threads: int, size: int) -> int:
     return max(1, num_threads // size)
 
 
+def start_workers(config: EngineConfig, ranks, host: str, port: int, device: torch.device, dtype: torch.dtype,
+                  num_threads: int) -> list[multiprocessing.Process]:
+    """Start a worker process (multiprocessing ``spawn``) per global rank of ``ranks``, joining the
+    store at ``host:port``; on CUDA each takes the GPU of its rank on this node."""
+    ctx = multiprocessing.get_context("spawn")
+    dtype_name = str(dtype).removeprefix("torch.")
+    workers = []
+    for rank in ranks:
+        rank_device = f"cuda:{rank % config.ranks_per_node}" if device.type == "cuda" else str(device)
+        spec = WorkerSpec(config, rank, host, port, rank_device, dtype_name, num_threads)
+        proc = ctx.Process(target=run_worker, args=(spec,), name=f"slipstream-rank-{rank}", daemon=True)
+        proc.start()
+        workers.append(proc)
+    return workers
+
+
 class ParallelRunner:
     """The engine's step runner over ``tensor_parallel_size × pipeline_parallel_size`` ranks;
     rank 0 (stage 0's first tensor rank) is this process.
@@ -57,22 +73,14 @@ class ParallelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype, num_threads: int):
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.pipeline_size = config.pipeline_parallel_size
-        port = free_port(HOST)
-        ctx = multiprocessing.get_context("spawn")
-        dtype_name = str(dtype).removeprefix("torch.")
-        self.workers: list[multiprocessing.Process] = []
+        host, port = config.master_addr, config.master_port or free_port(HOST)
         self.groups = None
-        for rank in range(1, self.world_size):
-            rank_device = f"cuda:{rank}" if device.type == "cuda" else str(device)
-            spec = WorkerSpec(config, rank, HOST, port, rank_device, dtype_name, num_threads)
-            proc = ctx.Process(target=run_worker, args=(spec,), name=f"slipstream-rank-{rank}", daemon=True)
-            proc.start()
-            self.workers.append(proc)
+        self.workers = start_workers(config, range(1, config.ranks_per_node), host, port, device, dtype, num_threads)
         log.info("parallel engine: tensor %d × pipeline %d ranks (workers: pids %s), %d threads each",
                  config.tensor_parallel_size, config.pipeline_parallel_size,
                  ", ".join(str(p.pid) for p in self.workers), num_threads)
         try:
-            self.groups, self.loaded, self.runner = join(config, 0, HOST, port, device, dtype,
+            self.groups, self.loaded, self.runner = join(config, 0, host, port, device, dtype,
                                                          check_ranks=self._check_started)
         except Exception:
             self.close()

@@ -47,6 +47,10 @@ class EngineConfig:
         KV pool is ``kv_cache_memory_bytes`` (per rank, as vLLM's) of its own KV heads.
     pipeline_parallel_size: stages that each run a contiguous share of the layers, in turn
         (:mod:`slipstream.server.models.pipeline_parallel`); ranks are ``tensor × pipeline``.
+    nnodes, master_addr, master_port: the ranks spread over ``nnodes`` machines (pods), each
+        running ``world_size / nnodes`` consecutive ranks; node 0 (this engine) hosts the
+        rendezvous on ``master_port`` (None: a free port, one machine only), which the others
+        reach at ``master_addr`` (:mod:`slipstream.server.distributed.node`).
     """
 
     model: str = "builtin"
@@ -66,6 +70,14 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks each of the ``nnodes`` machines runs."""
+        return self.world_size // self.nnodes
 
     @property
     def world_size(self) -> int:
@@ -90,3 +102,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         check_gpu_memory_utilization(self.gpu_memory_utilization)
+        if self.nnodes < 1 or self.world_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide the {self.world_size} ranks "
+                             f"(tensor_parallel_size × pipeline_parallel_size)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("a group over several nodes needs master_port (and master_addr, node 0's address)")

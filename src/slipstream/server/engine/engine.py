@@ -158,7 +158,7 @@ class LLMEngine:
         mask allow. Decided (and logged) on the first call; later calls apply the same count."""
         if self.num_threads is None:
             self.num_threads, why = choose_threads(self.config.num_threads, torch.get_num_threads(), cpu_limit())
-            size = self.config.world_size
+            size = self.config.ranks_per_node
             if size > 1 and self.config.num_threads is None:
                 self.num_threads = threads_per_rank(self.num_threads, size)
                 why += f", shared by {size} ranks"
