@@ -61,4 +61,6 @@ def test_run_rehearses_every_stage_on_cpu_and_marks_cuda_stages_skipped(tmp_path
     assert summary["stages"]["kernel-tests"]["result"]["passed"] == 2
     assert summary["stages"]["oracle"]["result"]["ok"] is True
     assert "KV cache" in summary["stages"]["kv-sizing"]["result"]["kv_log_line"]
+    parallel = summary["stages"]["parallel"]["result"]
+    assert parallel["tensor"] == 3 and parallel["equal"] == parallel["prompts"] == 6, parallel
     assert "| stage | status | seconds |" in (out / "gpu-check.md").read_text()

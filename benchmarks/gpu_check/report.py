@@ -57,6 +57,12 @@ def markdown(summary: dict) -> str:
         out += [_table(["engine", "host syncs per decode step (target 1)", "sites"],
                        [[n, _fmt(sy[n]["syncs_per_step"], ".1f"), "; ".join(f"{c}× {s}" for s, c in sy[n]["sites"].items())]
                         for n in ("eager", "graphs") if n in sy]), ""]
+    par = res("parallel")
+    if par:
+        out += [f"Tensor parallel {par.get('tensor')} ({par.get('device')}, {par.get('dtype')}): " +
+                (f"skipped, {par['skipped']}" if par.get("skipped") else
+                 f"{par.get('equal')}/{par.get('prompts')} prompts token-equal to one process (first divergences "
+                 f"{par.get('first_divergence')}), ranks started in {par.get('start_s')} s"), ""]
     kv = res("kv-sizing")
     if kv:
         out += [f"KV sizing (defaults): {kv.get('kv_log_line')}; {kv.get('num_blocks')} blocks, "

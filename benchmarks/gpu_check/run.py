@@ -15,7 +15,8 @@ inside a 10-minute device call:
    engine against transformers (``oracle.py``).
 3. ``roofline``: ``benchmarks/attention_roofline.py --no-engine``: decode attention vs the copy bandwidth.
 4. ``throughput-*``: engine eager, engine with CUDA graphs, transformers' continuous batching.
-5. ``syncs``: host syncs per decode step. 6. ``kv-sizing``: the default KV pool and its log line.
+5. ``syncs``: host syncs per decode step. 6. ``parallel``: tensor parallelism against one process
+   (skipped, saying so, on a machine with one GPU). 7. ``kv-sizing``: the default KV pool and its log line.
 
 Without CUDA it rehearses on CPU with small sizes and marks CUDA-only stages ``skipped: no
 CUDA``. Output: ``$OUT`` when set, else ``benchmarks/out/gpu-check``; the markdown tables of
@@ -59,7 +60,7 @@ class Stage:
 STAGES = [Stage("import-check", 60), Stage("kernel-tests", 150), Stage("prepare", 60), Stage("oracle", 150),
           Stage("roofline", 90, cuda_only=True), Stage("throughput-slipstream-eager", 90),
           Stage("throughput-slipstream-graphs", 90, cuda_only=True), Stage("throughput-hf-cb", 120),
-          Stage("syncs", 60, cuda_only=True), Stage("kv-sizing", 60)]
+          Stage("syncs", 60, cuda_only=True), Stage("parallel", 120), Stage("kv-sizing", 60)]
 
 
 class Run:
@@ -203,6 +204,9 @@ def stage_argv(run: Run, name: str) -> list[str] | None:
                 *sizes, *res]
     if name == "syncs":
         return [*py, str(HERE / "syncs.py"), "--model", str(big), *res]
+    if name == "parallel":  # the Llama-3.2-1B shape's 32/8 heads split 2 ways; SmolLM2's 9/3 heads 3 ways
+        return [*py, str(HERE / "parallel.py"), "--model", str(big), "--tensor", "2" if cuda else "3",
+                *([] if cuda else ["--max-tokens", "8", "--kv-mib", "32"]), *res]
     if name == "kv-sizing":
         return [*py, str(HERE / "kv_sizing.py"), "--model", str(big), *res]
     return None
