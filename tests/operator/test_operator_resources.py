@@ -151,16 +151,6 @@ def test_an_unset_kv_cache_must_still_fit_a_cpu_pod_but_not_a_gpu_pods_host_memo
         parse_spec({"resources": {"memory": "2Gi"}, "engine": {"kvCacheMemory": "2Gi"}})
 
 
-def test_more_than_one_gpu_per_pod_is_refused_until_tensor_parallelism_exists():
-    with pytest.raises(SpecError) as caught:
-        parse_spec({"resources": {"gpus": 2}})
-    assert caught.value.reason == "InvalidSpec"
-    assert caught.value.message == (
-        "spec.resources.gpus is 2, but tensor parallelism is not supported yet: a pod runs its "
-        "model on one GPU; use one GPU per replica (gpus: 1) and scale replicas")
-    assert parse_spec({"resources": {"gpus": 1}}).resources.gpus == 1
-
-
 @pytest.mark.parametrize("memory,limit", [("16Gi", "2Gi"), ("8Gi", "2Gi"), ("3Gi", "768Mi"),
                                           ("1000M", "238Mi")])
 def test_gpu_pods_get_a_memory_backed_dev_shm_and_cpu_pods_none(memory, limit):
