@@ -289,7 +289,9 @@ def test_examples_pass_schema_cel_and_operator(path, crd_schema):
     assert parse_spec(obj["spec"], name=obj["metadata"]["name"]) == \
         parse_spec(defaulted["spec"], name=obj["metadata"]["name"])
     obj["metadata"].setdefault("namespace", "default")
-    assert [c["kind"] for c in render_children(obj)][:2] == ["Deployment", "Service"]
+    spec = parse_spec(obj["spec"], name=obj["metadata"]["name"])
+    workload = "LeaderWorkerSet" if spec.pipeline_parallel_size > 1 else "Deployment"
+    assert [c["kind"] for c in render_children(obj)][:2] == [workload, "Service"]
 
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)
