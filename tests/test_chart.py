@@ -394,6 +394,20 @@ def test_collector_sees_a_new_call(tmp_path):
             list(api.client_calls([added]))
 
 
+def test_collector_follows_a_function_that_picks_the_workload_resource(tmp_path):
+    """A call on workload_resource(spec)'s pick (Deployment or LeaderWorkerSet) asks for both."""
+    added = tmp_path / "scale.py"
+    added.write_text("async def scale(kube, spec, ns):\n"
+                     "    await kube.get(workload_resource(spec)[0], ns, 'x')\n"
+                     "    workload, _ = workload_resource(spec)\n"
+                     "    await kube.merge_patch(workload, ns, 'x', {})\n")
+    found = {p for _, p in api.client_calls([added])}
+    assert found == {api.Permission("apps", "deployments", "get"),
+                     api.Permission("leaderworkerset.x-k8s.io", "leaderworkersets", "get"),
+                     api.Permission("apps", "deployments", "patch"),
+                     api.Permission("leaderworkerset.x-k8s.io", "leaderworkersets", "patch")}
+
+
 def test_the_gateways_role_grants_exactly_what_the_gateway_calls_and_the_operator_holds_it():
     """The Role the operator renders for each gateway (server/gateway/ lists and watches
     EndpointSlices) and nothing more; the API server refuses to let the operator create it

@@ -6,7 +6,8 @@ Two sources, both read from the code rather than written down by hand:
 * Our REST client (operator/kube.py). Every call ``<…kube>.<method>(RESOURCE, …)`` in
   operator/*.py is found in the syntax tree; ``METHOD_VERBS`` turns the client's method into an
   RBAC verb, the first argument (a kube.py ``Resource`` constant, directly or through a
-  variable or parameter) gives the resource, ``subresource=`` the subresource. Collection fails
+  variable or parameter, or a function that picks one such as ``workload_resource``) gives the
+  resource, ``subresource=`` the subresource. Collection fails
   (:class:`CollectionError`) on a client method the map does not know, a raw ``request()``
   outside kube.py, or a call whose resource cannot be told — so a new kind of call cannot slip
   past the RBAC test unnoticed.
@@ -125,8 +126,9 @@ def check_client_surface() -> None:
 class _Module:
     """One operator module's syntax tree, with what resolving a resource argument needs."""
 
-    def __init__(self, path: pathlib.Path, resources: dict[str, kube.Resource]):
-        self.path, self.resources = path, resources
+    def __init__(self, path: pathlib.Path, resources: dict[str, kube.Resource],
+                 choosers: dict[str, set[str]] | None = None):
+        self.path, self.resources, self.choosers = path, resources, choosers or {}
         self.tree = ast.parse(path.read_text(), filename=str(path))
         self.parent: dict[ast.AST, ast.AST] = {}
         for node in ast.walk(self.tree):
@@ -162,6 +164,10 @@ class _Module:
         name = self.constant(expr)
         if name or depth > 3:
             return {name} if name else set()
+        if isinstance(expr, ast.Subscript):  # workload_resource(spec)[0]
+            return self.resolve(expr.value, depth + 1)
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name):
+            return set(self.choosers.get(expr.func.id, ()))
         if not isinstance(expr, ast.Name):
             return set()
         function = self.enclosing(expr)
@@ -180,16 +186,31 @@ class _Module:
                     for arg in args:
                         found |= self.resolve(arg, depth + 1)
             return found
-        return {n.id for n in ast.walk(function)
-                if isinstance(n, ast.Name) and n.id in self.resources}
+        mentioned = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
+        return {n for n in mentioned if n in self.resources}.union(
+            *(self.choosers[n] for n in mentioned if n in self.choosers))
+
+
+def resource_choosers(paths: Iterable[pathlib.Path] | None = None) -> dict[str, set[str]]:
+    """Functions of the operator that pick a resource (their return annotation names
+    ``Resource``, e.g. group_resources.workload_resource: Deployment or LeaderWorkerSet) → the
+    Resource constants their body can return (every one it mentions: an over-approximation)."""
+    resources, found = _resources(), {}
+    for path in sorted(paths if paths is not None else OPERATOR_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None \
+                    and "Resource" in ast.unparse(node.returns):
+                found[node.name] = {n.id for n in ast.walk(node)
+                                    if isinstance(n, ast.Name) and n.id in resources}
+    return found
 
 
 def client_calls(paths: Iterable[pathlib.Path] | None = None) -> Iterator[tuple[str, Permission]]:
     """(where, permission) for every call of our REST client in the operator's modules."""
     check_client_surface()
-    resources = _resources()
+    resources, choosers = _resources(), resource_choosers()
     for path in sorted(paths if paths is not None else OPERATOR_DIR.glob("*.py")):
-        module = _Module(path, resources)
+        module = _Module(path, resources, choosers)
         for call in ast.walk(module.tree):
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
                 continue

@@ -154,7 +154,7 @@ def parser_accepts(obj) -> bool:
 @pytest.mark.parametrize("block,key,value", ENGINE_PROBES, ids=str)
 def test_the_api_server_and_the_parser_accept_the_same_engine_and_gpu_values(block, key, value,
                                                                              crd_schema):
-    """The GPU settings of issue 14, value by value: schema bounds and CEL rules (gpus ≤ 1)
+    """The GPU settings of issue 14, value by value: schema bounds and CEL rules
     after defaulting, against parse_spec. (A null is pruned by the API server and skipped by
     the parser.) The pod's memory is large enough for any KV cache probed here."""
     raw = {block: {key: value}} if value is not None else {block: {}}
@@ -163,6 +163,38 @@ def test_the_api_server_and_the_parser_accept_the_same_engine_and_gpu_values(blo
            "metadata": {"name": "probe"}, "spec": raw}
     api, ours = api_accepts(crd_schema, obj), parser_accepts(obj)
     assert ours is api, f"{key}={value!r}: API server {api}, parser {ours}"
+
+
+# spec.parallelism beside spec.resources.gpus: ranges, types, and gpus == tensor when both are
+# set (gpus 0 is a CPU pod, whose ranks share its cores); None leaves the key out.
+PARALLELISM_PROBES = [(tensor, pipeline, gpus)
+                      for tensor in (None, -1, 0, 1, 2, 4, 8, 1.5, True, "2")
+                      for pipeline in (None, 0, 1, 2)
+                      for gpus in (None, 0, 1, 2, 4)]
+
+
+@pytest.mark.parametrize("tensor,pipeline,gpus", PARALLELISM_PROBES, ids=str)
+def test_the_api_server_and_the_parser_accept_the_same_parallelism(tensor, pipeline, gpus,
+                                                                   crd_schema):
+    """Issue 34's contract, value by value: schema bounds, the CEL rule on the spec's node
+    (gpus must equal tensor when both are set) after defaulting, against parse_spec."""
+    parallelism = {k: v for k, v in (("tensor", tensor), ("pipeline", pipeline)) if v is not None}
+    resources = {"memory": "64Gi", **({"gpus": gpus} if gpus is not None else {})}
+    obj = {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": "probe"},
+           "spec": {"parallelism": parallelism, "resources": resources}}
+    api, ours = api_accepts(crd_schema, obj), parser_accepts(obj)
+    assert ours is api, f"{parallelism} gpus={gpus}: API server {api}, parser {ours}"
+
+
+def test_gpus_alone_mean_tensor_and_tensor_alone_on_cpu_runs_ranks_on_cores():
+    gpus = parse_spec({"resources": {"gpus": 4, "memory": "64Gi"}})
+    cpu = parse_spec({"parallelism": {"tensor": 2}, "resources": {"memory": "8Gi"}})
+    both = parse_spec({"parallelism": {"tensor": 4, "pipeline": 2}, "resources": {"gpus": 4}})
+    assert (gpus.tensor_parallel_size, gpus.pipeline_parallel_size) == (4, 1)
+    assert (cpu.tensor_parallel_size, cpu.resources.gpus) == (2, 0)
+    assert (both.tensor_parallel_size, both.pipeline_parallel_size) == (4, 2)
+    assert parse_spec({}).tensor_parallel_size == 1
 
 
 ROUTING_PROBES = [("enabled", v) for v in (True, False, 1, "yes")] + [
@@ -257,7 +289,9 @@ def test_examples_pass_schema_cel_and_operator(path, crd_schema):
     assert parse_spec(obj["spec"], name=obj["metadata"]["name"]) == \
         parse_spec(defaulted["spec"], name=obj["metadata"]["name"])
     obj["metadata"].setdefault("namespace", "default")
-    assert [c["kind"] for c in render_children(obj)][:2] == ["Deployment", "Service"]
+    spec = parse_spec(obj["spec"], name=obj["metadata"]["name"])
+    workload = "LeaderWorkerSet" if spec.pipeline_parallel_size > 1 else "Deployment"
+    assert [c["kind"] for c in render_children(obj)][:2] == [workload, "Service"]
 
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)

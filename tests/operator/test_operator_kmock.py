@@ -222,17 +222,19 @@ async def test_delete_removes_the_finalizer_and_children_are_owned(api, kube, op
         .history[-2]["metadata"]["uid"] == uid
 
 
-async def test_more_than_one_gpu_is_invalid_spec_until_tensor_parallelism_exists(api, kube,
-                                                                                  operator):
+async def test_gpus_unlike_tensor_are_invalid_spec_without_cel(api, kube, operator):
     """The emulator runs no CEL rule (an API server older than 1.25 neither): the operator's
-    own check says it."""
-    await kube.create(INFERENCESERVICES, inference_service("tp", resources={"gpus": 2}))
+    own check says it, and two GPUs alone are two tensor-parallel ranks."""
+    await kube.create(INFERENCESERVICES, inference_service(
+        "tp", parallelism={"tensor": 4}, resources={"gpus": 2, "memory": "32Gi"}))
+    await kube.create(INFERENCESERVICES, inference_service("tp2", resources={"gpus": 2, "memory": "32Gi"}))
     isvc = await eventually(lambda: _with_condition(kube, "tp", "Ready"), what="tp status")
     ready = condition(isvc, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
-    assert "tensor parallelism is not supported yet" in ready["message"]
-    assert "one GPU per replica" in ready["message"]
+    assert "spec.resources.gpus must equal spec.parallelism.tensor" in ready["message"]
     assert await kube.get(DEPLOYMENTS, NAMESPACE, "tp") is None
+    dep = await eventually(lambda: kube.get(DEPLOYMENTS, NAMESPACE, "tp2"), what="tp2 Deployment")
+    assert container(dep)["args"][-2:] == ["--tensor-parallel-size", "2"]
 
 
 async def test_invalid_spec_is_reported_and_other_services_still_served(api, kube, operator):

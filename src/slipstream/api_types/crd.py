@@ -21,7 +21,8 @@ from .status import InferenceServiceStatus
 SHORT_NAMES = ("infsvc",)  # isvc is KServe's
 OUTPUTS = ("crds/inferenceservice.yaml", "charts/slipstream/crds/inferenceservice.yaml")
 HEADER = """\
-# InferenceService: one served model = a Deployment of `slipstream serve` pods + a ClusterIP Service
+# InferenceService: one served model = a Deployment of `slipstream serve` pods (a LeaderWorkerSet of
+# pod groups with spec.parallelism.pipeline > 1) + a ClusterIP Service
 # (in front of a `slipstream gateway` Deployment while spec.routing.enabled) + a headless Service NAME-pods.
 # `kubectl apply -f crds/` then `slipstream operator`; samples in examples/.
 # Generated from src/slipstream/api_types by `make crds`; edit the models there, not this file.
@@ -32,7 +33,8 @@ PRINTER_COLUMNS = (
     {"name": "Ready", "type": "string", "jsonPath": f"{READY}.status"},
     {"name": "Reason", "type": "string", "description": "Why (Downloading while a pod fetches its model)",
      "jsonPath": f"{READY}.reason"},
-    {"name": "Replicas", "type": "integer", "description": "Pods that exist", "jsonPath": ".status.replicas"},
+    {"name": "Replicas", "type": "integer", "description": "Replicas that exist (pods; pod groups with parallelism.pipeline > 1)",
+     "jsonPath": ".status.replicas"},
     {"name": "Desired", "type": "integer",
      "description": "Replicas asked for (spec.replicas, or the autoscaler's count)",
      "jsonPath": ".status.desiredReplicas"},

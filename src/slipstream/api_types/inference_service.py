@@ -17,6 +17,7 @@ from pydantic import model_validator
 from .autoscaling import AutoscalingSpec
 from .engine import EngineSpec
 from .model import ModelSpec
+from .parallelism import GPUS_EQUAL_TENSOR_MESSAGE, GPUS_EQUAL_TENSOR_RULE, ParallelismSpec
 from .routing_spec import RoutingSpec
 from .schema import QUANTITY_PATTERN, QUANTITY_RULE, CelRule, Quantity, SpecModel, spec_field
 
@@ -42,17 +43,9 @@ class ResourcesSpec(SpecModel):
     cpu: Quantity = spec_field("2", rule=QUANTITY_RULE, schema={"pattern": QUANTITY_PATTERN})
     memory: Quantity = spec_field("4Gi", rule=QUANTITY_RULE, schema={"pattern": QUANTITY_PATTERN})
     gpus: int = spec_field(
-        0, ge=0, description="GPUs per pod (the nvidia.com/gpu limit); at most 1 until tensor parallelism exists.",
-        cel=(CelRule("self <= 1", "tensor parallelism is not supported yet: use one GPU per replica "
-                                  "(gpus: 1) and scale replicas"),))
-
-    @model_validator(mode="after")
-    def _one_gpu(self) -> ResourcesSpec:
-        if self.gpus > 1:
-            raise ValueError(f"spec.resources.gpus is {self.gpus}, but tensor parallelism is not "
-                             f"supported yet: a pod runs its model on one GPU; use one GPU per "
-                             f"replica (gpus: 1) and scale replicas")
-        return self
+        0, ge=0, description="GPUs per pod (the nvidia.com/gpu limit), one per tensor-parallel rank: "
+                             "equal to spec.parallelism.tensor when both are set; gpus: N alone means "
+                             "tensor N.")
 
 
 class Toleration(SpecModel):
@@ -94,6 +87,8 @@ class EnvVar(SpecModel):
 class InferenceServiceSpec(SpecModel):
     """The whole ``spec`` with defaults filled in."""
 
+    cel_rules = (GPUS_EQUAL_TENSOR_RULE,)
+
     model: ModelSpec = spec_field(
         default_factory=ModelSpec,
         description="Which weights to serve: uri (hf://, s3://, pvc://, builtin, sim:), or source "
@@ -117,6 +112,10 @@ class InferenceServiceSpec(SpecModel):
         default_factory=ResourcesSpec,
         description="Per pod. cpu is requested; memory is requested and the limit; gpus become the "
                     "nvidia.com/gpu limit.")
+    parallelism: ParallelismSpec = spec_field(
+        default_factory=ParallelismSpec,
+        description="How one replica is split: tensor ranks per pod (one GPU each) and pipeline "
+                    "stages, one pod each (above 1, a LeaderWorkerSet group per replica).")
     node_selector: Mapping[str, str] = spec_field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = spec_field((), strict=False)  # a list in the CRD
     env: tuple[EnvVar, ...] = spec_field((), strict=False, description="Extra environment variables of the server container.")
@@ -126,6 +125,23 @@ class InferenceServiceSpec(SpecModel):
     startup_timeout_seconds: int = spec_field(
         600, ge=10, le=7200,
         description="How long a pod may take to load and warm its model before it is restarted.")
+
+    @model_validator(mode="after")
+    def _gpus_equal_tensor(self) -> InferenceServiceSpec:
+        tensor = self.parallelism.tensor
+        if tensor is not None and self.resources.gpus and self.resources.gpus != tensor:
+            raise ValueError(GPUS_EQUAL_TENSOR_MESSAGE)
+        return self
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Tensor-parallel ranks per pod: ``parallelism.tensor``, else ``resources.gpus``, else 1."""
+        return self.parallelism.tensor or max(self.resources.gpus, 1)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Pods per replica (pipeline stages): ``parallelism.pipeline``."""
+        return self.parallelism.pipeline
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any] | None) -> InferenceServiceSpec:

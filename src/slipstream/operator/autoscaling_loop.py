@@ -3,7 +3,8 @@
 For each InferenceService with ``spec.autoscaling.enabled``, every ``interval`` seconds (2 by
 default) a kopf timer calls :meth:`Autoscaler.tick`:
 
-1. list its pods by the Deployment's selector: ready pods with an IP are scraped, the others
+1. list its pods by the Deployment's selector (with ``parallelism.pipeline`` > 1, the
+   LeaderWorkerSet's group leaders, one per replica): ready pods with an IP are scraped, the others
    count as starting (:func:`scraper.pod_targets`); and, while ``spec.routing.enabled``, its
    gateway pods (``gateway_selector``, port 8000); with no pod to read the tick ends here;
 2. read every ready pod's ``/metrics`` at once, each within ``scrape_timeout`` seconds
@@ -16,7 +17,7 @@ default) a kopf timer calls :meth:`Autoscaler.tick`:
    ``spec.replicas``, the autoscaler stands back: ``ScalingActive=False``, reason
    ``ForeignScaler``, one Warning Event; it takes over again, with one Normal
    ``ScalingResumed`` Event, once that writer has been quiet for ``foreign.QUIET_SECONDS``;
-5. :func:`scaling.apply_scale`: the Deployment's ``spec.replicas``, a ``Scaled`` Event with the
+5. :func:`scaling.apply_scale`: the Deployment's (or LeaderWorkerSet's) ``spec.replicas``, a ``Scaled`` Event with the
    reason when the count changes, and the status (desiredReplicas, queueDepth,
    kvCacheUtilization, lastScaleTime, ScalingActive, autoscaler, scalingHistory,
    scrapeFailures), written only when worth it (:func:`scaling.status_write_due`).
@@ -48,9 +49,10 @@ from slipstream.operator.events import post_event
 from slipstream.operator.foreign import QUIET_SECONDS, ReplicasWriter, foreign_writer, \
     still_writing
 from slipstream.operator.gateway_resources import GATEWAY_PORT, gateway_selector
-from slipstream.operator.kube import DEPLOYMENTS, PODS, ApiError, Kube
+from slipstream.operator.group_resources import workload_resource
+from slipstream.operator.kube import PODS, ApiError, Kube
 from slipstream.operator.resources import GROUP, PLURAL, VERSION, gateway_selector_labels, \
-    pod_selector, selector_labels
+    serving_pod_selector, serving_selector_labels
 from slipstream.operator.scaling import MEMORY_SECONDS, apply_scale, status_write_due
 from slipstream.operator.scraper import DEFAULT_TIMEOUT, GatewayScrape, ScrapeResult, pod_targets, \
     scrape_gateways, scrape_pods
@@ -221,11 +223,13 @@ class Autoscaler:
         if not policy.enabled:
             self.forget(namespace, name)
             return None
-        deployment = await kube.get(DEPLOYMENTS, namespace, name)
+        # A LeaderWorkerSet's replica is a group, whose leader alone serves and exports metrics.
+        deployment = await kube.get(workload_resource(spec)[0], namespace, name)
         if deployment is None:
             return None
         current = int((deployment.get("spec") or {}).get("replicas", 1))
-        pods = await self._pods(kube, namespace, pod_selector(name), selector_labels(name))
+        pods = await self._pods(kube, namespace, serving_pod_selector(name, spec),
+                                serving_selector_labels(name, spec))
         gateway_pods = await self._pods(kube, namespace, gateway_selector(name),
                                         gateway_selector_labels(name)) if spec.routing.enabled else []
         if not spec.routing.enabled and policy.min_replicas == 0:

@@ -90,7 +90,7 @@ def _merged(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, An
 def plan_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
                     spec: InferenceServiceSpec, hold_replicas: bool = False,
                     ) -> tuple[dict[str, Any] | None, str]:
-    """The Deployment to PUT (``live``'s resourceVersion kept, so a concurrent change makes it
+    """The Deployment (or LeaderWorkerSet) to PUT (``live``'s resourceVersion kept, so a concurrent change makes it
     409) and why, or (None, "") when ``live`` is in sync.
 
     With autoscaling on, ``spec.replicas`` stays the live value (the autoscaler's), only pulled
@@ -108,14 +108,20 @@ def plan_deployment(desired: Mapping[str, Any], live: Mapping[str, Any],
     live_hash = (live.get("metadata", {}).get("annotations") or {}).get(SPEC_HASH_ANNOTATION)
     if live_hash != want["metadata"]["annotations"][SPEC_HASH_ANNOTATION]:
         why = "the InferenceService's spec changed" + (
-            "; rolling the pods" if not contains(live["spec"].get("template"),
-                                                 want["spec"]["template"]) else "")
+            "; rolling the pods" if not contains(_pods_of(live), _pods_of(want)) else "")
     elif live_replicas != want["spec"]["replicas"] and contains(
             {**live, "spec": {**live["spec"], "replicas": want["spec"]["replicas"]}}, want):
         why = f"replicas {live_replicas} → {want['spec']['replicas']}"
     else:
         why = "restored fields that were changed outside the operator"
     return _merged(live, want), why
+
+
+def _pods_of(workload: Mapping[str, Any]) -> Any:
+    """What a workload's pods are made from: a Deployment's ``template``, a LeaderWorkerSet's
+    ``leaderWorkerTemplate``."""
+    spec = workload.get("spec") or {}
+    return spec.get("template", spec.get("leaderWorkerTemplate"))
 
 
 def plan_service(desired: Mapping[str, Any], live: Mapping[str, Any],

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from slipstream.operator.resources import CONTAINER_SECURITY_CONTEXT, GATEWAY_COMPONENT, \
     PORT_NAME, POD_SECURITY_CONTEXT, PROBE_PERIOD_SECONDS, SPEC_HASH_ANNOTATION, \
-    gateway_selector_labels, labels, selector_labels, spec_hash
+    gateway_selector_labels, labels, serving_selector_labels, spec_hash
 from slipstream.api_types.routing import DEFAULT_WEIGHTS, cli_flag
 from slipstream.operator.spec import InferenceServiceSpec, parse_spec
 
@@ -193,7 +193,7 @@ def render_pods_service(body: Mapping[str, Any], spec: InferenceServiceSpec | No
                      "labels": labels(name)},
         "spec": {
             "clusterIP": "None",
-            "selector": selector_labels(name),
+            "selector": serving_selector_labels(name, spec),
             "ports": [{"name": PORT_NAME, "port": spec.port, "targetPort": PORT_NAME,
                        "protocol": "TCP"}],
         },

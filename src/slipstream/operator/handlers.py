@@ -2,7 +2,7 @@
 
 ``register(registry, config)`` puts them on a registry (the CLI's, or a test's own).
 Triggers: create/update/resume of an InferenceService, a periodic resync (timer), any
-change to a Deployment or Service labelled ``app.kubernetes.io/managed-by=slipstream-operator``
+change to a Deployment, LeaderWorkerSet or Service labelled ``app.kubernetes.io/managed-by=slipstream-operator``
 (so a hand-deleted or hand-edited child comes back within moments), and any change to a model
 pod (so Ready says at once why pods do not run: unschedulable, image pull, crash loop). One asyncio lock per
 InferenceService keeps these from reconciling the same object at once in this process; kopf
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import kopf
+
+from slipstream.api_types.parallelism import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 
 from slipstream.operator import autoscaling_loop
 from slipstream.operator.kube import CLUSTER_PEERINGS, PEERINGS, ApiError, Kube
@@ -157,6 +159,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     autoscaling_loop.register(registry, interval=config.autoscale_seconds)
 
     @kopf.on.event("apps", "v1", "deployments", id="child", labels=CHILD_LABELS,
+                   registry=registry)
+    # Served only where LWS is installed; kopf watches a resource once the cluster serves it.
+    @kopf.on.event(LWS_GROUP, LWS_VERSION, LWS_PLURAL, id="child", labels=CHILD_LABELS,
                    registry=registry)
     @kopf.on.event("", "v1", "services", id="child", labels=CHILD_LABELS, registry=registry)
     async def child_changed(body: kopf.Body, namespace: str, memo: Any,

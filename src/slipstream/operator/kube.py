@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping
 import aiohttp
 import kopf
 
+from slipstream.api_types.parallelism import LWS_GROUP, LWS_PLURAL, LWS_VERSION
+
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 # Every write names this manager, so ``metadata.managedFields`` tells the operator's fields from
@@ -69,6 +71,8 @@ SERVICES = Resource("", "v1", "services")
 SERVICE_ACCOUNTS = Resource("", "v1", "serviceaccounts")
 ROLES = Resource("rbac.authorization.k8s.io", "v1", "roles")
 ROLE_BINDINGS = Resource("rbac.authorization.k8s.io", "v1", "rolebindings")
+# kubernetes-sigs/lws: served only where its CRD and controller are installed.
+LEADER_WORKER_SETS = Resource(LWS_GROUP, LWS_VERSION, LWS_PLURAL)
 INFERENCESERVICES = Resource("slipstream.dev", "v1alpha1", "inferenceservices")
 CLUSTER_PEERINGS = Resource("kopf.dev", "v1", "clusterkopfpeerings")
 PEERINGS = Resource("kopf.dev", "v1", "kopfpeerings")

@@ -24,12 +24,14 @@ from slipstream.operator.drift import foreign_owner, plan_deployment, plan_gatew
 from slipstream.operator.events import post_event
 from slipstream.operator.gateway_resources import gateway_name, gateway_selector, \
     render_gateway, render_pods_service
-from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, PODS, \
-    ROLE_BINDINGS, ROLES, SERVICE_ACCOUNTS, SERVICES, ApiError, Kube, Resource
+from slipstream.operator.group_resources import render_workload, workload_resource
+from slipstream.operator.kube import DEPLOYMENTS, DISRUPTION_BUDGETS, INFERENCESERVICES, \
+    LEADER_WORKER_SETS, PODS, ROLE_BINDINGS, ROLES, SERVICE_ACCOUNTS, SERVICES, ApiError, Kube, \
+    Resource
 from slipstream.operator.resources import gateway_selector_labels, pod_selector, \
-    render_deployment, render_disruption_budget, render_service, selector_labels, service_url
+    render_disruption_budget, render_service, selector_labels, service_url
 from slipstream.operator.model_spec import model_location, needs_mount_probe, resolve_oci_mount
-from slipstream.operator.spec import SpecError, parse_spec
+from slipstream.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
 
@@ -205,9 +207,37 @@ async def _apply_gateway(kube: Kube, body: Mapping[str, Any], gateway: list[dict
     return live, [a for a in actions + [action] if a]
 
 
+async def _apply_workload(kube: Kube, body: Mapping[str, Any], spec: InferenceServiceSpec,
+                          workload: dict[str, Any], hold: bool,
+                          ) -> tuple[dict[str, Any], list[str | None]]:
+    """Apply the model pods' Deployment or LeaderWorkerSet (:func:`workload_resource`), then
+    delete the other kind of the same name if the service had it (``spec.parallelism.pipeline``
+    crossed 1; the new one first, so the old serves until then). ``hold``: see
+    :func:`plan_deployment`. Returns the live workload and a line per change. Raises SpecError
+    (LeaderWorkerSetMissing) when the cluster does not serve LeaderWorkerSets."""
+    resource, kind = workload_resource(spec)
+    try:
+        live, action = await _apply(kube, resource, body, workload,
+                                    lambda d, live: plan_deployment(d, live, spec, hold_replicas=hold))
+    except ApiError as exc:
+        if exc.status == 404 and resource == LEADER_WORKER_SETS:
+            raise SpecError("LeaderWorkerSetMissing", (
+                f"spec.parallelism.pipeline is {spec.pipeline_parallel_size}, so each replica is a "
+                f"LeaderWorkerSet group, but this cluster does not serve leaderworkersets."
+                f"{LEADER_WORKER_SETS.group}/{LEADER_WORKER_SETS.version}: install the "
+                f"LeaderWorkerSet controller (kubernetes-sigs/lws), or set pipeline to 1")) from exc
+        raise
+    other, other_kind = (DEPLOYMENTS, "Deployment") if resource == LEADER_WORKER_SETS else \
+        (LEADER_WORKER_SETS, "LeaderWorkerSet")
+    removed = await _remove(kube, other, body, body["metadata"]["name"], other_kind,
+                            f"spec.parallelism.pipeline is {spec.pipeline_parallel_size}, so the "
+                            f"pods run as a {kind}")
+    return live, [action, removed]
+
+
 async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
                     cluster_domain: str = "cluster.local") -> Outcome | None:
-    """Bring InferenceService ``namespace/name``'s Deployment, Services, gateway and status in
+    """Bring InferenceService ``namespace/name``'s Deployment (or LeaderWorkerSet), Services, gateway and status in
     line with its spec. Returns None when the object is gone or being deleted.
 
     Raises kopf.TemporaryError (retry after ``retry_delay(retry)`` s) or kopf.PermanentError
@@ -221,7 +251,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
             spec = parse_spec(body.get("spec"), name=name)
             version = await kube.server_version()
             image_volumes = await kube.image_volumes_admitted(namespace) if needs_mount_probe(spec.model) else None
-            deployment = render_deployment(
+            deployment = render_workload(
                 body, spec.model_copy(update={"model": resolve_oci_mount(spec.model, version, image_volumes)}), version)
             service = render_service(body, spec)
             pods_service = render_pods_service(body, spec)
@@ -232,9 +262,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
             scaling = st.find_condition((body.get("status") or {}).get("conditions"),
                                         st.SCALING_ACTIVE) or {}
             hold = scaling.get("reason") == st.FOREIGN_SCALER  # the autoscaler stood back
-            live_dep, dep_action = await _apply(
-                kube, DEPLOYMENTS, body, deployment,
-                lambda d, live: plan_deployment(d, live, spec, hold_replicas=hold))
+            live_dep, dep_action = await _apply_workload(kube, body, spec, deployment, hold)
             # always=False: services made by an older operator get it on the first reconcile.
             _, pods_action = await _apply(kube, SERVICES, body, pods_service, plan_service,
                                           always=False)
@@ -249,7 +277,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, *, retry: int = 0,
         except SpecError as exc:
             return await _fail(kube, body, exc.reason, exc.message)
 
-        actions = tuple(a for a in (dep_action, pods_action, pdb_action, *gateway_actions,
+        actions = tuple(a for a in (*dep_action, pods_action, pdb_action, *gateway_actions,
                                     svc_action) if a)
         for action in actions:
             await post_event(kube, body, "Normal", action.split()[0].capitalize(),

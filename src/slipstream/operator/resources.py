@@ -17,6 +17,10 @@ from typing import Any, Mapping
 from kubernetes.utils.quantity import parse_quantity
 
 from slipstream.api_types.inference_service import GROUP, KIND, PLURAL, VERSION
+from slipstream.api_types.parallelism import (LEADER_WORKER_INDEX, LWS_LEADER_ADDRESS_ENV, LWS_WORKER_INDEX_ENV,
+                                              LWS_WORKER_INDEX_LABEL, MASTER_ADDR_FLAG, MASTER_PORT,
+                                              MASTER_PORT_FLAG, NNODES_FLAG, NODE_RANK_FLAG,
+                                              PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
 from slipstream.operator.model_spec import (MODEL_IMAGE_DIR, ModelCacheSpec, ModelLocation, model_location,
                                             quantity_bytes, use_image_volume)
 from slipstream.operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -51,8 +55,11 @@ MODELCAR_LINK_MOUNT = "/mnt/modelcar"
 MODELCAR_SINCE = (1, 29)  # native sidecars (initContainers with restartPolicy Always) on by default
 # The rollout's deadline allows this long for a download on top of the startup budget.
 DOWNLOAD_BUDGET_SECONDS = 3600
-# GPU pods' /dev/shm (PyTorch's and NCCL's shared buffers; the runtime's 64 MiB default is too
-# small for NCCL): memory-backed, so it counts against the memory limit; capped at a quarter of it.
+# /dev/shm of GPU pods and of pods with several tensor-parallel ranks (PyTorch's, NCCL's and gloo's
+# shared buffers; the runtime's 64 MiB default is too small for NCCL, whose buffers grow with ranks
+# and channels; 2 GiB holds 8 ranks): memory-backed, so it counts against the memory limit;
+# capped at a quarter of it. No hostIPC: NCCL's transports between the ranks of one pod are
+# /dev/shm and CUDA IPC, both inside the pod's own IPC namespace.
 SHM_MOUNT = "/dev/shm"
 SHM_SIZE_LIMIT_BYTES = 2 << 30
 # Seconds the preStop hook waits before the kubelet sends SIGTERM (which starts the drain):
@@ -93,6 +100,20 @@ def gateway_selector_labels(name: str) -> dict[str, str]:
     """The gateway pods' selector (gateway_resources.py), which the Service ``name`` uses while
     routing is enabled: the model pods' with component ``gateway``."""
     return {INSTANCE_LABEL: name, "app.kubernetes.io/component": GATEWAY_COMPONENT}
+
+
+def serving_selector_labels(name: str, spec: InferenceServiceSpec) -> dict[str, str]:
+    """The pods that serve the API: :func:`selector_labels`, and with ``parallelism.pipeline``
+    > 1 only each group's leader (LWS labels it worker-index 0; the others run workers only).
+    What the Services, the scale subresource's selector and the autoscaler's scrape select."""
+    if spec.pipeline_parallel_size > 1:
+        return {**selector_labels(name), LWS_WORKER_INDEX_LABEL: LEADER_WORKER_INDEX}
+    return selector_labels(name)
+
+
+def serving_pod_selector(name: str, spec: InferenceServiceSpec) -> str:
+    """:func:`serving_selector_labels` as a label-selector string."""
+    return ",".join(f"{k}={v}" for k, v in sorted(serving_selector_labels(name, spec).items()))
 
 
 def pod_selector(name: str) -> str:
@@ -152,11 +173,30 @@ def server_args(spec: InferenceServiceSpec, name: str,
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.max_waiting is not None:
         args += ["--max-waiting", str(engine.max_waiting)]
-    return args
+    return args + parallel_args(spec)
+
+
+def parallel_args(spec: InferenceServiceSpec) -> list[str]:
+    """The parallelism flags of ``slipstream serve``: none for one rank;
+    ``--tensor-parallel-size N`` for N ranks in one pod; with ``pipeline`` M > 1, the group's
+    (one pod per stage, vLLM's multi-node names): its node rank and the leader's address from
+    the environment LWS gives each pod, expanded by the kubelet (``$(VAR)``)."""
+    tensor, pipeline = spec.tensor_parallel_size, spec.pipeline_parallel_size
+    if pipeline == 1:
+        return [TENSOR_PARALLEL_FLAG, str(tensor)] if tensor > 1 else []
+    return [PIPELINE_PARALLEL_FLAG, str(pipeline), TENSOR_PARALLEL_FLAG, str(tensor),
+            NNODES_FLAG, str(pipeline), NODE_RANK_FLAG, f"$({LWS_WORKER_INDEX_ENV})",
+            MASTER_ADDR_FLAG, f"$({LWS_LEADER_ADDRESS_ENV})", MASTER_PORT_FLAG, str(MASTER_PORT)]
+
+
+def needs_shm(spec: InferenceServiceSpec) -> bool:
+    """Whether the pod gets a memory-backed ``/dev/shm``: GPU pods, and pods of several
+    tensor-parallel ranks (gloo on CPU shares buffers there too)."""
+    return spec.resources.gpus > 0 or spec.tensor_parallel_size > 1
 
 
 def shm_size_limit(spec: InferenceServiceSpec) -> str:
-    """``sizeLimit`` of a GPU pod's ``/dev/shm``: :data:`SHM_SIZE_LIMIT_BYTES`, or a quarter
+    """``sizeLimit`` of the ``/dev/shm`` (:func:`needs_shm`): :data:`SHM_SIZE_LIMIT_BYTES`, or a quarter
     of ``spec.resources.memory`` if less, in whole MiB written as the API server writes it back
     (``2Gi``, ``768Mi``)."""
     mib = int(min(SHM_SIZE_LIMIT_BYTES, parse_quantity(spec.resources.memory) / 4)) >> 20
@@ -179,7 +219,8 @@ def _container(spec: InferenceServiceSpec, name: str,
     requests: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
     limits: dict[str, Any] = {"memory": res.memory}
     if res.gpus:
-        # Extended resources are set as limits; requests default to them.
+        # One per tensor-parallel rank (the contract makes gpus equal tensor). Extended resources
+        # are set as limits; requests default to them.
         limits["nvidia.com/gpu"] = res.gpus
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
@@ -226,7 +267,7 @@ def _container(spec: InferenceServiceSpec, name: str,
         mounts.append({"name": "model", "mountPath": MODEL_IMAGE_MOUNT, "readOnly": True}
                       if use_image_volume(spec.model, kube_version) else
                       {"name": "model", "mountPath": MODELCAR_LINK_MOUNT, "readOnly": True})
-    if res.gpus:
+    if needs_shm(spec):
         mounts.append({"name": "shm", "mountPath": SHM_MOUNT})
     if mounts:
         container["volumeMounts"] = mounts
@@ -371,7 +412,7 @@ def render_deployment(body: Mapping[str, Any], spec: InferenceServiceSpec | None
         pod_spec["initContainers"] = [modelcar_container(location)]
         pod_spec["shareProcessNamespace"] = True
     volumes = model_volumes(location, spec, kube_version)
-    if spec.resources.gpus:
+    if needs_shm(spec):
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory",
                                                     "sizeLimit": shm_size_limit(spec)}})
     if volumes:
@@ -413,7 +454,7 @@ def render_service(body: Mapping[str, Any], spec: InferenceServiceSpec | None = 
     meta = body.get("metadata", {})
     name, namespace = meta["name"], meta.get("namespace") or "default"
     spec = spec if spec is not None else parse_spec(body.get("spec"), name=name)
-    selector = gateway_selector_labels(name) if spec.routing.enabled else selector_labels(name)
+    selector = gateway_selector_labels(name) if spec.routing.enabled else serving_selector_labels(name, spec)
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping
 
 from slipstream.operator import status as st
 from slipstream.operator.events import post_event
-from slipstream.operator.kube import DEPLOYMENTS, INFERENCESERVICES, Kube
+from slipstream.operator.group_resources import workload_resource
+from slipstream.operator.kube import INFERENCESERVICES, Kube
 from slipstream.operator.reconcile import update_status
 from slipstream.operator.spec import SpecError, parse_spec
 
@@ -93,7 +94,7 @@ async def apply_scale(kube: Kube, namespace: str, name: str, *, replicas: int,
                       now: datetime.datetime | None = None, hold: bool = False,
                       write_due: Callable[[Mapping[str, Any], Mapping[str, Any]], bool]
                       | None = None) -> int | None:
-    """Set InferenceService ``namespace/name``'s Deployment to ``replicas`` (clamped to
+    """Set InferenceService ``namespace/name``'s Deployment (or LeaderWorkerSet: groups) to ``replicas`` (clamped to
     [minReplicas, maxReplicas]) and record the tick in its status (see :func:`scale_status`
     for the arguments); a Normal ``Scaled`` Event (``message`` says why) when the count changes.
     hold: leave the Deployment's replicas alone (another scaler writes them); the status still
@@ -110,19 +111,21 @@ async def apply_scale(kube: Kube, namespace: str, name: str, *, replicas: int,
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
     try:
-        scaling = parse_spec(body.get("spec"), name=name).autoscaling
+        spec = parse_spec(body.get("spec"), name=name)
     except SpecError:
         return None
+    scaling = spec.autoscaling
     if not scaling.enabled:
         return None
-    deployment = await kube.get(DEPLOYMENTS, namespace, name)
+    workload, _ = workload_resource(spec)  # a LeaderWorkerSet's replicas are groups
+    deployment = await kube.get(workload, namespace, name)
     if deployment is None:
         return None
     target = scaling.clamp(int(replicas))
     current = deployment.get("spec", {}).get("replicas", 1)
     scaled = target != current and not hold
     if scaled:
-        await kube.merge_patch(DEPLOYMENTS, namespace, name, {
+        await kube.merge_patch(workload, namespace, name, {
             "metadata": {"resourceVersion": deployment["metadata"]["resourceVersion"]},
             "spec": {"replicas": target}})
         await post_event(kube, body, "Normal", "Scaled",

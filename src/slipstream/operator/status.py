@@ -13,7 +13,8 @@ import json
 from typing import Any, Mapping
 
 from slipstream.operator.model_spec import model_location
-from slipstream.operator.resources import DOWNLOAD_CONTAINER, pod_selector
+from slipstream.api_types.parallelism import LWS_KIND
+from slipstream.operator.resources import DOWNLOAD_CONTAINER, serving_pod_selector
 from slipstream.operator.spec import InferenceServiceSpec
 
 READY, PROGRESSING, SCALING_ACTIVE = "Ready", "Progressing", "ScalingActive"
@@ -184,7 +185,8 @@ def pod_problem(pods: list[Mapping[str, Any]]) -> tuple[str, str] | None:
 def ready_condition(deployment: Mapping[str, Any] | None,
                     pods: list[Mapping[str, Any]] | None = None,
                     now: datetime.datetime | None = None) -> tuple[str, str, str]:
-    """(status, reason, message) of ``Ready`` from the Deployment (None: not there yet) and,
+    """(status, reason, message) of ``Ready`` from the Deployment or LeaderWorkerSet (None: not
+    there yet; an LWS counts groups, ready when all its pods are) and,
     when some pods are not ready, what :func:`pod_problem` finds in ``pods`` (or, with none
     ready, ``Downloading`` while a pod's download step runs)."""
     if deployment is None:
@@ -192,7 +194,7 @@ def ready_condition(deployment: Mapping[str, Any] | None,
     want = deployment.get("spec", {}).get("replicas", 1)
     ready = deployment.get("status", {}).get("readyReplicas") or 0
     if want == 0 and ready == 0:
-        return "False", "ScaledToZero", "the Deployment has 0 replicas"
+        return "False", "ScaledToZero", f"the {deployment.get('kind') or 'Deployment'} has 0 replicas"
     problem = pod_problem(pods or [])
     if ready >= 1:
         return "True", "ReplicasReady", f"{ready}/{want} replicas ready" + (
@@ -251,7 +253,8 @@ def service_ready(spec: InferenceServiceSpec, deployment: Mapping[str, Any] | No
 
 
 def progressing_condition(deployment: Mapping[str, Any] | None) -> tuple[str, str, str]:
-    """(status, reason, message) of ``Progressing``: True while the Deployment rolls out."""
+    """(status, reason, message) of ``Progressing``: True while the Deployment (or
+    LeaderWorkerSet) rolls out. An LWS reports no available count: its ready groups stand in."""
     if deployment is None:
         return "True", "Creating", "creating the Deployment"
     spec, status = deployment.get("spec", {}), deployment.get("status", {})
@@ -260,7 +263,8 @@ def progressing_condition(deployment: Mapping[str, Any] | None) -> tuple[str, st
             return "False", "ProgressDeadlineExceeded", cond.get("message", "rollout stalled")
     want = spec.get("replicas", 1)
     updated = status.get("updatedReplicas") or 0
-    available = status.get("availableReplicas") or 0
+    available = status.get("readyReplicas" if deployment.get("kind") == LWS_KIND
+                           else "availableReplicas") or 0
     total = status.get("replicas") or 0
     observed = status.get("observedGeneration") or 0
     generation = deployment.get("metadata", {}).get("generation") or 0
@@ -330,7 +334,8 @@ def compute_status(body: Mapping[str, Any], spec: InferenceServiceSpec,
         if spec.routing.enabled else None,
         "model": model_report(spec, pods or [], status.get("model")),
         "observedGeneration": meta.get("generation"),
-        "selector": pod_selector(meta["name"]),
+        # The pods that serve (with pipeline > 1 the groups' leaders: one per replica).
+        "selector": serving_pod_selector(meta["name"], spec),
     }
 
 
