@@ -4,6 +4,7 @@ fields fail) and against what the pods need."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -297,9 +298,13 @@ def test_server_accepts_the_rendered_arguments(body):
     """The contract with `slipstream serve`: its own parser takes what the pods run."""
     from slipstream.server.cli import serve_parser  # imports the engine's defaults: slow
     spec = parse_spec(body["spec"], name=body["metadata"]["name"])
-    if spec.tensor_parallel_size > 1 and "--tensor-parallel-size" not in serve_parser().format_help():
-        pytest.skip("this checkout's `slipstream serve` has no parallelism flags yet (issue 34's engine half)")
-    args = serve_parser().parse_args(container(render_deployment(body))["args"][1:])
+    # A group's pods take their rank and the leader's address from LWS's environment, which the
+    # kubelet substitutes into $(VAR) references.
+    env = {"LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "leader-0.leader-0.default"}
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container(render_deployment(body))["args"][1:]]
+    args = serve_parser().parse_args(argv)
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (spec.tensor_parallel_size,
+                                                                        spec.parallelism.pipeline)
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_memory_bytes,
             args.block_size, args.port, args.host) == (
         spec.engine.max_num_seqs, spec.engine.max_num_batched_tokens,

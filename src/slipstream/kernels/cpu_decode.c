@@ -9,7 +9,7 @@
  * slices, the K/V index copy), each a dispatch for a few KB of work. Here the element-wise work
  * runs on the calling thread between the products' OpenMP regions.
  *
- * Same arithmetic as the torch path (server/models/llama.py) up to summation order in the norms'
+ * Same arithmetic as the torch path (server/models/layers.py) up to summation order in the norms'
  * mean; with -ffp-contract=off the rotary embedding (q * cos + rotate_half(q) * sin) and the
  * residual adds round exactly as torch's element-wise operators do. The products and attention
  * are the very functions the torch path calls. */

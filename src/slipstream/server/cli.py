@@ -15,6 +15,9 @@ import re
 import sys
 from dataclasses import fields
 
+from slipstream.api_types.parallelism import (MASTER_ADDR_FLAG, MASTER_PORT_FLAG, NNODES_FLAG, NODE_RANK_FLAG,
+                                              PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
+
 from .cli_types import fraction, positive_int
 
 # subcommand -> module whose main(argv) runs it
@@ -118,20 +121,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    default=d["enable_prefix_caching"], help="do not share KV blocks of equal prompt prefixes (sharing is on by default)")
     e.add_argument("--trace", action="store_true", default=d["trace"], help="record one trace record per engine step")
     par = p.add_argument_group("parallelism (torch.distributed: gloo on CPU, NCCL on GPU)")
-    par.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=d["tensor_parallel_size"],
+    par.add_argument(TENSOR_PARALLEL_FLAG, "-tp", type=positive_int, default=d["tensor_parallel_size"],
                      help="split every layer over this many ranks (worker processes this server starts; on GPUs one "
                           "GPU each). The attention heads must be a multiple of it; KV heads are split, or replicated "
                           "when fewer than the ranks. On CPU the ranks share --num-threads or the cores")
-    par.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=d["pipeline_parallel_size"],
+    par.add_argument(PIPELINE_PARALLEL_FLAG, "-pp", type=positive_int, default=d["pipeline_parallel_size"],
                      help="split the layers into this many stages run in turn (each stage has --tensor-parallel-size "
                           "ranks): for a model larger than the GPUs of one stage")
-    par.add_argument("--nnodes", type=positive_int, default=d["nnodes"],
+    par.add_argument(NNODES_FLAG, type=positive_int, default=d["nnodes"],
                      help="machines (pods) the ranks spread over, each running tensor × pipeline / nnodes of them")
-    par.add_argument("--node-rank", type=int, default=0,
+    par.add_argument(NODE_RANK_FLAG, type=int, default=0,
                      help="this machine's index; node 0 schedules and serves the API, the others run their ranks "
                           "only (and answer /health)")
-    par.add_argument("--master-addr", default=d["master_addr"], help="node 0's address, where the ranks meet")
-    par.add_argument("--master-port", type=positive_int, default=d["master_port"],
+    par.add_argument(MASTER_ADDR_FLAG, default=d["master_addr"], help="node 0's address, where the ranks meet")
+    par.add_argument(MASTER_PORT_FLAG, type=positive_int, default=d["master_port"],
                      help="the port node 0 listens on for the ranks to meet (needed with --nnodes > 1)")
     return m
 
