@@ -29,13 +29,13 @@ def guarded_import(tmp_path, modules: list[str], shipped_here: bool) -> subproce
 
 
 def test_engine_imports_with_only_the_gpu_machines_packages_and_the_shipped_list(tmp_path):
-    done = guarded_import(tmp_path, ["slipstream.server.engine", "slipstream.kernels.triton_attention", "pytest"],
+    done = guarded_import(tmp_path, ["slipstream.server.engine.engine", "slipstream.kernels.triton_attention", "pytest"],
                           shipped_here=True)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_guard_hides_a_package_that_is_neither_shipped_nor_on_the_gpu_machine(tmp_path):
-    done = guarded_import(tmp_path, ["slipstream.server.engine"], shipped_here=False)
+    done = guarded_import(tmp_path, ["slipstream.server.engine.engine"], shipped_here=False)
     assert done.returncode != 0
     assert "No module named 'llguidance'" in done.stderr
     assert "llguidance" in (tmp_path / "refused.txt").read_text().split()

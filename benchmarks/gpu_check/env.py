@@ -30,7 +30,7 @@ GUARD_DIR = Path(__file__).resolve().parent / "guard"
 
 # Distributions the GPU machine has (with their requirements); never shipped, never shadowed.
 ASSUMED = ("torch", "triton", "transformers", "aiohttp", "prometheus-client")
-# What `import slipstream.server.engine` and the kernel tests need beyond ASSUMED: llguidance
+# What `import slipstream.server.engine.engine` (the engine package itself is lazy) and the kernel tests need beyond ASSUMED: llguidance
 # (structured outputs, imported by the engine) and pytest with its requirements (pygments since
 # pytest 8.4). gguf (GGUF files only), pydantic (the HTTP API only) and safetensors (a requirement
 # of transformers) are not shipped.

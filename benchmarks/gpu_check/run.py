@@ -45,7 +45,7 @@ import report
 
 HERE = Path(__file__).resolve().parent
 REPO = env.REPO
-IMPORTS = ["slipstream.server.engine", "slipstream.server.models.loader", "slipstream.kernels",
+IMPORTS = ["slipstream.server.engine.engine", "slipstream.server.models.loader", "slipstream.kernels",
            "slipstream.kernels.triton_attention", "slipstream.server.bench.workload", "transformers",
            "safetensors.torch", "pytest"]
 

@@ -8,8 +8,8 @@ subclass takes over the writes (POST, PUT, PATCH, DELETE) and does what the API 
 - stamps ``uid``, ``creationTimestamp``, ``resourceVersion`` (bumped on each real change) and
   ``generation`` (bumped when anything but metadata and status changes);
 - answers 409 to a create of an existing name and to a stale ``resourceVersion`` (PUT, merge
-  patch), 422 to a failed JSON-patch test or invalid body, 404 to a missing object or an
-  unknown resource;
+  patch), 422 to a failed JSON-patch test or invalid body, 404 to a missing object, and the
+  mux's plain-text ``404 page not found`` to a resource it does not serve (no CRD);
 - serves merge, JSON and (as merge) strategic-merge patches, and PUT as a replace;
 - makes ``status`` a subresource where the CRD says so (the main resource ignores status
   writes, ``/status`` writes only status);
@@ -210,10 +210,14 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         write = request.method in ("POST", "PUT", "PATCH", "DELETE")
+        if request.resource is not None and request.resource.plural \
+                and request.resource not in self.resources:
+            # An API group/version the server does not serve (e.g. LeaderWorkerSets without
+            # their CRD): the API server's mux answers plain text, not a Status object.
+            return aiohttp.web.Response(status=404, text="404 page not found\n",
+                                        content_type="text/plain")
         if request.resource is None or not write:
             return await super()._handle(request)  # reads: kmock serves the stored objects
-        if request.resource not in self.resources:
-            raise kmock.KubernetesResourceNotFoundError()
         dry_run = request.params.get("dryRun") == "All"  # validated and answered, never stored
         for i, (method, plural, status, name) in enumerate([] if dry_run else self._failures):
             target = request.name or ((request.data or {}).get("metadata") or {}).get("name")

@@ -8,6 +8,7 @@ Every write carries ``fieldManager=slipstream-operator`` (:data:`FIELD_MANAGER`)
 """
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 import urllib.parse
@@ -144,8 +145,15 @@ class Kube:
             async with self._session.request(method, self.server + path, json=body,
                                              params=params, headers=headers,
                                              ssl=self._ssl) as response:
-                data = await response.json(content_type=None) if response.content_length != 0 \
-                    else {}
+                text = await response.text()
+                try:
+                    data = json.loads(text) if text else {}
+                except ValueError:
+                    # The API server's mux answers plain text ("404 page not found") for a
+                    # group/version it does not serve, such as a CRD that is not installed.
+                    if response.status < 300:
+                        raise ApiError(502, "BadGateway", f"{method} {path}: not JSON: {text[:200]!r}")
+                    data = {"message": text.strip()}
                 if response.status >= 300:
                     data = data if isinstance(data, Mapping) else {}
                     raise ApiError(response.status, data.get("reason") or response.reason or "",
