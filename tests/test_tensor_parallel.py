@@ -196,9 +196,54 @@ def test_a_rank_that_dies_fails_the_engine_with_its_name():
         llm.engine.close()
 
 
-def test_a_model_that_cannot_be_split_is_refused_before_serving():
-    with pytest.raises(ValueError, match="tensor parallel size 2 must divide the model's 9 attention heads"):
+@pytest.mark.parametrize("tensor, pipeline", [(3, 1), (1, 2)], ids=["tp3", "pp2"])
+def test_a_rank_killed_mid_request_fails_the_step_with_its_name_never_a_retry(tensor, pipeline):
+    """The kill lands while steps run (the collective fails with "connection closed" or "reset by
+    peer", or the rank is already reaped): always RankFailed naming the rank, never an ordinary
+    step error the engine would go on after."""
+    from slipstream.server.engine.engine import LLMEngine
+    from slipstream.server.engine.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
+                                    kv_cache_memory_bytes=8 << 20))
+    try:
+        engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True), "r")
+        for _ in range(3):
+            engine.step()
+        worker = engine.runner.workers[-1]
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(RankFailed, match=rf"rank {tensor * pipeline - 1} \(pid {worker.pid}\) exited with code -9"):
+            for _ in range(100):
+                engine.step()
+    finally:
+        engine.close()
+
+
+async def test_a_rank_that_dies_while_idle_fails_the_server_without_a_request():
+    from slipstream.server.engine.async_llm import AsyncLLM
+    from slipstream.server.engine.config import EngineConfig
+    import asyncio
+
+    llm = AsyncLLM(EngineConfig(tensor_parallel_size=3, kv_cache_memory_bytes=8 << 20))
+    await llm.start()
+    try:
+        os.kill(llm.engine.runner.workers[0].pid, signal.SIGKILL)
+        await asyncio.wait_for(llm.failed.wait(), timeout=10)
+        assert "rank 1" in str(llm.failure) and "exited with code -9" in str(llm.failure)
+    finally:
+        await llm.shutdown()
+
+
+def test_a_model_that_cannot_be_split_is_refused_before_a_rank_starts():
+    import multiprocessing
+
+    from slipstream.server.models.loader import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="tensor parallel size 2 must divide the model's 9 attention heads"):
         LLM(tensor_parallel_size=2)
+    with pytest.raises(ModelLoadError, match="pipeline parallel size 40 exceeds the model's 30 layers"):
+        LLM(pipeline_parallel_size=40)
+    assert not multiprocessing.active_children(), "no worker was started for a split that cannot be"
 
 
 def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
@@ -215,47 +260,103 @@ def _get(url: str, body: dict | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def test_serve_starts_its_ranks_answers_and_exits_1_when_a_rank_dies(tmp_path):
-    """``slipstream serve --tensor-parallel-size 3``: no torchrun, one command; a killed worker
-    fails the request with its name, /ready stops answering 200 and the server exits 1 with no
-    worker left behind."""
+def _wait_ready(base: str, server, log_path) -> None:
+    import time
+
+    for _ in range(240):
+        try:
+            if _get(base + "/ready")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert server.poll() is None, open(log_path).read()
+        time.sleep(0.5)
+    raise AssertionError(f"not ready: {open(log_path).read()[-3000:]}")
+
+
+def _workers(pid: int) -> list[int]:
+    """The rank processes a serve process started (not multiprocessing's resource tracker)."""
     import subprocess
-    import sys
+
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in children if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+
+
+def _none_left(session: int) -> bool:
+    """Whether every process of the session ``session`` has gone (waits up to 10 s: the resource
+    tracker leaves once its last user has)."""
+    import subprocess
+    import time
+
+    for _ in range(50):
+        if not subprocess.run(["pgrep", "-s", str(session)], capture_output=True, text=True).stdout.split():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+CHAT = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
+
+
+def test_serve_starts_its_ranks_answers_and_ctrl_c_stops_them_all_cleanly(tmp_path):
+    """``slipstream serve --tensor-parallel-size 3``: no torchrun, one command; Ctrl-C in a
+    terminal (SIGINT to the whole process group) drains and exits 0: the workers ignore it and
+    are stopped by rank 0, with no traceback and no process left."""
+    from slipstream.server.distributed.group import free_port
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    server = _serve(["--tensor-parallel-size", "3", "--port", str(port), "--kv-cache-memory-bytes", "16MiB"], log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, server, tmp_path / "serve.log")
+        status, body = _get(base + "/v1/chat/completions", CHAT)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        assert len(_workers(server.pid)) == 2, "ranks 1 and 2 run as the server's child processes"
+        os.killpg(server.pid, signal.SIGINT)
+        assert server.wait(timeout=60) == 0, open(tmp_path / "serve.log").read()[-3000:]
+        assert _none_left(server.pid), "no rank outlives the server"
+        text = open(tmp_path / "serve.log").read()
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_serve_exits_1_when_a_rank_dies_while_idle_and_its_ranks_when_it_is_killed(tmp_path):
+    """A worker killed between requests fails the server at once (exit 1, the rank named in its
+    log, no request needed); and when rank 0 itself is killed (SIGKILL: no clean-up of its own) while
+    the workers still load, they leave by themselves within seconds."""
     import time
 
     from slipstream.server.distributed.group import free_port
 
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    server = subprocess.Popen([sys.executable, "-m", "slipstream.server", "serve", "--tensor-parallel-size", "3", "--host",
-                               "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", "16MiB"],
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
+    server = _serve(["--tensor-parallel-size", "3", "--port", str(port), "--kv-cache-memory-bytes", "16MiB"], log)
     try:
-        for _ in range(240):
-            try:
-                if _get(base + "/ready")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert server.poll() is None, open(tmp_path / "serve.log").read()
-            time.sleep(0.5)
-        status, body = _get(base + "/v1/chat/completions", chat)
-        assert status == 200 and body["usage"]["completion_tokens"] == 4
-        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
-        workers = [int(p) for p in children if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
-        assert len(workers) == 2, "ranks 1 and 2 run as the server's child processes"
-        os.kill(workers[0], signal.SIGKILL)
-        status, body = _get(base + "/v1/chat/completions", chat)
-        assert status == 500 and "exited with code -9" in body["error"]["message"]
-        assert server.wait(timeout=60) == 1
-        for _ in range(50):  # multiprocessing's resource tracker leaves once its last user has gone
-            left = subprocess.run(["pgrep", "-s", str(server.pid)], capture_output=True, text=True).stdout.split()
-            if not left:
+        _wait_ready(f"http://127.0.0.1:{port}", server, tmp_path / "serve.log")
+        os.kill(_workers(server.pid)[0], signal.SIGKILL)
+        assert server.wait(timeout=30) == 1
+        assert _none_left(server.pid), "no rank outlives the server"
+        assert "exited with code -9" in open(tmp_path / "serve.log").read()
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+    log = open(tmp_path / "serve2.log", "w+")
+    server = _serve(["--tensor-parallel-size", "3", "--port", str(free_port()), "--kv-cache-memory-bytes", "16MiB"],
+                    log)
+    try:
+        for _ in range(200):
+            workers = _workers(server.pid)
+            if len(workers) == 2:
                 break
-            time.sleep(0.2)
-        assert not left, "no rank outlives the server"
+            time.sleep(0.05)
+        assert len(workers) == 2, open(tmp_path / "serve2.log").read()
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+        assert _none_left(server.pid), "a worker outlived rank 0"
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)

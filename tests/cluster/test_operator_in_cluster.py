@@ -190,9 +190,17 @@ def test_every_example_is_accepted_and_reaches_the_state_a_real_cluster_gives_it
         assert named in failed["message"], failed
         installed.kubectl("delete", "infsvc", dname, "-n", dns, "--wait=false")
 
+    # The 70B pipeline example is a LeaderWorkerSet group; this control plane serves no
+    # leaderworkersets unless the controller is installed, and the service says so.
+    group = docs["70b-pipeline"]
+    lws = wait_for(lambda: (c := condition(get(installed, "infsvc", group["metadata"]["name"], "-n", ns_of(group)),
+                                           "Ready")) and c["reason"] == "LeaderWorkerSetMissing" and c, 60,
+                   "the pipeline example's Ready condition naming the missing LeaderWorkerSet controller")
+    assert lws["status"] == "False" and "kubernetes-sigs/lws" in lws["message"], lws
+
     # Everything else that can run here turns Ready.
     for key, doc in docs.items():
-        if key in ("gpu-pvc", "image-path", "builtin", "hub", "s3"):
+        if key in ("gpu-pvc", "image-path", "builtin", "hub", "s3", "70b-pipeline"):
             continue
         wait_for(lambda: infsvc_ready(installed, doc["metadata"]["name"], ns_of(doc)),
                  MODEL_READY_TIMEOUT, f"InferenceService {doc['metadata']['name']} Ready")

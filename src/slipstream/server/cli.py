@@ -18,7 +18,7 @@ from dataclasses import fields
 from slipstream.api_types.parallelism import (MASTER_ADDR_FLAG, MASTER_PORT_FLAG, NNODES_FLAG, NODE_RANK_FLAG,
                                               PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
 
-from .cli_types import fraction, positive_int
+from .cli_types import fraction, non_negative_int, port, positive_int
 
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
@@ -130,11 +130,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                           "ranks): for a model larger than the GPUs of one stage")
     par.add_argument(NNODES_FLAG, type=positive_int, default=d["nnodes"],
                      help="machines (pods) the ranks spread over, each running tensor × pipeline / nnodes of them")
-    par.add_argument(NODE_RANK_FLAG, type=int, default=0,
+    par.add_argument(NODE_RANK_FLAG, type=non_negative_int, default=0,
                      help="this machine's index; node 0 schedules and serves the API, the others run their ranks "
                           "only (and answer /health)")
     par.add_argument(MASTER_ADDR_FLAG, default=d["master_addr"], help="node 0's address, where the ranks meet")
-    par.add_argument(MASTER_PORT_FLAG, type=positive_int, default=d["master_port"],
+    par.add_argument(MASTER_PORT_FLAG, type=port, default=d["master_port"],
                      help="the port node 0 listens on for the ranks to meet (needed with --nnodes > 1)")
     return m
 
@@ -164,7 +164,7 @@ def serve_parser() -> argparse.ArgumentParser:
                         "refs say now; an error if the cache no longer holds it")
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
-    h.add_argument("--port", type=int, default=8000, help="port to listen on")
+    h.add_argument("--port", type=port, default=8000, help="port to listen on")
     h.add_argument("--max-waiting", type=int, default=128,
                    help="most requests queued beyond the running batch; more get 429 with Retry-After")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -216,6 +216,12 @@ def run_serve(argv: list[str]) -> int:
         engine = engine_config(args)
     except ValueError as e:
         raise SystemExit(f"slipstream serve: {e}") from None
+    if args.node_rank >= engine.nnodes:
+        raise SystemExit(f"slipstream serve: {NODE_RANK_FLAG} {args.node_rank} is not a node of {NNODES_FLAG} "
+                         f"{engine.nnodes} (0 to {engine.nnodes - 1})")
+    if args.node_rank == 0 and engine.master_port == args.port:  # node 0 listens on both
+        raise SystemExit(f"slipstream serve: {MASTER_PORT_FLAG} {engine.master_port} is also --port: the ranks "
+                         "meet on a port of their own; pick another")
     if args.node_rank:
         from slipstream.server.distributed.node import run_node
 

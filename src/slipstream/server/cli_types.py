@@ -27,6 +27,15 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 
 positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def port(text: str) -> int:
+    """A TCP port, 1 to 65535."""
+    value = _number(text, int)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (1 to 65535), got {value}")
+    return value
 
 
 def non_negative_float(text: str) -> float:

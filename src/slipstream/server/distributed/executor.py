@@ -4,13 +4,19 @@ model, and runs every step as a :class:`~slipstream.server.engine.model_runner.S
 inputs it first broadcasts, so that every rank runs its part of the same step (vLLM's
 multiprocessing executor has the same shape: one scheduler, step inputs broadcast to every rank).
 
-A rank that dies fails the next collective on rank 0 at once ("connection closed by peer");
-rank 0 then raises :class:`RankFailed` naming the rank and, when it could say, why.
+A rank that dies fails the next collective on rank 0 at once ("connection closed by peer",
+"connection reset"); rank 0 then raises :class:`RankFailed` naming the rank and, when it could
+say, why. Any error in the middle of a step is fatal the same way: the ranks may be left in
+different collectives, so no later step could line up. While idle, :meth:`ParallelRunner.check_ranks`
+notices a rank that died between requests (a process of this machine at once; another node's
+ranks by a ping every few seconds).
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import time
 
 import torch
 
@@ -19,6 +25,9 @@ from ..engine.memory import plan_kv_cache
 from ..engine.model_runner import PromptSpan, StepOutput, chunk_logprobs, logits_chunks
 from ..engine.scheduler import SchedulerOutput
 from ..engine.step_inputs import HostStep, layout
+from ..models.loader import ModelLoadError, read_model_config
+from ..models.pipeline_parallel import stage_layers
+from ..models.tensor_parallel import check_tensor_parallel
 from .group import free_port
 from .pipeline import receive_outputs, run_stage
 from .worker import ERROR_KEY, WorkerSpec, block_bytes, join, run_worker
@@ -26,6 +35,8 @@ from .worker import ERROR_KEY, WorkerSpec, block_bytes, join, run_worker
 log = logging.getLogger("slipstream.engine")
 
 HOST = "127.0.0.1"  # every rank of a single-machine group
+PING_INTERVAL_S = 5.0  # idle: how often rank 0 checks that another node's ranks still answer
+DEATH_GRACE_S = 2.0  # after a failed step: how long to wait for the ranks' exits, to name them
 
 
 class RankFailed(RuntimeError):
@@ -37,6 +48,22 @@ def threads_per_rank(num_threads: int, size: int) -> int:
     return max(1, num_threads // size)
 
 
+def check_split(config: EngineConfig) -> None:
+    """Check, from the model's config alone and before any process starts, that the model splits
+    into ``tensor_parallel_size`` slices (heads, MLP width) and ``pipeline_parallel_size`` stages
+    (layers).
+
+    Raises:
+        ModelLoadError: it does not (naming the model and the size), or the model cannot be read.
+    """
+    cfg = read_model_config(config.model)
+    try:
+        check_tensor_parallel(cfg, config.tensor_parallel_size)
+        stage_layers(cfg.num_layers, config.pipeline_parallel_size, 0)
+    except ValueError as e:
+        raise ModelLoadError(f"{config.model}: {e}") from None
+
+
 def start_workers(config: EngineConfig, ranks, host: str, port: int, device: torch.device, dtype: torch.dtype,
                   num_threads: int) -> list[multiprocessing.Process]:
     """Start a worker process (multiprocessing ``spawn``) per global rank of ``ranks``, joining the
@@ -46,7 +73,7 @@ def start_workers(config: EngineConfig, ranks, host: str, port: int, device: tor
     workers = []
     for rank in ranks:
         rank_device = f"cuda:{rank % config.ranks_per_node}" if device.type == "cuda" else str(device)
-        spec = WorkerSpec(config, rank, host, port, rank_device, dtype_name, num_threads)
+        spec = WorkerSpec(config, rank, host, port, rank_device, dtype_name, num_threads, os.getpid())
         proc = ctx.Process(target=run_worker, args=(spec,), name=f"slipstream-rank-{rank}", daemon=True)
         proc.start()
         workers.append(proc)
@@ -64,7 +91,7 @@ class ParallelRunner:
 
     Raises:
         ModelLoadError: the model could not be loaded, or cannot be split that way (its heads,
-            MLP width or layers).
+            MLP width or layers; checked before a worker starts).
         RankFailed: a worker failed to start.
     """
 
@@ -75,6 +102,10 @@ class ParallelRunner:
         self.pipeline_size = config.pipeline_parallel_size
         host, port = config.master_addr, config.master_port or free_port(HOST)
         self.groups = None
+        self.workers = []
+        self.nnodes = config.nnodes
+        self._last_ping = time.monotonic()
+        check_split(config)
         self.workers = start_workers(config, range(1, config.ranks_per_node), host, port, device, dtype, num_threads)
         log.info("parallel engine: tensor %d × pipeline %d ranks (workers: pids %s), %d threads each",
                  config.tensor_parallel_size, config.pipeline_parallel_size,
@@ -104,6 +135,16 @@ class ParallelRunner:
     def kv_cache(self) -> torch.Tensor | None:
         return self.runner.kv_cache
 
+    def check_ranks(self) -> None:
+        """Called by the engine while idle. Raises :class:`RankFailed` when a worker of this
+        machine has exited or, every :data:`PING_INTERVAL_S` with other nodes, when a ping to
+        every rank fails."""
+        if not all(p.is_alive() for p in self.workers):
+            raise self.failure(None)
+        if self.nnodes > 1 and time.monotonic() - self._last_ping >= PING_INTERVAL_S:
+            self._last_ping = time.monotonic()
+            self._send(("ping",))
+
     def _send(self, command: tuple) -> None:
         if not all(p.is_alive() for p in self.workers):  # a rank that died between steps: say so now
             raise self.failure(None)
@@ -127,7 +168,7 @@ class ParallelRunner:
             if note or not proc.is_alive():
                 why.append(f"rank {rank} (pid {proc.pid}) " + (f"failed: {note}" if note else
                                                                f"exited with code {proc.exitcode}"))
-        return RankFailed("parallel engine: " + ("; ".join(why) or f"a collective failed: {cause}"))
+        return RankFailed("parallel engine: " + ("; ".join(why) or f"a step failed: {type(cause).__name__}: {cause}"))
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Every rank allocates ``num_blocks`` blocks of its own layers and KV heads."""
@@ -158,10 +199,13 @@ class ParallelRunner:
             return self._run_pipeline(batch, sample_rows, spans)
         except RankFailed:
             raise
-        except RuntimeError as e:  # a collective whose peer went away
-            if any(not p.is_alive() for p in self.workers) or "Connection closed" in str(e):
-                raise self.failure(e) from e
-            raise
+        except Exception as e:  # a peer went away, or the ranks no longer line up: fatal either way
+            deadline = time.monotonic() + DEATH_GRACE_S
+            # The ranks that survive fail their own collectives and exit too: wait for them all,
+            # so the message names the rank that died first, not only its peers' errors.
+            while any(p.is_alive() for p in self.workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise self.failure(e) from e
 
     def _run_pipeline(self, batch: SchedulerOutput, sample_rows: list[int], spans: list[PromptSpan]) -> StepOutput:
         step = layout(batch, self.block_size, sample_rows)

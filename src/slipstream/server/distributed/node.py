@@ -21,7 +21,7 @@ from aiohttp import web
 from ..engine.config import EngineConfig
 from ..engine.engine import resolve_device
 from ..engine.threads import choose_threads, cpu_limit
-from .executor import start_workers, threads_per_rank
+from .executor import check_split, start_workers, threads_per_rank
 
 log = logging.getLogger("slipstream.engine")
 
@@ -39,12 +39,17 @@ def node_ranks(config: EngineConfig, node_rank: int) -> range:
 
 
 async def run_node(config: EngineConfig, node_rank: int, host: str, port: int) -> int:
-    """Start this node's ranks, serve the probes on ``host:port`` and wait; returns the exit code."""
+    """Start this node's ranks, serve the probes on ``host:port`` and wait; returns the exit code.
+
+    Raises:
+        ModelLoadError: the model does not split as configured (:func:`~.executor.check_split`).
+    """
     device, dtype = resolve_device(config)
     threads, _ = choose_threads(config.num_threads, torch.get_num_threads(), cpu_limit())
     if config.num_threads is None:
         threads = threads_per_rank(threads, config.ranks_per_node)
     ranks = node_ranks(config, node_rank)
+    check_split(config)
     workers = start_workers(config, ranks, config.master_addr, config.master_port, device, dtype, threads)
     log.info("node %d of %d: ranks %d..%d (pids %s), joining %s:%d", node_rank, config.nnodes, ranks[0], ranks[-1],
              ", ".join(str(p.pid) for p in workers), config.master_addr, config.master_port)

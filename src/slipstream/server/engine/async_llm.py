@@ -242,11 +242,12 @@ class AsyncLLM:
         engine.apply_threads()  # torch's thread setting does not follow a new thread
         while not self._stopping:
             self._apply_commands()
-            if not engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                if not engine.has_unfinished():
+                    engine.check_ranks()  # a rank that dies while idle fails the server now
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 outputs = engine.step()
             except RankFailed as e:  # no later step can run: fail everything and stop
                 log.error("%s: the engine stops", e)

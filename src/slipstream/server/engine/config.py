@@ -105,5 +105,7 @@ class EngineConfig:
         if self.nnodes < 1 or self.world_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide the {self.world_size} ranks "
                              f"(tensor_parallel_size × pipeline_parallel_size)")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be a TCP port (1 to 65535), got {self.master_port}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("a group over several nodes needs master_port (and master_addr, node 0's address)")

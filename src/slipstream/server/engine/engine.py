@@ -125,6 +125,13 @@ class LLMEngine:
         if close is not None:
             close()
 
+    def check_ranks(self) -> None:
+        """Raise :class:`RankFailed` when a rank of a parallel engine is gone (called while idle,
+        so a dead rank fails the server before the next request does); nothing for one process."""
+        check = getattr(self.runner, "check_ranks", None)
+        if check is not None:
+            check()
+
     def _request_capacity(self) -> int:
         """Tokens one request can reach alone in the pool: every slot, or ``max_model_len`` when
         every layer slides and the blocks of a window plus a prefill chunk fit (those behind the

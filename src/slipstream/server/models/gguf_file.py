@@ -75,6 +75,15 @@ def read_gguf(path: Path, as_stored: bool) -> tuple[ModelConfig, dict, object, P
     return cfg, weights, tokenizer, entry if use_cache and cached is None and not kept else None
 
 
+
+def gguf_config(path: Path) -> ModelConfig:
+    """The model config of a GGUF file from its header (cached; no tensor is read).
+
+    Raises:
+        ModelLoadError: not a readable GGUF file, a split model, or fields that do not fit.
+    """
+    return _gguf_index(path)[0]
+
 def _read_weight_cache(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
     from safetensors.torch import load_file
 

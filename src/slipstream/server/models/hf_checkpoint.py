@@ -25,13 +25,39 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], objec
     from a checkpoint is ever run.
 
     Raises:
-        ModelLoadError: no config.json; an unsupported architecture (with ``auto_map``: naming it
-            and saying that no remote code runs); a quantized checkpoint; pickle weights only or no
-            weights; config fields or tensors that do not fit; no loadable tokenizer.
+        ModelLoadError: what :func:`read_hf_config` raises; tensors that do not fit; no loadable
+            tokenizer.
     """
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    cfg, files = read_hf_config(path)
+    t0 = time.perf_counter()
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type: a truncated or damaged file
+            raise ModelLoadError(f"{f}: not a readable safetensors file, truncated or damaged? ({e})") from None
+    log.info("read %d tensors from %d safetensors files in %.1f s", len(weights), len(files), time.perf_counter() - t0)
+    try:
+        # never a checkpoint's own tokenizer code, nor transformers' prompt asking whether to run it
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: could not load the tokenizer ({e})") from None
+    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | eos_ids(tokenizer))
+    return cfg, weights, tokenizer
+
+
+def read_hf_config(path: Path) -> tuple[ModelConfig, list[Path]]:
+    """The model config of the checkpoint directory ``path`` and its safetensors files, without
+    reading a tensor (cheap: what a parallel engine checks its sizes against before starting ranks).
+
+    Raises:
+        ModelLoadError: no config.json; an unsupported architecture (with ``auto_map``: naming it
+            and saying that no remote code runs); a quantized checkpoint; pickle weights only or no
+            weights; config fields that do not fit.
+    """
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path}: no config.json (a Hugging Face checkpoint directory needs one)")
@@ -105,21 +131,7 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], objec
         rope_inv_freq(cfg)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    t0 = time.perf_counter()
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            weights.update(load_file(str(f)))
-        except Exception as e:  # safetensors' own error type: a truncated or damaged file
-            raise ModelLoadError(f"{f}: not a readable safetensors file, truncated or damaged? ({e})") from None
-    log.info("read %d tensors from %d safetensors files in %.1f s", len(weights), len(files), time.perf_counter() - t0)
-    try:
-        # never a checkpoint's own tokenizer code, nor transformers' prompt asking whether to run it
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: could not load the tokenizer ({e})") from None
-    cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | eos_ids(tokenizer))
-    return cfg, weights, tokenizer
+    return cfg, files
 
 
 def qwen3_moe_fields(raw: dict, arch: str, num_layers: int) -> dict:

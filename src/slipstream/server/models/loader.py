@@ -26,8 +26,8 @@ from ..weights.revision_file import REVISION_FILE_ENV, read_revision_file
 from ..weights.uri import parse_model_uri, served_name
 from . import gemma, quant
 from .config import ModelConfig
-from .gguf_file import gguf_tokenizer, read_gguf, write_weight_cache
-from .hf_checkpoint import read_hf_dir
+from .gguf_file import gguf_config, gguf_tokenizer, read_gguf, write_weight_cache
+from .hf_checkpoint import read_hf_config, read_hf_dir
 from .layers import rope_inv_freq
 from .llama import LlamaModel
 from .pipeline_parallel import keep_stage
@@ -102,6 +102,22 @@ def resolve_model_path(model: str) -> Path:
         return weights_path(path, sorted(p.name for p in path.iterdir()))
     return path
 
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """The config of ``model`` (as :func:`load_model` takes it) without reading its weights: what a
+    parallel engine checks its sizes against before starting a rank. A Hub or S3 model is fetched
+    first (once, into the shared cache the ranks then read).
+
+    Raises:
+        ModelLoadError: as :func:`load_model`, for the model's files and config.
+    """
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_config(path)
+    if path.is_dir():
+        return read_hf_config(path)[0]
+    raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype, quantization: str = "auto",
                tensor_parallel: Collectives | None = None,
