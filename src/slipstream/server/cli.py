@@ -17,8 +17,9 @@ from dataclasses import fields
 
 from slipstream.api_types.parallelism import (MASTER_ADDR_FLAG, MASTER_PORT_FLAG, NNODES_FLAG, NODE_RANK_FLAG,
                                               PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
+from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, SCHEDULING_POLICIES
 
-from .cli_types import fraction, non_negative_int, port, positive_int
+from .cli_types import fraction, non_negative_int, port, positive_int, tenant_weights
 
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
@@ -120,6 +121,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     e.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    default=d["enable_prefix_caching"], help="do not share KV blocks of equal prompt prefixes (sharing is on by default)")
     e.add_argument("--trace", action="store_true", default=d["trace"], help="record one trace record per engine step")
+    e.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d["scheduling_policy"],
+                   help=f"which waiting request runs next and which running one is preempted first: 'fair' shares "
+                        f"the tokens served between tenants (the {FAIRNESS_ID_HEADER} header; VTC), first-come within "
+                        f"one and by each request's 'priority' (lower sooner); 'priority' orders by 'priority' alone; "
+                        f"'fcfs' by arrival")
+    e.add_argument("--tenant-weights", type=tenant_weights, default=d["tenant_weights"], metavar="NAME=W,...",
+                   help="tenants' shares under --scheduling-policy fair, e.g. 'team-a=3,team-b=1' "
+                        "(a tenant not named weighs 1)")
     par = p.add_argument_group("parallelism (torch.distributed: gloo on CPU, NCCL on GPU)")
     par.add_argument(TENSOR_PARALLEL_FLAG, "-tp", type=positive_int, default=d["tensor_parallel_size"],
                      help="split every layer over this many ranks (worker processes this server starts; on GPUs one "

@@ -68,3 +68,12 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def tenant_weights(text: str) -> dict[str, float]:
+    """``NAME=WEIGHT,...`` (:func:`~slipstream.api_types.tenancy.parse_tenant_weights`)."""
+    from slipstream.api_types.tenancy import parse_tenant_weights
+    try:
+        return parse_tenant_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

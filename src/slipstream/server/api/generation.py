@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from slipstream.api_types.tenancy import DEFAULT_TENANT
 from slipstream.server.engine.outputs import RequestOutput
 
 
@@ -26,10 +27,12 @@ class GenerationGroup:
     Leaving the block early (client gone, error, cancellation) aborts every unfinished request.
     """
 
-    def __init__(self, llm: Any, prompts: list, params: Any, request_id: str) -> None:
+    def __init__(self, llm: Any, prompts: list, params: Any, request_id: str, tenant: str = DEFAULT_TENANT,
+                 priority: int = 0) -> None:
         self._llm = llm
         self._ids = engine_request_ids(request_id, len(prompts))
-        self._gens = [llm.generate(p, params, request_id=rid) for p, rid in zip(prompts, self._ids)]
+        self._gens = [llm.generate(p, params, request_id=rid, tenant=tenant, priority=priority)
+                      for p, rid in zip(prompts, self._ids)]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._first: list[RequestOutput] = []

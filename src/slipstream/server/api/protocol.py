@@ -128,6 +128,8 @@ class _GenerationRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the order within a tenant under --scheduling-policy fair or priority (lower sooner).
+    priority: int = 0
     # Accepted, type-checked, and otherwise ignored: they do not change the output here.
     user: str | None = None
     prompt_cache_key: str | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slipstream.api_types.tenancy import DEFAULT_TENANT, FAIRNESS_ID_HEADER
 from slipstream.server.api import render
 from slipstream.server.api.errors import APIError, bad_request, refusal
 from slipstream.server.api.generation import GenerationGroup
@@ -109,7 +110,9 @@ class GenerationCall:
         state = self.state
         with state.admit(self.request_id, len(prompts), params.n) as record:
             self.record = record
-            async with GenerationGroup(state.llm, prompts, params, self.request_id) as group:
+            tenant = request.headers.get(FAIRNESS_ID_HEADER) or DEFAULT_TENANT
+            priority = getattr(self.req, "priority", 0)
+            async with GenerationGroup(state.llm, prompts, params, self.request_id, tenant, priority) as group:
                 try:
                     await group.start()
                 except InvalidRequest as exc:

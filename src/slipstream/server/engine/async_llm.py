@@ -19,6 +19,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from slipstream.api_types.tenancy import DEFAULT_TENANT
+
 from ..distributed.executor import RankFailed
 from ..weights.errors import ModelLoadError
 from .config import EngineConfig
@@ -120,8 +122,10 @@ class AsyncLLM:
 
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, tenant: str = DEFAULT_TENANT,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's increments (new text and token ids per choice) until it finishes.
+        ``tenant`` and ``priority`` (lower runs sooner): what the scheduling policy orders by.
 
         Raises (on the first iteration, before anything is queued):
             RequestRejected: the request can never fit (``.code == "context_length_exceeded"``).
@@ -134,7 +138,8 @@ class AsyncLLM:
             raise RuntimeError("engine is not running")
         # Tokenizing a long prompt and compiling a grammar take a while: off the event loop and the step
         # loop both (the request is queued only once its grammar is built).
-        reqs = await asyncio.to_thread(self.engine.make_requests, prompt, params, request_id)
+        reqs = await asyncio.to_thread(self.engine.make_requests, prompt, params, request_id,
+                                       tenant=tenant, priority=priority)
         rid = reqs[0].group_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")

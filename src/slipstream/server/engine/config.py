@@ -9,6 +9,7 @@ import torch
 from slipstream.api_types.engine import (CPU_KV_CACHE_BYTES, DEFAULT_BLOCK_SIZE,  # noqa: F401
                                          DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                          DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, check_gpu_memory_utilization)
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,6 +48,10 @@ class EngineConfig:
         KV pool is ``kv_cache_memory_bytes`` (per rank, as vLLM's) of its own KV heads.
     pipeline_parallel_size: stages that each run a contiguous share of the layers, in turn
         (:mod:`slipstream.server.models.pipeline_parallel`); ranks are ``tensor × pipeline``.
+    scheduling_policy: which waiting request runs next and which running one is preempted first
+        (:mod:`~slipstream.server.engine.fairness`): ``"fair"`` (VTC across tenants; first-come
+        with one), ``"priority"`` or ``"fcfs"``.
+    tenant_weights: tenant → weight > 0 for ``fair`` (a tenant not named weighs 1).
     nnodes, master_addr, master_port: the ranks spread over ``nnodes`` machines (pods), each
         running ``world_size / nnodes`` consecutive ranks; node 0 (this engine) hosts the
         rendezvous on ``master_port`` (None: a free port, one machine only), which the others
@@ -73,6 +78,8 @@ class EngineConfig:
     nnodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
+    tenant_weights: dict[str, float] | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -105,6 +112,11 @@ class EngineConfig:
         if self.nnodes < 1 or self.world_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide the {self.world_size} ranks "
                              f"(tensor_parallel_size × pipeline_parallel_size)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if any(not w > 0 for w in (self.tenant_weights or {}).values()):
+            raise ValueError(f"tenant_weights must be > 0, got {self.tenant_weights}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be a TCP port (1 to 65535), got {self.master_port}")
         if self.nnodes > 1 and self.master_port is None:

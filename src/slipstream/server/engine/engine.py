@@ -10,12 +10,15 @@ from dataclasses import replace
 
 import torch
 
+from slipstream.api_types.tenancy import DEFAULT_TENANT
+
 from ..distributed.executor import ParallelRunner, RankFailed, threads_per_rank
 from ..models import crossover
 from ..models.loader import LoadedModel, load_model
 from .config import CPU_KV_CACHE_BYTES, DTYPES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequest, RequestRejected
+from .fairness import WaitingQueue
 from .kv_cache import KVCacheManager
 from .memory import plan_kv_cache
 from .model_runner import ModelRunner, StepRunner, prompt_spans
@@ -103,8 +106,10 @@ class LLMEngine:
                             capacity)
                 self.max_model_len = capacity
         self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
+        waiting = WaitingQueue(config.scheduling_policy, config.tenant_weights,
+                               cached_blocks=self.kv.cached_prefix_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   cfg.eos_token_ids, self.max_model_len)
+                                   cfg.eos_token_ids, self.max_model_len, waiting)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
@@ -211,8 +216,10 @@ class LLMEngine:
                                  f"{ids[bad]!r:.40}", param)
 
     def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, arrival_time: float | None = None) -> list[Request]:
+                      request_id: str | None = None, arrival_time: float | None = None,
+                      tenant: str = DEFAULT_TENANT, priority: int = 0) -> list[Request]:
         """Validate and build a request (its first choice; more choices fork after the prompt).
+        ``tenant`` and ``priority`` (lower runs sooner) are what the scheduling policy orders by.
 
         Does not touch the scheduler, so it may run on another thread than :meth:`step`.
 
@@ -260,7 +267,9 @@ class LLMEngine:
             params = replace(params, max_tokens=max_tokens)
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         gid = request_id or uuid.uuid4().hex
-        return [self._new_request(gid, 0, ids, params, arrival_time or time.monotonic(), grammar)]
+        req = self._new_request(gid, 0, ids, params, arrival_time or time.monotonic(), grammar)
+        req.tenant, req.priority = tenant, priority
+        return [req]
 
     def _new_request(self, gid: str, index: int, ids: list[int], params: SamplingParams, arrival: float,
                      grammar: GrammarMatcher | None = None) -> Request:
@@ -422,6 +431,7 @@ class LLMEngine:
         for i in range(parent.params.n - 1, 0, -1):
             child = self._new_request(parent.group_id, i, parent.prompt_token_ids, parent.params,
                                       parent.metrics.arrival_time, parent.grammar and parent.grammar.fresh())
+            child.tenant, child.priority = parent.tenant, parent.priority
             self.kv.fork(parent, child, num_computed=parent.num_tokens)
             group.append(child)
             self.scheduler.add(child, front=True)

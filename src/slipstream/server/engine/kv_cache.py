@@ -168,6 +168,19 @@ class KVCacheManager:
         req.num_cached_tokens = max(req.num_cached_tokens, hit)
         return hit
 
+    def cached_prefix_blocks(self, req: Request) -> int:
+        """How many leading full blocks of ``req`` (up to what :meth:`match_prefix` would reuse)
+        the prefix cache holds now; takes nothing. 0 with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return 0
+        self._extend_hashes(req)
+        count = 0
+        for h in req.block_hashes[:req.num_reusable_tokens // self.block_size]:
+            if h not in self.cached:
+                break
+            count += 1
+        return count
+
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Make the block table cover ``num_computed_tokens + num_new_tokens`` tokens.
 

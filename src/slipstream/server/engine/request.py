@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from slipstream.api_types.tenancy import DEFAULT_TENANT
+
 from .outputs import Logprob, RequestMetrics
 from .sampling_params import SamplingParams
 
@@ -27,7 +29,8 @@ class Request:
     ``num_computed_tokens`` counts tokens whose K/V is in the cache; a step moves it toward
     ``num_tokens`` (vLLM v1's single loop: prefill, chunked prefill, prefix hits and decode are
     the same move with different numbers). With ``n > 1`` each choice is its own Request, with
-    ``group_id`` the caller's id and ``index`` the choice.
+    ``group_id`` the caller's id and ``index`` the choice. ``tenant`` and ``priority`` (lower runs
+    sooner) are what the scheduling policy orders by (:mod:`.fairness`).
     """
 
     request_id: str
@@ -37,6 +40,8 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     metrics: RequestMetrics
+    tenant: str = DEFAULT_TENANT
+    priority: int = 0
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

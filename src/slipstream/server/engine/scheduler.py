@@ -1,10 +1,11 @@
 """Iteration-level scheduling (Orca, Yu et al. OSDI '22, §4.1) with chunked prefill and preemption.
 
-Every step: running requests first (each its next decode token or prefill chunk), oldest first;
-then waiting requests FCFS while the token budget, the seat limit and free blocks allow. When a
-running request needs a block and none is free, the newest running request is preempted: its
-blocks are freed and it waits at the head of the queue to be recomputed (vLLM's recompute
-preemption, Kwon et al. SOSP '23, §4.5). If nothing runs and the head of the queue still does not
+Every step: running requests first (each its next decode token or prefill chunk), the
+policy's most protected first; then waiting requests in the policy's order (:mod:`.fairness`:
+fcfs, priority, or fair across tenants — first-come with one tenant) while the token budget, the
+seat limit and free blocks allow. When a running request needs a block and none is free, the
+policy's last running request (fcfs: the newest) is preempted: its blocks are freed and it waits
+ahead of later arrivals to be recomputed (vLLM's recompute preemption, Kwon et al. SOSP '23, §4.5). If nothing runs and the head of the queue still does not
 fit, or the last running request had to preempt itself, waiting requests give back the blocks
 they hold, so the queue always moves. Finished
 requests leave at once, so a freed seat is filled on the very next step. Before a request's
@@ -22,10 +23,10 @@ engine's abort and failure paths (reason ``abort``).
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .fairness import WaitingQueue
 from .kv_cache import KVCacheManager
 from .outputs import FinishReason
 from .request import Request, RequestStatus
@@ -61,29 +62,31 @@ class Scheduler:
         max_num_batched_tokens: token budget per step (decode tokens + prefill chunk tokens).
         eos_token_ids: token ids that end a request (unless its ``ignore_eos``); none: never.
         max_model_len: most tokens (prompt + output) a request may hold; None: only ``max_tokens`` caps it.
+        waiting: the waiting queue and its policy (:class:`~.fairness.WaitingQueue`); None: ``fair``
+            with equal tenant weights, preferring cached prefixes within a tenant.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None):
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
+                 waiting: WaitingQueue | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting = waiting if waiting is not None else WaitingQueue(cached_blocks=kv.cached_prefix_blocks)
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, req: Request, front: bool = False) -> None:
+        """Queue ``req``; ``front``: a preempted request, ahead of later arrivals."""
         req.status = RequestStatus.WAITING
-        if front:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
+        self.waiting.add(req, front)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.running = self.waiting.protect_order(self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -107,7 +110,7 @@ class Scheduler:
                 self._release_waiting()
             return out  # blocks are short: admitting now would only preempt again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.head()
             fresh = not req.block_table  # a forked choice arrives holding its parent's blocks
             hit = self.kv.match_prefix(req) if fresh else 0
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -121,7 +124,7 @@ class Scheduler:
             if fresh:
                 self.kv.prefix_queries += req.num_tokens
                 self.kv.prefix_hits += hit
-            self.waiting.popleft()
+            self.waiting.pop(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.requests.append(req)
@@ -168,6 +171,7 @@ class Scheduler:
             if tok is None:
                 continue
             req.token_ids.append(tok)
+            self.waiting.charge(req, 0, 1)
             got.append(req)
             reason = self._check_stop(req, tok)
             text = text_stop(req, tok) if text_stop is not None else NO_STOP
@@ -205,6 +209,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
+        self.waiting.finished(req)
         self.kv.free_request(req)
 
     def _release_waiting(self) -> bool:
@@ -220,7 +225,8 @@ class Scheduler:
         self.kv.free_request(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(req, front=True)
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req, front=True, returning=True)
 
     @property
     def num_waiting(self) -> int:

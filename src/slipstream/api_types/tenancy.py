@@ -1,0 +1,46 @@
+"""Tenants and priorities that the gateway and the pods read the same way: the headers that carry
+them, the default tenant, the scheduling policies ``slipstream serve`` offers and the weights of
+the Virtual Token Counter (VTC, Sheng et al., "Fairness in Serving Large Language Models",
+OSDI '24), which charges a tenant for the prompt and output tokens it was served."""
+from __future__ import annotations
+
+# llm-d's name for the header that says whose request it is; the gateway forwards it to the pods.
+FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
+# A request without the header belongs to this tenant (with one tenant, fair is first-come).
+DEFAULT_TENANT = "default"
+
+# fcfs: arrival order; priority: the request's ``priority`` (lower runs sooner, vLLM's), then arrival;
+# fair: VTC across tenants, priority then arrival within a tenant.
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+DEFAULT_SCHEDULING_POLICY = "fair"
+
+# VTC's charge per token served: a prompt token (prefill) and an output token (decode), in the
+# paper's default ratio (output tokens cost about twice as much compute per token in a batch).
+PROMPT_TOKEN_WEIGHT = 1.0
+OUTPUT_TOKEN_WEIGHT = 2.0
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """``"team-a=3,team-b=1"`` → ``{"team-a": 3.0, "team-b": 1.0}``; ``""`` → ``{}`` (every
+    tenant weight 1). A tenant with weight 3 is served three times the tokens of a weight-1
+    tenant when both are backlogged.
+
+    Raises:
+        ValueError: an item that is not ``NAME=WEIGHT`` with a non-empty name and a finite
+            weight > 0, or a name given twice.
+    """
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not name or not 0 < weight < float("inf"):
+            raise ValueError(f"tenant weights are NAME=WEIGHT items with a weight > 0, separated by commas; "
+                             f"got {item!r}")
+        if name in weights:
+            raise ValueError(f"tenant {name!r} is given a weight twice")
+        weights[name] = weight
+    return weights
