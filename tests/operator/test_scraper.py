@@ -204,7 +204,13 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
     endpoints = EndpointSet(GatewayConfig())
     queue = WaitQueue(endpoints)
     metrics = GatewayMetrics(endpoints, queue)
-    assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(0.0, 0.0)  # no endpoint, none held
+    # no endpoint, none held; the token counters start at 0, requests_total has no sample until one is answered
+    assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(
+        0.0, 0.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)
+    metrics.requests.labels("200").inc(5)
+    metrics.prompt_tokens.inc(1200)
+    assert parse_gateway_metrics(metrics.render().decode()).requests_total == 5
+    assert parse_gateway_metrics(metrics.render().decode()).prompt_tokens_total == 1200
 
     held = [asyncio.create_task(queue.acquire(lambda loads: None, endpoints.clock() + 30))
             for _ in range(3)]
@@ -213,7 +219,8 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
     endpoints.get("http://127.0.0.2:8000").in_flight = 2
     endpoints.get("http://127.0.0.3:8000").in_flight = 1
     try:
-        assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(3.0, 3.0)
+        load = parse_gateway_metrics(metrics.render().decode())
+        assert (load.waiting, load.in_flight) == (3.0, 3.0)
     finally:
         for task in held:
             task.cancel()
