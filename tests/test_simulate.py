@@ -2,6 +2,9 @@
 the loop, the head-of-line example and the command itself."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 import yaml
@@ -12,7 +15,12 @@ from slipstream.server import cli, simulate
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig, SimRequest, VirtualReplica
 from slipstream.server.sim.cost_model import PROFILES, batch_shape, step_time
 from slipstream.server.sim.head_of_line import continuous_batching, static_batching
-from slipstream.server.sim.trace import Arrival, Phase, parse_length, parse_rate_schedule, poisson_arrivals, read_trace
+from slipstream.server.sim.trace import Arrival, Phase, cap_lengths, parse_length, parse_rate_schedule, \
+    poisson_arrivals, read_trace, scale_times
+from slipstream.server.sim.scalers import HPAScaler
+from slipstream.api_types.load import PodLoad
+from slipstream.operator.fleet import Fleet
+from slipstream.operator.policy import Tick
 
 H100 = PROFILES["llama3-8b-h100"]
 TINY = PROFILES["tiny"]
@@ -88,7 +96,7 @@ def test_a_full_replica_queues_and_a_small_kv_cache_preempts():
 # --- the cluster with the policy in the loop -----------------------------------------------------
 
 def _spec(**overrides) -> AutoscalingSpec:
-    values = dict(enabled=True, min_replicas=1, max_replicas=4, target_queue_depth=4, stable_window_seconds=20,
+    values = dict(enabled=True, policy="queue", min_replicas=1, max_replicas=4, target_queue_depth=4, stable_window_seconds=20,
                   panic_window_seconds=4, scale_down_delay_seconds=30)
     return AutoscalingSpec(**{**values, **overrides})
 
@@ -270,3 +278,65 @@ def test_simulate_takes_the_gateways_weight_flags_by_scorer_name(monkeypatch):
     assert [w for _, w in built[0].router.scorers] == [3.0, 2.0, 0.0, 0.5]
     with pytest.raises(ValueError, match="Router, not beside it"):
         real(TINY, ReplicaConfig.for_profile(TINY), _spec(), routing=built[0].router, weights={"queue": 1.0})
+
+
+# --- Azure CSV, capping, --json, --compare -------------------------------------------------------
+
+AZURE_SAMPLE = Path(__file__).parent / "traces" / "azure-code-sample.csv"
+
+
+def test_the_azure_csv_is_read_by_its_header_with_seconds_from_the_first_request():
+    arrivals = read_trace(AZURE_SAMPLE, (1, 1), (1, 1))
+    assert [(round(a.time, 3), a.prompt_tokens, a.output_tokens) for a in arrivals][:3] == \
+        [(0.0, 4808, 10), (0.052, 3180, 8), (0.764, 110, 27)]
+    assert arrivals[4].output_tokens == 1  # 0 generated tokens: a request makes at least one
+    assert [round(a.time, 3) for a in scale_times(arrivals, 0.5)][:2] == [0.0, 0.026]
+
+
+def test_over_long_requests_are_capped_prompt_first_and_counted():
+    arrivals = read_trace(AZURE_SAMPLE, (1, 1), (1, 1))
+    capped, changed = cap_lengths(arrivals, 8192)
+    assert changed == 1 and (capped[3].prompt_tokens, capped[3].output_tokens) == (6192, 2000)
+    capped, changed = cap_lengths(arrivals, 8192, max_output_tokens=32)
+    assert changed == 2 and capped[3].output_tokens == 32 and capped[3].prompt_tokens == 7000
+
+
+def test_simulate_writes_its_numbers_as_json_and_says_how_many_were_capped(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    code = cli.main(["simulate", "--trace", str(AZURE_SAMPLE), "--profile", "tiny", "--no-plot",
+                     "--ttft-p90-objective", "5", "--json", str(out)])
+    assert code == 0
+    numbers = json.loads(out.read_text())
+    assert numbers["requests"] == 6 and numbers["capped_requests"] == 2  # tiny's max_model_len is 4096
+    assert set(numbers) >= {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "replica_hours", "peak_replicas",
+                            "objective_attainment"}
+    assert numbers["objective_ttft_p90_s"] == 5 and 0 <= numbers["objective_attainment"] <= 1
+    assert "2 requests capped to max_model_len 4096" in capsys.readouterr().out
+
+
+def test_compare_runs_every_scaler_on_the_same_arrivals(tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    code = cli.main(["simulate", "--profile", "tiny", "--rate", "2rps for 60s, 30rps for 60s, 2rps for 60s",
+                     "--prompt-tokens", "64", "--output-tokens", "16", "--startup-delay", "10",
+                     "--max-replicas", "3", "--ttft-p90-objective", "0.5", "--compare", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["capacity", "queue", "hpa-queue", "fixed-1", "fixed-2", "fixed-3", "clairvoyant"]
+    assert len({r["requests"] for r in rows.values()}) == 1
+    assert [rows[f"fixed-{n}"]["peak_replicas"] for n in (1, 2, 3)] == [1, 2, 3]
+    assert rows["fixed-3"]["replica_hours"] > rows["fixed-1"]["replica_hours"]
+    counts = rows["clairvoyant"]["minute_counts"]
+    assert len(counts) == 3 and counts[1] >= counts[0] and counts[1] >= counts[2]
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split()[:3] == ["scaler", "attain%", "ttft_p50_ms"]
+
+
+def test_the_hpa_baseline_scales_by_the_ratio_outside_the_tolerance_and_holds_down_for_five_minutes():
+    hpa = HPAScaler(AutoscalingSpec(enabled=True, max_replicas=10, target_queue_depth=5))
+    tick = lambda now, waiting, current: Tick(now, current, Fleet(current),  # noqa: E731
+                                              [PodLoad("p", now, waiting, 0, 0.0)], None)
+    assert hpa.decide(tick(0, 10.5, 2)).desired_replicas == 2  # 5.25 per pod: within 10%
+    assert hpa.decide(tick(15, 30, 2)).desired_replicas == 6  # ratio 3
+    assert hpa.decide(tick(20, 300, 6)).desired_replicas == 6  # between syncs
+    assert hpa.decide(tick(30, 0, 6)).desired_replicas == 6  # down waits for the window
+    assert hpa.decide(tick(330, 0, 6)).desired_replicas == 1

@@ -270,7 +270,8 @@ def test_an_unknown_key_is_refused_naming_it_and_the_known_ones():
     with pytest.raises(ValueError) as caught:
         AutoscalingSpec.from_dict({"enabled": True, "targetQueueDepht": 4, "futureKnob": 1})
     assert str(caught.value) == (
-        "spec.autoscaling has unknown field(s) futureKnob, targetQueueDepht; known: enabled, minReplicas, "
+        "spec.autoscaling has unknown field(s) futureKnob, targetQueueDepht; known: enabled, policy, objectives, "
+        "minReplicas, "
         "maxReplicas, targetQueueDepth, targetKVCacheUtilization, stableWindowSeconds, panicWindowSeconds, "
         "panicThreshold, scaleDownDelaySeconds, scaleToZeroAfterSeconds, tolerance")
     with pytest.raises(ValueError, match=r"spec.autoscaling must be an object, got \[1\]"):

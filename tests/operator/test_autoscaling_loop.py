@@ -37,6 +37,7 @@ class FakePod:
         self.waiting, self.running, self.kv = 0.0, 0.0, 0.0
         self.mode = "ok"
         self.scrapes = 0
+        self.extra = ""  # more exposition lines (counters, histograms)
 
     async def metrics(self, _: web.Request) -> web.Response:
         self.scrapes += 1
@@ -47,7 +48,7 @@ class FakePod:
         return web.Response(text=(
             f'slipstream:num_requests_waiting{{model_name="chat"}} {self.waiting}\n'
             f'slipstream:num_requests_running{{model_name="chat"}} {self.running}\n'
-            f'slipstream:kv_cache_usage_perc{{model_name="chat"}} {self.kv}\n'))
+            f'slipstream:kv_cache_usage_perc{{model_name="chat"}} {self.kv}\n' + self.extra))
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def inference_service(port: int, **autoscaling: Any) -> dict[str, Any]:
     return {"apiVersion": "slipstream.dev/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": "chat", "namespace": NAMESPACE},
             "spec": {"model": {"source": "builtin"}, "port": port, "autoscaling": {
-                "enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 2,
+                "enabled": True, "policy": "queue", "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 2,
                 "stableWindowSeconds": 10, "panicWindowSeconds": 2, "scaleDownDelaySeconds": 4,
                 **autoscaling}}}
 
@@ -566,3 +567,44 @@ async def test_min_replicas_zero_without_the_gateway_keeps_one_replica_and_says_
         clock.now += 2
         assert (await tick(autoscaler, kube)).replicas == 1
     assert "minReplicas 0 needs spec.routing.enabled" in scaling_condition(await status_of(kube))["message"]
+
+
+# --- the capacity policy (the default) in the loop ---------------------------------------------
+
+def counters(finished: float, prompt_tokens: float, fast: float, slow: float) -> str:
+    """A pod's request and token counters and a TTFT histogram (``fast`` within 1 s)."""
+    m = 'model_name="chat"'
+    return (f'slipstream:request_success_total{{{m},finished_reason="length"}} {finished}\n'
+            f"slipstream:prompt_tokens_total{{{m}}} {prompt_tokens}\n"
+            f"slipstream:generation_tokens_total{{{m}}} 0\n"
+            f'slipstream:time_to_first_token_seconds_bucket{{{m},le="1.0"}} {fast}\n'
+            f'slipstream:time_to_first_token_seconds_bucket{{{m},le="+Inf"}} {fast + slow}\n'
+            f"slipstream:time_to_first_token_seconds_count{{{m}}} {fast + slow}\n"
+            f"slipstream:time_to_first_token_seconds_sum{{{m}}} 0\n")
+
+
+async def test_the_default_policy_sizes_from_the_pods_counters_and_reports_its_numbers(kube, pods,
+                                                                                     make_autoscaler):
+    port, fakes = pods
+    body = inference_service(port, objectives={"ttftP90Seconds": 1})
+    del body["spec"]["autoscaling"]["policy"]  # the default: capacity
+    await kube.create(INFERENCESERVICES, body)
+    await reconcile(kube, NAMESPACE, "chat")
+    await publish(kube, fakes[0])
+    fakes[0].extra = counters(0, 0, 0, 0)
+    clock = Clock()
+    autoscaler = make_autoscaler(clock=clock)
+    first = await tick(autoscaler, kube)
+    assert first.decision.details["policy"] == "capacity" and first.replicas == 1
+    # 20 s later: 400 requests of 1,000 prompt tokens finished, 360 within the objective:
+    # 20 req/s x 1,000 tokens x 1.3 headroom / 8,000 tokens/s per pod (the default prior) -> 4
+    clock.now += 20
+    fakes[0].extra = counters(400, 400_000, 360, 40)
+    result = await tick(autoscaler, kube)
+    assert result.replicas == 4 and await replicas(kube) == 4
+    status = await status_of(kube)
+    assert status["lastDecision"]["demandRequestsPerSecond"] == 20.0
+    assert status["lastDecision"]["capacityTokensPerSecond"] == 8000.0
+    assert status["lastDecision"]["desiredReplicas"] == 4
+    assert status["objectiveAttainment"] == 0.9
+    assert status["autoscaler"]["policy"] == "capacity"

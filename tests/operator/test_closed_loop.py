@@ -40,7 +40,7 @@ NAME = "chat"
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 12)]
 OUTPUT_TOKENS = 10
 KV_BLOCKS = 12
-SCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 3,
+SCALING = {"enabled": True, "policy": "queue", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 3,
            "targetKVCacheUtilization": 0.58, "stableWindowSeconds": 10, "panicWindowSeconds": 3,
            "scaleDownDelaySeconds": 20}
 TICK = 1.0

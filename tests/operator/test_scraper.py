@@ -145,8 +145,21 @@ async def test_no_targets_is_an_empty_tick():
 
 def test_parse_sums_requests_over_models_and_takes_the_fullest_kv_cache():
     text = (exposition(1, 2, 0.3, model="a") + exposition(4, 8, 0.6, model="b")).decode()
-    assert parse_metrics(text) == PodLoad("", 0.0, 5, 10, 0.6)
-    assert parse_metrics(text, model_name="a", pod="p", time=3.0) == PodLoad("p", 3.0, 1, 2, 0.3)
+    gauges = lambda load: (load.pod, load.time, load.num_requests_waiting,  # noqa: E731
+                           load.num_requests_running, load.kv_cache_usage_perc)
+    assert gauges(parse_metrics(text)) == ("", 0.0, 5, 10, 0.6)
+    assert gauges(parse_metrics(text, model_name="a", pod="p", time=3.0)) == ("p", 3.0, 1, 2, 0.3)
+
+
+def test_parse_reads_the_token_counters_and_the_ttft_buckets_for_the_capacity_policy():
+    text = (exposition(1, 2, 0.3, model="a") + exposition(4, 8, 0.6, model="b")).decode()
+    load = parse_metrics(text)
+    assert (load.prompt_tokens_total, load.generation_tokens_total, load.requests_total) == (246, None, None)
+    buckets = dict(load.ttft_buckets)
+    assert (buckets[0.1], buckets[0.25], buckets[float("inf")]) == (0, 2, 2)  # two 0.2 s observations
+    assert [le for le, _ in load.ttft_buckets] == sorted(buckets)
+    only_a = parse_metrics(text, model_name="a")
+    assert only_a.prompt_tokens_total == 123 and dict(only_a.ttft_buckets)[float("inf")] == 1
     with pytest.raises(ValueError, match="metrics missing"):
         parse_metrics(text, model_name="c")
 
@@ -191,7 +204,13 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
     endpoints = EndpointSet(GatewayConfig())
     queue = WaitQueue(endpoints)
     metrics = GatewayMetrics(endpoints, queue)
-    assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(0.0, 0.0)  # no endpoint, none held
+    # no endpoint, none held; the token counters start at 0, requests_total has no sample until one is answered
+    assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(
+        0.0, 0.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)
+    metrics.requests.labels("200").inc(5)
+    metrics.prompt_tokens.inc(1200)
+    assert parse_gateway_metrics(metrics.render().decode()).requests_total == 5
+    assert parse_gateway_metrics(metrics.render().decode()).prompt_tokens_total == 1200
 
     held = [asyncio.create_task(queue.acquire(lambda loads: None, endpoints.clock() + 30))
             for _ in range(3)]
@@ -200,7 +219,8 @@ async def test_parse_gateway_reads_what_the_gateway_exports():
     endpoints.get("http://127.0.0.2:8000").in_flight = 2
     endpoints.get("http://127.0.0.3:8000").in_flight = 1
     try:
-        assert parse_gateway_metrics(metrics.render().decode()) == GatewayLoad(3.0, 3.0)
+        load = parse_gateway_metrics(metrics.render().decode())
+        assert (load.waiting, load.in_flight) == (3.0, 3.0)
     finally:
         for task in held:
             task.cancel()

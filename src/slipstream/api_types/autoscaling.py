@@ -3,11 +3,34 @@ the operator (its policy: ``slipstream.operator.autoscaler``) and ``slipstream s
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import model_validator
 
 from .schema import CelRule, SpecModel, spec_field
+
+
+# The policies ``spec.autoscaling.policy`` names (``slipstream.operator.policy`` runs them).
+POLICIES = ("capacity", "queue")
+DEFAULT_POLICY = "capacity"
+
+
+class AutoscalingObjectives(SpecModel):
+    """``spec.autoscaling.objectives``: the latency the capacity policy sizes for.
+
+    ttft_p90_seconds: time to first token that 90% of requests should not exceed, seconds
+        (like the CRD's other ``*Seconds`` fields; a number here, as 0.5 s is a fair objective).
+    """
+
+    cel_rules = (
+        CelRule("!has(self.ttftP90Seconds) || self.ttftP90Seconds > 0.0",
+                "ttftP90Seconds must be > 0: it is a latency, in seconds"),
+    )
+
+    ttft_p90_seconds: float = spec_field(
+        2.0, alias="ttftP90Seconds", gt=0, le=3600,
+        description="Time to first token (seconds) that 90% of requests should not exceed; the "
+                    "capacity policy learns how many tokens/s one pod serves while meeting it.")
 
 
 class AutoscalingSpec(SpecModel):
@@ -18,6 +41,12 @@ class AutoscalingSpec(SpecModel):
     wants them. ``tolerance`` is the dead band around the targets, a fraction in [0, 1)
     (Kubernetes HPA's default 0.1; per object here, as newer HPA's ``behavior`` and AIBrix's
     fluctuation tolerance are).
+
+    ``policy``: ``capacity`` (the default; :mod:`slipstream.operator.capacity_policy`) sizes
+    the count from demand (requests and tokens per second) over one pod's capacity at
+    ``objectives.ttftP90Seconds``, with starting pods counted as capacity on its way and queue
+    depth and KV use as guards; ``queue`` (:mod:`slipstream.operator.autoscaler`) sizes it from
+    queue depth and KV use per ready pod against the targets, with panic and stable windows.
 
     ``minReplicas: 0`` allows scale to zero (Knative's ``min-scale: 0``): once no request has
     run or waited in the pods or the gateway for ``scaleToZeroAfterSeconds`` (whole seconds;
@@ -40,6 +69,16 @@ class AutoscalingSpec(SpecModel):
     )
 
     enabled: bool = spec_field(False)
+    policy: Literal[POLICIES] = spec_field(  # type: ignore[valid-type]
+        DEFAULT_POLICY,
+        description="capacity (default): replicas = demand (requests and tokens per second) over one "
+                    "pod's learned capacity at objectives.ttftP90Seconds, plus headroom; starting pods "
+                    "count as capacity arriving at their expected ready time; queue depth and KV use "
+                    "are guards. queue: replicas from waiting requests and KV use per ready pod against "
+                    "targetQueueDepth and targetKVCacheUtilization (stable and panic windows).")
+    objectives: AutoscalingObjectives = spec_field(
+        default_factory=AutoscalingObjectives,
+        description="Latency objectives the capacity policy sizes for.")
     min_replicas: int = spec_field(
         1, ge=0, rule="an integer ≥ 0 (0: scale to zero)",
         description="Fewest pods; 0 allows scale to zero (needs the gateway, spec.routing.enabled).")

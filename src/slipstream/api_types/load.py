@@ -24,6 +24,10 @@ class PodLoad:
         largest over series).
     block_size / max_num_seqs: the engine's settings from ``slipstream:engine_config_info``;
         None when the pod does not export it (older pods, or not loaded yet).
+    prompt_tokens_total / generation_tokens_total / requests_total: the pod's counters since it
+        started (tokens prefilled and generated, requests finished); None when not exported.
+    ttft_buckets: the time-to-first-token histogram, cumulative: ((le seconds, count), ...)
+        ascending, ending with +inf; () when not exported.
     """
 
     pod: str
@@ -33,6 +37,10 @@ class PodLoad:
     kv_cache_usage_perc: float
     block_size: int | None = None
     max_num_seqs: int | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    requests_total: float | None = None
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +54,15 @@ class GatewayLoad:
         (``slipstream:gateway_endpoint_in_flight``, all endpoints); None when not exported.
     complete: every ready gateway pod answered; a silent one may hold requests, so the
         autoscaler never scales to zero on an incomplete reading.
+    requests_total / prompt_tokens_total / generation_tokens_total: the demand counters
+        (``slipstream:gateway_requests_total`` over all codes, ``..._prompt_tokens_total``,
+        ``..._generation_tokens_total``) since the gateway pods started, summed; None when
+        not exported (the autoscaler then reads demand from the model pods' counters).
     """
 
     waiting: float
     in_flight: float | None = None
     complete: bool = True
+    requests_total: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None

@@ -56,6 +56,9 @@ GATEWAY_ENDPOINT_IN_FLIGHT = GATEWAY_PREFIX + "endpoint_in_flight"  # label endp
 GATEWAY_ENDPOINT_ROUTABLE = GATEWAY_PREFIX + "endpoint_routable"  # label endpoint
 GATEWAY_ENDPOINTS = GATEWAY_PREFIX + "endpoints"
 GATEWAY_REQUESTS = GATEWAY_PREFIX + "requests"  # counter, label code
+# Demand counters for the autoscaler: tokens of the requests the gateway answered (from their usage).
+GATEWAY_PROMPT_TOKENS = GATEWAY_PREFIX + "prompt_tokens"  # counter
+GATEWAY_GENERATION_TOKENS = GATEWAY_PREFIX + "generation_tokens"  # counter
 GATEWAY_ROUTING_DECISIONS = GATEWAY_PREFIX + "routing_decisions"  # counter, labels policy, reason
 GATEWAY_PREFIX_BLOCKS_REQUESTED = GATEWAY_PREFIX + "prefix_blocks_requested"  # counter
 GATEWAY_PREFIX_BLOCKS_MATCHED = GATEWAY_PREFIX + "prefix_blocks_matched"  # counter
@@ -88,7 +91,8 @@ def read_pod_load(text: str, *, pod: str = "", time: float = 0.0, model_name: st
 
     Request counts are summed over series and the largest KV-cache use is taken; ``model_name``
     keeps only that label's series. ``engine_config_info``'s ``block_size`` and ``max_num_seqs``
-    are read when present and positive. Raises ValueError when the text does not parse or a load
+    are read when present and positive; the token and request counters and the TTFT histogram's
+    buckets when exported (summed over series). Raises ValueError when the text does not parse or a load
     gauge is missing (named).
     """
     samples = parse_exposition(text)
@@ -105,21 +109,42 @@ def read_pod_load(text: str, *, pod: str = "", time: float = 0.0, model_name: st
         if model_name is None or labels.get(MODEL_NAME) == model_name:
             block_size = _positive_int(labels.get("block_size")) or block_size
             max_num_seqs = _positive_int(labels.get("max_num_seqs")) or max_num_seqs
+
+    def total(name: str) -> float | None:
+        got = values(name + "_total")
+        return sum(got) if got else None
+
+    buckets: dict[float, float] = {}
+    for labels, value in samples.get(TIME_TO_FIRST_TOKEN_SECONDS + "_bucket", ()):
+        if model_name is None or labels.get(MODEL_NAME) == model_name:
+            le = float(labels.get("le", "inf"))
+            buckets[le] = buckets.get(le, 0.0) + value
     return PodLoad(pod, time, sum(found[NUM_REQUESTS_WAITING]), sum(found[NUM_REQUESTS_RUNNING]),
-                   max(found[KV_CACHE_USAGE_PERC]), block_size, max_num_seqs)
+                   max(found[KV_CACHE_USAGE_PERC]), block_size, max_num_seqs,
+                   total(PROMPT_TOKENS), total(GENERATION_TOKENS), total(REQUEST_SUCCESS),
+                   tuple(sorted(buckets.items())))
 
 
 def read_gateway_load(text: str) -> GatewayLoad:
     """A gateway pod's :class:`GatewayLoad` from its exposition ``text``: requests it holds for
     want of a pod, and requests it has on pods summed over its endpoints (0 with no endpoint,
-    None when the family is not exported at all). Raises ValueError when the text does not parse
+    None when the family is not exported at all); its demand counters (requests over every
+    code, prompt and generation tokens; None each when not exported). Raises ValueError when the text does not parse
     or the waiting gauge is missing."""
     samples = parse_exposition(text)
     waiting = [v for _, v in samples.get(GATEWAY_REQUESTS_WAITING, ())]
     if not waiting:
         raise ValueError(f"metrics missing: {GATEWAY_REQUESTS_WAITING}")
     in_flight = samples.get(GATEWAY_ENDPOINT_IN_FLIGHT)
-    return GatewayLoad(sum(waiting), None if in_flight is None else sum(v for _, v in in_flight))
+
+    def total(name: str) -> float | None:
+        got = samples.get(name + "_total")
+        return None if got is None else sum(v for _, v in got)
+
+    return GatewayLoad(sum(waiting), None if in_flight is None else sum(v for _, v in in_flight),
+                       requests_total=total(GATEWAY_REQUESTS),
+                       prompt_tokens_total=total(GATEWAY_PROMPT_TOKENS),
+                       generation_tokens_total=total(GATEWAY_GENERATION_TOKENS))
 
 
 def _positive_int(text: str | None) -> int | None:

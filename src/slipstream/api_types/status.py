@@ -44,6 +44,22 @@ class ScalingEvent(SpecModel):
     reason: str | None = None
 
 
+class AutoscalerDecisionStatus(SpecModel):
+    """The numbers of the autoscaler's last tick (``status.lastDecision``): what the capacity
+    policy sized from, so a reader can redo the division."""
+
+    policy: str | None = spec_field(None, description="capacity or queue.")
+    demand_requests_per_second: float | None = spec_field(None, description="Arrival rate the policy sized for.")
+    demand_prompt_tokens_per_second: float | None = None
+    demand_generation_tokens_per_second: float | None = None
+    capacity_tokens_per_second: float | None = spec_field(
+        None, description="One pod's throughput at the objective (prompt-equivalent tokens/s), as learned.")
+    start_seconds: float | None = spec_field(None, description="Expected pod start (created to Ready), as measured.")
+    pods_starting: int | None = None
+    desired_replicas: int | None = None
+    reason: str | None = None
+
+
 class InferenceServiceStatus(SpecModel):
     """``status``: conditions, replica counts, where to send requests, the weights served and
     the autoscaler's last decision in numbers."""
@@ -67,5 +83,11 @@ class InferenceServiceStatus(SpecModel):
         None, description="The autoscaler's latest replica changes, oldest first.", schema={"maxItems": 50})
     scrape_failures: int | None = spec_field(
         None, description="Ready pods whose /metrics did not answer at the autoscaler's last tick.")
+    objective_attainment: float | None = spec_field(
+        None, description="Share of the requests of the autoscaler's window whose time to first token "
+                          "met spec.autoscaling.objectives.ttftP90Seconds (0..1; the objective holds at ≥ 0.9).")
+    last_decision: AutoscalerDecisionStatus | None = spec_field(
+        None, description="The autoscaler's last tick in numbers: demand, capacity per pod, pods starting, "
+                          "desired replicas and the reason.")
     autoscaler: Mapping[str, Any] | None = spec_field(
         None, description="What the autoscaler remembers between ticks (recent observations); opaque to users.")

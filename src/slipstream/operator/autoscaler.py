@@ -1,4 +1,4 @@
-"""Autoscaling policy: desired replicas from the pods' queue depth and KV-cache use and the
+"""The ``queue`` autoscaling policy: desired replicas from the pods' queue depth and KV-cache use and the
 gateway's waiting requests, down to zero and back (pure).
 
 The operator calls :func:`decide` once per tick with the samples the scraper read, the clock and
@@ -97,6 +97,10 @@ class Decision:
     recommendation: the count the load asks for, before the scale-down delay and rate limits
         (0 when scaling to or holding at zero).
     panicking: whether the panic window is driving the decision.
+    attainment: share of the window's requests whose TTFT met the objective (0..1), None when
+        the policy did not measure it (the queue policy) or no request finished.
+    details: the tick's numbers for ``status.lastDecision`` (camelCase keys), None when the
+        policy gives none.
     """
 
     desired_replicas: int
@@ -107,6 +111,8 @@ class Decision:
     kv_cache_utilization: float | None = None
     recommendation: int | None = None
     panicking: bool = False
+    attainment: float | None = None
+    details: Mapping[str, Any] | None = None
 
     @property
     def scaled(self) -> bool:

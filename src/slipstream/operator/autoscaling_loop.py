@@ -11,8 +11,11 @@ default) a kopf timer calls :meth:`Autoscaler.tick`:
    (:func:`scraper.scrape_pods`; the gateway pods' waiting and in-flight requests with
    :func:`scraper.scrape_gateways`, the demand signal at zero replicas); a pod that does not
    answer is left out and counted;
-3. :func:`autoscaler.decide` with the state kept for this InferenceService (in memory; after an
-   operator restart or a leader change, the copy mirrored in ``status.autoscaler``);
+3. :func:`policy.decide` (``spec.autoscaling.policy``: ``capacity`` by default, or ``queue``)
+   with the fleet (ready pods, starting pods' ages, measured starts: :func:`fleet.fleet_from_pods`)
+   and the state kept for this InferenceService (in memory; after an operator restart or a
+   leader change, the copy mirrored in ``status.autoscaler``, whose learned capacity and start
+   time are then the prior);
 4. another scaler? (:mod:`foreign`): while a foreign field manager writes the Deployment's
    ``spec.replicas``, the autoscaler stands back: ``ScalingActive=False``, reason
    ``ForeignScaler``, one Warning Event; it takes over again, with one Normal
@@ -20,7 +23,8 @@ default) a kopf timer calls :meth:`Autoscaler.tick`:
 5. :func:`scaling.apply_scale`: the Deployment's (or LeaderWorkerSet's) ``spec.replicas``, a ``Scaled`` Event with the
    reason when the count changes, and the status (desiredReplicas, queueDepth,
    kvCacheUtilization, lastScaleTime, ScalingActive, autoscaler, scalingHistory,
-   scrapeFailures), written only when worth it (:func:`scaling.status_write_due`).
+   scrapeFailures, objectiveAttainment, lastDecision), written only when worth it
+   (:func:`scaling.status_write_due`).
 
 Scale to zero (``minReplicas: 0``) needs the gateway: it holds the requests that arrive at zero
 replicas and its ``/metrics`` says they wait. Without it (``spec.routing.enabled: false``) the
@@ -44,7 +48,9 @@ import kopf
 
 from slipstream.operator import status as st
 from slipstream.api_types.load import GatewayLoad
-from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, decide
+from slipstream.operator.autoscaler import Decision, append_scaling_history
+from slipstream.operator.fleet import fleet_from_pods
+from slipstream.operator.policy import State, Tick, decide, load_state, prior_from_state
 from slipstream.operator.events import post_event
 from slipstream.operator.foreign import QUIET_SECONDS, ReplicasWriter, foreign_writer, \
     still_writing
@@ -132,6 +138,17 @@ def foreign_condition(name: str, writer: ReplicasWriter, live: int, wanted: int,
 Key = tuple[str, str]
 
 
+def decision_status(decision: Decision) -> dict[str, Any]:
+    """The status fields of the policy's numbers (pure): ``lastDecision`` (demand, capacity per
+    pod, pods starting, desired, reason) and ``objectiveAttainment``, where the policy gives them."""
+    fields: dict[str, Any] = {}
+    if decision.details is not None:
+        fields["lastDecision"] = dict(decision.details)
+    if decision.attainment is not None:
+        fields["objectiveAttainment"] = round(decision.attainment, 4)
+    return fields
+
+
 @dataclass
 class Autoscaler:
     """The operator's autoscaling memory and its scrape session; one per operator process.
@@ -146,7 +163,7 @@ class Autoscaler:
     clock: Callable[[], float] = time.time
     memory_seconds: float = MEMORY_SECONDS
     gateway_port: int = GATEWAY_PORT
-    states: dict[Key, AutoscalerState] = field(default_factory=dict)
+    states: dict[Key, State] = field(default_factory=dict)
     histories: dict[Key, list[dict[str, Any]]] = field(default_factory=dict)
     written: dict[Key, int] = field(default_factory=dict)  # replicas this operator last set
     foreign: dict[Key, ReplicasWriter] = field(default_factory=dict)  # the scaler we stand back for
@@ -244,10 +261,11 @@ class Autoscaler:
                             clock=self.clock))
 
         status = body.get("status") or {}
-        state = self.states.get(key) or AutoscalerState.from_dict(status.get("autoscaler"))
+        state = self.states.get(key) or load_state(policy, status.get("autoscaler"))
         now = self.clock()
-        decision = decide(policy, state, scrape.samples, now, current, len(targets), starting,
-                          gateway.sample)
+        fleet = fleet_from_pods(pods, now, [t.name for t in targets])
+        decision = decide(policy, state, Tick(now, current, fleet, scrape.samples, gateway.sample),
+                          prior_from_state(state))
         self.states[key] = decision.state
         writer, change = self._other_scaler(key, deployment, status, policy, now)
         if change == "entered":
@@ -273,7 +291,8 @@ class Autoscaler:
             kube, namespace, name, replicas=decision.desired_replicas, queue_depth=decision.queue_depth,
             kv_cache_utilization=decision.kv_cache_utilization, active=active, reason=reason,
             message=message, extra_status={"autoscaler": decision.state.to_dict(), "scalingHistory": history,
-                                           "scrapeFailures": len(scrape.failures)},
+                                           "scrapeFailures": len(scrape.failures),
+                                           **decision_status(decision)},
             hold=writer is not None, write_due=self._write_due(key))
         if writer is None and written is not None:
             self.written[key] = written

@@ -29,7 +29,8 @@ TELEMETRY_SECONDS = 10.0
 MEMORY_SECONDS = 30.0
 # Written as soon as they change.
 IMMEDIATE_FIELDS = ("desiredReplicas", "lastScaleTime", "scalingHistory", "scrapeFailures")
-TELEMETRY_FIELDS = ("queueDepth", "kvCacheUtilization", "kvCachePercent")
+TELEMETRY_FIELDS = ("queueDepth", "kvCacheUtilization", "kvCachePercent", "objectiveAttainment",
+                    "lastDecision")
 MEMORY_FIELDS = ("autoscaler",)
 
 

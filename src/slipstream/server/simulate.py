@@ -11,10 +11,18 @@ run, and plots them to a PNG. ``--workload prefix-groups`` gives prompts real to
 ``--routing all`` (or a comma-separated list) plays the same arrivals once per policy and prints
 them side by side. Nothing sleeps: an hour of traffic takes seconds. ``--example head-of-line``
 prints static vs continuous batching on the textbook case instead.
+
+``--trace`` also reads the Azure LLM inference trace's CSV; ``--time-scale`` stretches it;
+requests longer than the model's context are capped to it (the count is printed).
+``--ttft-p90-objective`` sets the capacity policy's objective and the attainment reported;
+``--json`` writes the run's numbers; ``--compare`` plays the same arrivals under the capacity
+policy, the queue policy, the Kubernetes HPA algorithm on queue length, every fixed count up to
+``--max-replicas`` and the clairvoyant per-minute bound, and prints one row each.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -23,14 +31,17 @@ from typing import Any
 import yaml
 
 from slipstream.api_types.routing import POLICIES
-from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec
+from slipstream.api_types.autoscaling import CRD_KEYS, POLICIES as SCALING_POLICIES, AutoscalingSpec
 
 from .cli import HelpFormatter
 from .gateway.routing.weights import add_weight_flags, weights_from_args
+from .sim.clairvoyant import minute_counts
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
-from .sim.trace import Arrival, parse_length, parse_rate_schedule, poisson_arrivals, read_trace
+from .sim.scalers import HPAScaler, PolicyScaler, Scaler, ScheduleScaler, profile_prior
+from .sim.trace import Arrival, cap_lengths, parse_length, parse_rate_schedule, poisson_arrivals, read_trace, \
+    scale_times
 from .sim.workloads import PrefixGroups
 
 DEFAULT_RATE = "10rps for 60s, 40rps for 120s, 5rps for 600s"
@@ -72,7 +83,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--list-profiles", action="store_true", help="list the cost-model profiles and exit")
     load = p.add_argument_group("load")
     load.add_argument("--rate", default=None, help=f"rate schedule, e.g. '{DEFAULT_RATE}' (the default)")
-    load.add_argument("--trace", type=Path, help="trace file: one 'TIME [PROMPT_TOKENS [OUTPUT_TOKENS]]' per line")
+    load.add_argument("--trace", type=Path, help="trace file: one 'TIME [PROMPT_TOKENS [OUTPUT_TOKENS]]' per line, "
+                                                 "or the Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
+    load.add_argument("--time-scale", type=float, default=1.0,
+                      help="multiply arrival times by this (0.5: the same requests at twice the rate)")
+    load.add_argument("--max-output-tokens", type=int, default=None,
+                      help="cut every output to at most N tokens (default: as the trace says)")
+    load.add_argument("--no-cap", action="store_true",
+                      help="stop on a request longer than the model's max_model_len instead of capping it")
     load.add_argument("--prompt-tokens", type=parse_length, default="512", help="prompt length, N or A-B (uniform)")
     load.add_argument("--output-tokens", type=parse_length, default="256", help="output length, N or A-B (uniform)")
     load.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths")
@@ -106,6 +124,11 @@ def parser() -> argparse.ArgumentParser:
     auto.add_argument("--autoscaling", type=Path,
                       help="YAML: an InferenceService or its spec.autoscaling (camelCase keys); flags override it")
     auto.add_argument("--no-autoscaling", action="store_true", help="keep --initial-replicas throughout")
+    auto.add_argument("--policy", choices=SCALING_POLICIES, default=None,
+                      help="the autoscaling policy (spec.autoscaling.policy; default capacity)")
+    auto.add_argument("--ttft-p90-objective", type=float, default=None, metavar="SECONDS",
+                      help="TTFT p90 objective (objectives.ttftP90Seconds, default 2): the capacity policy "
+                           "sizes for it; attainment = share of requests whose TTFT met it")
     auto.add_argument("--initial-replicas", type=int, help="replicas ready at time 0 (default: minReplicas)")
     for name, (kind, text) in _SPEC_FLAGS.items():
         flag = "--" + name.replace("_", "-").replace("-seconds", "")
@@ -115,6 +138,11 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--report-every", type=float, default=10.0, help="seconds per printed row")
     out.add_argument("--plot", type=Path, default=Path("simulate.png"), help="PNG to write")
     out.add_argument("--no-plot", action="store_true", help="write no PNG")
+    out.add_argument("--json", type=Path, help="write the run's numbers (with --compare: every row's) as JSON")
+    out.add_argument("--compare", action="store_true",
+                     help="play the arrivals under the capacity policy, the queue policy, the Kubernetes HPA "
+                          "algorithm on queue length, every fixed count up to --max-replicas and the "
+                          "clairvoyant per-minute bound; one row each")
     return p
 
 
@@ -134,6 +162,10 @@ def autoscaling_spec(args: argparse.Namespace) -> AutoscalingSpec:
     values["enabled"] = not args.no_autoscaling
     values.update({key: getattr(args, name) for key, name in CRD_KEYS.items()
                    if name in _SPEC_FLAGS and getattr(args, name) is not None})
+    if getattr(args, "policy", None) is not None:
+        values["policy"] = args.policy
+    if getattr(args, "ttft_p90_objective", None) is not None:
+        values["objectives"] = {**(values.get("objectives") or {}), "ttftP90Seconds": args.ttft_p90_objective}
     return AutoscalingSpec.from_dict(values)
 
 
@@ -143,7 +175,8 @@ def arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None]:
     if args.trace is not None:
         if args.workload != "distinct":
             raise ValueError(f"--workload {args.workload} makes its own arrivals from --rate; drop --trace")
-        return read_trace(args.trace, args.prompt_tokens, args.output_tokens, args.seed), None
+        played = read_trace(args.trace, args.prompt_tokens, args.output_tokens, args.seed)
+        return scale_times(played, getattr(args, "time_scale", 1.0)), None
     phases = parse_rate_schedule(args.rate or DEFAULT_RATE)
     duration = sum(p.duration for p in phases)
     if args.workload == "prefix-groups":
@@ -155,21 +188,98 @@ def arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None]:
     return poisson_arrivals(phases, args.prompt_tokens, args.output_tokens, args.seed), duration
 
 
-def run(args: argparse.Namespace, routing: str | None = None) -> SimResult:
-    """Build the arrivals and the cluster from ``args`` and play them, routed by ``routing``
-    (default: the first of ``--routing``)."""
-    profile = get_profile(args.profile)
+def capped_arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None, int]:
+    """:func:`arrivals` fitted to the profile's ``max_model_len`` (and ``--max-output-tokens``)
+    unless ``--no-cap``: (arrivals, duration, how many requests were cut)."""
     played, duration = arrivals(args)
+    if getattr(args, "no_cap", False):
+        return played, duration, 0
+    played, changed = cap_lengths(played, get_profile(args.profile).model.max_model_len,
+                                  getattr(args, "max_output_tokens", None))
+    return played, duration, changed
+
+
+def replica_config(args: argparse.Namespace) -> ReplicaConfig:
+    profile = get_profile(args.profile)
     config = ReplicaConfig.for_profile(profile, max_num_seqs=args.max_num_seqs,
                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                        kv_cache_bytes=args.kv_cache_memory_bytes)
-    if args.no_prefix_caching:
-        config = replace(config, prefix_caching=False)
+    return replace(config, prefix_caching=False) if args.no_prefix_caching else config
+
+
+def cluster(args: argparse.Namespace, spec: AutoscalingSpec, *, routing: str | None = None,
+            scaler: Scaler | None = None, initial: int | None = None) -> Cluster:
+    """A cluster of ``args``' profile and settings deciding with ``scaler`` (default: the
+    operator's policy for ``spec``, with the profile's capacity prior)."""
+    profile, config = get_profile(args.profile), replica_config(args)
+    if scaler is None:
+        scaler = PolicyScaler(spec, profile_prior(profile, config.max_num_seqs, config.max_num_batched_tokens))
     policies = parse_routing(args.routing) if isinstance(args.routing, str) else args.routing
-    cluster = Cluster(profile, config, autoscaling_spec(args), startup_delay=args.startup_delay, tick=args.tick,
-                      initial=args.initial_replicas, routing=routing or policies[0],
-                      weights=weights_from_args(args))
-    return cluster.run(played, duration)
+    return Cluster(profile, config, spec, startup_delay=args.startup_delay, tick=args.tick,
+                   initial=initial if initial is not None else args.initial_replicas,
+                   routing=routing or policies[0], weights=weights_from_args(args), scaler=scaler)
+
+
+def run(args: argparse.Namespace, routing: str | None = None) -> SimResult:
+    """Build the arrivals and the cluster from ``args`` and play them, routed by ``routing``
+    (default: the first of ``--routing``)."""
+    played, duration, _ = capped_arrivals(args)
+    return cluster(args, autoscaling_spec(args), routing=routing).run(played, duration)
+
+
+def numbers(result: SimResult, objective: float) -> dict[str, Any]:
+    """The run's numbers (``--json``): requests, finished, TTFT p50/p90/p99 (seconds),
+    replica_hours (pods paid for, starting included), peak_replicas (ready and starting pods at
+    once), objective_attainment (share of requests whose TTFT ≤ ``objective``; the p90 objective
+    holds at ≥ 0.9), objective_met, scale_events."""
+    p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
+    ttfts = [r.ttft for r in result.requests if r.ttft is not None]
+    return {
+        "requests": len(result.requests),
+        "finished": sum(r.finished is not None for r in result.requests),
+        "ttft_p50_s": p50, "ttft_p90_s": p90, "ttft_p99_s": p99,
+        "replica_hours": round(result.replica_seconds / 3600, 4),
+        "peak_replicas": max((max(k.ready + k.starting, k.desired) for k in result.ticks), default=0),
+        "objective_ttft_p90_s": objective,
+        "objective_attainment": (sum(t <= objective for t in ttfts) / len(result.requests)
+                                 if result.requests else None),
+        "objective_met": p90 is not None and p90 <= objective,
+        "scale_events": len(result.scalings),
+    }
+
+
+def compare_runs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--compare``: the same arrivals under each scaler, by row name (see :func:`numbers`)."""
+    played, duration, _ = capped_arrivals(args)
+    spec = autoscaling_spec(args).model_copy(update={"enabled": True})
+    objective = spec.objectives.ttft_p90_seconds
+    rows: dict[str, SimResult] = {}
+    for policy in SCALING_POLICIES:
+        rows[policy] = cluster(args, spec.model_copy(update={"policy": policy})).run(played, duration)
+    rows["hpa-queue"] = cluster(args, spec, scaler=HPAScaler(spec)).run(played, duration)
+    fixed_spec = spec.model_copy(update={"enabled": False})
+    for n in range(max(1, spec.min_replicas), spec.max_replicas + 1):
+        rows[f"fixed-{n}"] = cluster(args, fixed_spec, initial=n).run(played, duration)
+    counts = minute_counts(played, lambda n: cluster(args, fixed_spec, initial=n), objective,
+                           spec.max_replicas, max(1, spec.min_replicas))
+    schedule = ScheduleScaler(counts, args.startup_delay)
+    rows["clairvoyant"] = cluster(args, spec, scaler=schedule, initial=schedule.wanted(0.0)).run(played, duration)
+    return {name: {**numbers(result, objective), **({"minute_counts": counts} if name == "clairvoyant" else {})}
+            for name, result in rows.items()}
+
+
+def compare_table(rows: dict[str, dict[str, Any]]) -> str:
+    """One line per row of :func:`compare_runs`: attainment, TTFT p50/p90/p99, replica-hours,
+    peak, scale events, and whether the objective was met."""
+    lines = [f"{'scaler':<12} {'attain%':>7} {'ttft_p50_ms':>11} {'ttft_p90_ms':>11} {'ttft_p99_ms':>11} "
+             f"{'replica_h':>9} {'peak':>4} {'scalings':>8} {'met':>3}"]
+    for name, row in rows.items():
+        attained = row["objective_attainment"]
+        lines.append(f"{name:<12} {'-' if attained is None else f'{100 * attained:.1f}':>7} "
+                     f"{_ms(row['ttft_p50_s']):>11} {_ms(row['ttft_p90_s']):>11} {_ms(row['ttft_p99_s']):>11} "
+                     f"{row['replica_hours']:9.2f} {row['peak_replicas']:4d} {row['scale_events']:8d} "
+                     f"{'yes' if row['objective_met'] else 'no':>3}")
+    return "\n".join(lines)
 
 
 def _ms(value: float | None) -> str:
@@ -268,13 +378,28 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.routing) > 1:
             print(comparison({policy: run(args, policy) for policy in args.routing}))
             return 0
+        _, _, capped = capped_arrivals(args)
+        if args.compare:
+            rows = compare_runs(args)
+            if capped:
+                print(f"{capped} requests capped to max_model_len")
+            print(compare_table(rows))
+            if args.json is not None:
+                args.json.write_text(json.dumps(rows, indent=2) + "\n")
+            return 0
         result = run(args)
+        objective = autoscaling_spec(args).objectives.ttft_p90_seconds
     except (ValueError, OSError) as exc:
         print(f"slipstream simulate: {exc}", file=sys.stderr)
         return 2
     print(table(result, args.report_every))
     print()
     print(summary(result))
+    if capped:
+        print(f"{capped} requests capped to max_model_len {get_profile(args.profile).model.max_model_len}"
+              + (f" and --max-output-tokens {args.max_output_tokens}" if args.max_output_tokens else ""))
+    if args.json is not None:
+        args.json.write_text(json.dumps({**numbers(result, objective), "capped_requests": capped}, indent=2) + "\n")
     if not args.no_plot:
         plot(result, args.plot, f"{args.profile}: {args.rate or (args.trace or DEFAULT_RATE)}")
         print(f"plot: {args.plot}")

@@ -57,6 +57,11 @@ class GatewayMetrics:
         r.register(_EndpointCollector(endpoints, queue))
         self.requests = Counter(names.GATEWAY_REQUESTS, "Requests answered by the gateway, by HTTP status",
                                 ["code"], registry=r)
+        self.prompt_tokens = Counter(names.GATEWAY_PROMPT_TOKENS,
+                                     "Prompt tokens of the answered requests (their usage), the autoscaler's "
+                                     "demand", registry=r)
+        self.generation_tokens = Counter(names.GATEWAY_GENERATION_TOKENS,
+                                         "Generated tokens of the answered requests (their usage)", registry=r)
         self.decisions = Counter(names.GATEWAY_ROUTING_DECISIONS, "Routing decisions by policy and reason",
                                  ["policy", "reason"], registry=r)
         self.prefix_blocks_requested = Counter(

@@ -34,6 +34,7 @@ from .config import GatewayConfig
 from .endpoints import EndpointSet
 from .metrics import GatewayMetrics
 from .routing import Choice, RouteRequest, Router
+from .usage import TAIL_BYTES, usage_tokens
 from .wait_queue import DeadlineExceeded, QueueFull, WaitQueue
 
 log = logging.getLogger("slipstream.gateway")
@@ -217,6 +218,7 @@ class Proxy:
             response.content_length = upstream.content_length
         await response.prepare(request)
         first = True
+        tail = b""  # the body's end, where the usage object is (the demand counters)
         while True:
             try:
                 chunk = await upstream.content.readany()
@@ -236,8 +238,13 @@ class Proxy:
             if first:
                 first = False
                 self.metrics.ttft.observe(time.monotonic() - start)
+            tail = (tail + chunk)[-TAIL_BYTES:]
             await response.write(chunk)
         upstream.release()
         await response.write_eof()
         self.metrics.e2e.observe(time.monotonic() - start)
+        tokens = usage_tokens(tail) if upstream.status < 400 else None
+        if tokens is not None:
+            self.metrics.prompt_tokens.inc(tokens[0])
+            self.metrics.generation_tokens.inc(tokens[1])
         return response

@@ -34,7 +34,9 @@ from typing import Iterable, Mapping
 
 from slipstream.api_types.load import GatewayLoad, PodLoad
 from slipstream.api_types.autoscaling import AutoscalingSpec
-from slipstream.operator.autoscaler import AutoscalerState, Decision, decide
+from slipstream.operator.autoscaler import Decision
+from slipstream.operator.fleet import Fleet
+from slipstream.operator.policy import Tick
 
 from ..engine.kv_cache import STORED, KVCacheManager
 from ..engine.outputs import RequestMetrics
@@ -43,7 +45,9 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.scheduler import Scheduler
 from ..gateway.routing import EndpointLoad, RouteRequest, Router
 from ..kv_hash import block_hash
+from ..metrics import TTFT_BUCKETS
 from .cost_model import Profile, batch_shape, step_time
+from .scalers import PolicyScaler, Scaler
 from .trace import Arrival, Content
 from .workloads import distinct_prompt
 
@@ -158,6 +162,9 @@ class VirtualReplica:
         self._replies: dict[str, list[int]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        # The counters and the TTFT histogram a pod's /metrics exports (at first token / at finish).
+        self.prompt_tokens_total = self.generation_tokens_total = self.requests_total = 0
+        self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
 
     def ready(self, now: float) -> bool:
         return now >= self.ready_at and not self.draining
@@ -171,8 +178,13 @@ class VirtualReplica:
         return self.scheduler.num_waiting + self.scheduler.num_running
 
     def sample(self, now: float) -> PodLoad:
-        """The gauges a scrape would read now."""
-        return PodLoad(self.name, now, self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage)
+        """The gauges, counters and TTFT histogram a scrape would read now."""
+        cumulative = list(itertools.accumulate(self._ttft_counts))
+        buckets = tuple(zip(TTFT_BUCKETS + (math.inf,), map(float, cumulative)))
+        return PodLoad(self.name, now, self.scheduler.num_waiting, self.scheduler.num_running, self.kv.usage,
+                       prompt_tokens_total=self.prompt_tokens_total,
+                       generation_tokens_total=self.generation_tokens_total,
+                       requests_total=self.requests_total, ttft_buckets=buckets)
 
     def add(self, sim: SimRequest, now: float, prompt_ids: list[int] | None = None,
             block_hashes: tuple[bytes, ...] = ()) -> None:
@@ -215,8 +227,12 @@ class VirtualReplica:
                 if sim.first_token is None:
                     sim.first_token = end
                     sim.cached_tokens = req.num_cached_tokens
+                    self.prompt_tokens_total += sim.prompt_tokens
+                    self._ttft_counts[bisect.bisect_left(TTFT_BUCKETS, end - sim.arrival)] += 1
                 if req.finished:  # at max_tokens = its output length
                     sim.finished = end
+                    self.generation_tokens_total += sim.output_tokens
+                    self.requests_total += 1
                     del self._requests[req.request_id]
                     self._replies.pop(req.request_id, None)
             self.time = end
@@ -249,6 +265,7 @@ class SimResult:
     ticks: list[TickRecord] = field(default_factory=list)
     requests: list[SimRequest] = field(default_factory=list)
     scalings: list[tuple[float, Decision]] = field(default_factory=list)
+    decisions: list[tuple[float, Decision]] = field(default_factory=list)  # every tick's, when kept
     replica_seconds: float = 0.0  # pod time paid for, starting included
     end_time: float = 0.0
     prefix_queries: int = 0  # prompt tokens looked up in the replicas' prefix caches at admission
@@ -276,6 +293,9 @@ class Cluster:
         startup_delay: seconds from creating a replica to its taking requests (image pull, model
             load, warm-up). tick: seconds between autoscaler decisions (the operator's 2 s).
         initial: replicas ready at time 0 (default ``spec.min_replicas``).
+        scaler: what decides the count each tick (default: the operator's policy that
+            ``spec.policy`` names, :class:`~.scalers.PolicyScaler`; ``simulate --compare``
+            passes baselines).
         routing: a :data:`~slipstream.server.gateway.routing.POLICIES` name (round-robin is what a
             ClusterIP Service does; the rest are the gateway's), or a :class:`Router` to use.
         weights: the router's score weights by scorer name (default the gateway's; not with a
@@ -285,7 +305,8 @@ class Cluster:
 
     def __init__(self, profile: Profile, config: ReplicaConfig, spec: AutoscalingSpec, *,
                  startup_delay: float = 60.0, tick: float = 2.0, initial: int | None = None,
-                 routing: str | Router = "round-robin", weights: Mapping[str, float] | None = None):
+                 routing: str | Router = "round-robin", weights: Mapping[str, float] | None = None,
+                 scaler: Scaler | None = None):
         if tick <= 0 or startup_delay < 0:
             raise ValueError(f"tick must be > 0 and startup_delay >= 0, got {tick}, {startup_delay}")
         if isinstance(routing, Router) and weights is not None:
@@ -293,7 +314,8 @@ class Cluster:
         self.router = routing if isinstance(routing, Router) else Router(routing, weights=weights)
         self.profile, self.config, self.spec = profile, config, spec
         self.startup_delay, self.tick, self.routing = startup_delay, tick, self.router.policy
-        self.state = AutoscalerState()
+        self.keep_decisions = False  # SimResult.decisions: every tick's decision (for tests and plots)
+        self.scaler = scaler if scaler is not None else PolicyScaler(spec)
         self.replicas: list[VirtualReplica] = []
         self.retired: list[VirtualReplica] = []
         self.pending: list[SimRequest] = []  # arrived while no replica was ready
@@ -368,6 +390,25 @@ class Cluster:
                 self._route(sim, until)
 
     # --- the loop -----------------------------------------------------------------------------
+    def gateway_load(self) -> GatewayLoad:
+        """What the gateway would report: requests held for want of a ready replica (the demand
+        signal at zero replicas), requests on replicas, and the demand counters (requests
+        answered and their tokens, counted at the end of each request)."""
+        every = self.replicas + self.retired
+        return GatewayLoad(waiting=float(len(self.pending)), in_flight=float(sum(r.load for r in self.replicas)),
+                           requests_total=float(sum(r.requests_total for r in every)),
+                           prompt_tokens_total=float(sum(r.prompt_tokens_total for r in every)),
+                           generation_tokens_total=float(sum(r.generation_tokens_total for r in every)))
+
+    def fleet(self, now: float) -> Fleet:
+        """Ready replicas, the starting ones' ages, and the starts (created → ready) of those that
+        became ready since the previous tick."""
+        ready = [r for r in self.replicas if r.ready(now)]
+        starting = [r for r in self.active if not r.ready(now)]
+        started = tuple(r.ready_at - r.created for r in ready
+                        if now - self.tick < r.ready_at <= now and r.ready_at > r.created)
+        return Fleet(len(ready), tuple(now - r.created for r in starting), started)
+
     def _autoscale(self, now: float, arrivals: int, result: SimResult) -> None:
         ready = [r for r in self.replicas if r.ready(now)]
         starting = [r for r in self.active if not r.ready(now)]
@@ -375,12 +416,10 @@ class Cluster:
         current = len(self.active)
         desired = current
         if self.spec.enabled:
-            # The requests held for want of a ready replica are what the gateway reports waiting
-            # (the demand signal at zero replicas); the rest are on replicas, in their gauges.
-            decision = decide(self.spec, self.state, samples, now, current, len(ready), len(starting),
-                              GatewayLoad(waiting=float(len(self.pending))))
-            self.state = decision.state
+            decision = self.scaler.decide(Tick(now, current, self.fleet(now), samples, self.gateway_load()))
             desired = decision.desired_replicas
+            if self.keep_decisions:
+                result.decisions.append((now, decision))
             if decision.scaled:
                 result.scalings.append((now, decision))
                 self._scale_to(desired, now)

@@ -7,14 +7,22 @@ Poisson process of that rate (exponential gaps), the usual open-loop model of in
 
 Trace file: one arrival per line, ``TIME [PROMPT_TOKENS [OUTPUT_TOKENS]]`` (seconds from the
 start; whitespace or commas between fields; ``#`` starts a comment; a header line of words is
-skipped); missing token counts are drawn from the defaults. Arrivals from either carry no token
-content (each is a distinct prompt); :mod:`.workloads` makes arrivals that do.
+skipped); missing token counts are drawn from the defaults. Or the Azure LLM inference trace's
+CSV (header ``TIMESTAMP,ContextTokens,GeneratedTokens``, timestamps like ``2023-11-16
+18:17:03.9799600``; Patel et al., "Splitwise", ISCA 2024), read by its header: times become
+seconds from its first request. Arrivals from either carry no token content (each is a distinct
+prompt); :mod:`.workloads` makes arrivals that do.
+
+:func:`scale_times` stretches or compresses a trace in time; :func:`cap_lengths` fits requests
+to a model's context.
 """
 from __future__ import annotations
 
+import csv
+import datetime
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -101,12 +109,70 @@ def poisson_arrivals(phases: list[Phase], prompt_tokens: tuple[int, int], output
     return arrivals
 
 
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def read_azure_csv(path: str | Path) -> list[Arrival]:
+    """Arrivals of an Azure LLM inference trace CSV (columns :data:`AZURE_COLUMNS`), times in
+    seconds from the first request, sorted. A generated count of 0 becomes 1 (a request makes
+    at least one token). Raises ValueError naming the line of a row that does not parse."""
+    arrivals, first = [], None
+    with open(path, newline="") as f:
+        for number, row in enumerate(csv.DictReader(f), 2):
+            try:
+                # Seven fractional digits: fromisoformat (3.11+) takes them; strptime's %f does not.
+                when = datetime.datetime.fromisoformat(row["TIMESTAMP"].strip()).timestamp()
+                prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+                if prompt < 1 or output < 0:
+                    raise ValueError
+            except (ValueError, TypeError, KeyError):
+                raise ValueError(f"{path}:{number}: expected TIMESTAMP,ContextTokens,GeneratedTokens with "
+                                 f"counts >= 1 and >= 0, got {row}") from None
+            first = when if first is None else min(first, when)
+            arrivals.append((when, prompt, max(1, output)))
+    return sorted((Arrival(when - first, prompt, output) for when, prompt, output in arrivals),
+                  key=lambda a: a.time)
+
+
+def scale_times(arrivals: list[Arrival], factor: float) -> list[Arrival]:
+    """Every arrival time × ``factor`` (0.5: the same requests in half the time, twice the rate).
+    Raises ValueError unless factor > 0."""
+    if not factor > 0:
+        raise ValueError(f"time scale must be > 0, got {factor}")
+    return arrivals if factor == 1 else [replace(a, time=a.time * factor) for a in arrivals]
+
+
+def cap_lengths(arrivals: list[Arrival], max_model_len: int, max_output_tokens: int | None = None,
+                ) -> tuple[list[Arrival], int]:
+    """(arrivals, how many were changed): outputs cut to ``max_output_tokens`` (None: kept), then
+    requests longer than ``max_model_len`` tokens in all cut to fit it, the prompt first (its
+    tail is dropped, as a client truncating its context would), keeping at least one token of
+    each. Raises ValueError for max_model_len < 2."""
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    capped, changed = [], 0
+    for a in arrivals:
+        output = min(a.output_tokens, max_output_tokens) if max_output_tokens else a.output_tokens
+        output = min(output, max_model_len - 1)
+        prompt = min(a.prompt_tokens, max_model_len - output)
+        if (prompt, output) != (a.prompt_tokens, a.output_tokens):
+            changed += 1
+            a = replace(a, prompt_tokens=prompt, output_tokens=output)
+        capped.append(a)
+    return capped, changed
+
+
 def read_trace(path: str | Path, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int],
                seed: int = 0) -> list[Arrival]:
-    """Arrivals from a trace file (see the module docstring), sorted by time.
+    """Arrivals from a trace file (see the module docstring: either format, told apart by the
+    Azure CSV's header), sorted by time.
 
     Raises ValueError with the line number of a line that does not parse.
     """
+    with open(path) as f:
+        header = f.readline()
+    if [c.strip() for c in header.split(",")][:3] == list(AZURE_COLUMNS):
+        return read_azure_csv(path)
     rng = random.Random(seed)
     arrivals = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):

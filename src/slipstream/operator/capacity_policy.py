@@ -1,0 +1,378 @@
+"""The ``capacity`` autoscaling policy (the default): replicas = demand ÷ one pod's capacity at
+the latency objective, with the pods on their way counted as capacity (pure).
+
+The operator (:mod:`slipstream.operator.autoscaling_loop`) and ``slipstream simulate`` call
+:func:`decide` through :mod:`slipstream.operator.policy` once per tick with the samples read,
+the fleet (ready pods, starting pods' ages, measured start times) and the clock; nothing here
+reads a clock or the network.
+
+Units: demand in requests/s and tokens/s; a pod's capacity in prompt-equivalent tokens/s
+(``prompt + κ × generated``: κ, :attr:`CapacityPrior.generation_weight`, is how much more pod
+time a generated token takes than a prompt token); times in seconds.
+
+Why not queue depth: a backlog grows while new pods start, so a policy that sizes from queue
+per ready pod keeps adding pods for the same backlog until it hits the maximum (the cascade of
+aibrix#2670 and knative/serving#13284). Here the backlog is a quantity of work with a plan to
+drain it, and the pods already starting are part of that plan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.api_types.load import GatewayLoad, PodLoad
+
+from .autoscaler import Decision
+from .demand import Interval, PodWork, Totals, demand_totals, interval, met_within, pod_readings, \
+    pod_work, totals_from
+from .fleet import Fleet
+
+OBJECTIVE_QUANTILE = 0.9         # the objective is a p90: met while ≥ 90% of requests meet it
+DEMAND_SECONDS = 60.0            # demand: the arrival rate over this window
+LEARN_SECONDS = 60.0             # capacity is re-estimated once per window of this length
+LEARN_RATE = 0.5                 # weight of a new window's estimate against the old one
+LEARN_MIN_REQUESTS = 20          # a window with fewer TTFT observations teaches nothing
+CAPACITY_BOUNDS = (0.1, 10.0)    # the learned capacity stays within these multiples of the prior
+HEADROOM = 0.3                  # pods are sized for demand × (1 + HEADROOM)
+DRAIN_SECONDS = 30.0             # a backlog should be gone this long after new pods are ready
+HOLD_STARTS = 5.0              # scale-down waits this many start times of lower need
+ATTAINMENT_SECONDS = 300.0       # status.objectiveAttainment's window
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPrior:
+    """What the policy assumes before it has measured anything.
+
+    tokens_per_second: one pod's throughput at the objective, prompt-equivalent tokens/s
+        (``slipstream simulate`` derives it from the cost-model profile; the operator uses
+        the last learned value, persisted in ``status.autoscaler``, or this default).
+    generation_weight: κ, pod time of a generated token over that of a prompt token.
+    start_seconds: a pod's start, created → Ready, until one has been measured.
+    request_tokens: prompt-equivalent tokens of one request, until one has finished.
+    drain_tokens_per_second: how fast one busy pod works through a backlog (its throughput
+        flat out, above the capacity at the objective, which leaves room for bursts); None:
+        2 × ``tokens_per_second``.
+    """
+
+    tokens_per_second: float = 8000.0
+    generation_weight: float = 2.0
+    start_seconds: float = 60.0
+    request_tokens: float = 1000.0
+    drain_tokens_per_second: float | None = None
+
+    @property
+    def drain_rate(self) -> float:
+        return self.drain_tokens_per_second or 2 * self.tokens_per_second
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityState:
+    """What the policy remembers between ticks; plain data (:meth:`to_dict` is JSON-ready).
+
+    time: the previous tick. totals: demand counters then (:class:`~.demand.Totals`) and
+    their source. pods: per pod, cumulative [prompt, generated, TTFT met, TTFT total].
+    intervals: recent (end time, arrivals, finished, prompt, generated, seconds).
+    work: recent (end time, pod-seconds, prompt, generated, TTFT met, TTFT total, 1 if no pod
+    was starting else 0).
+    capacity: learned tokens/s per pod (None: the prior). learned_at: last re-estimate.
+    start_seconds: measured pod start (None: the prior). needs: recent (time, pods needed).
+    last_active: last time a request was held or arrived (scale to zero).
+    """
+
+    time: float | None = None
+    totals: Totals | None = None
+    source: str | None = None
+    pods: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    intervals: tuple[tuple[float, ...], ...] = ()
+    work: tuple[tuple[float, ...], ...] = ()
+    capacity: float | None = None
+    learned_at: float | None = None
+    start_seconds: float | None = None
+    needs: tuple[tuple[float, int], ...] = ()
+    last_active: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": "capacity", "time": self.time,
+                "totals": self.totals.to_list() if self.totals else None, "source": self.source,
+                "pods": {k: list(v) for k, v in self.pods.items()},
+                "intervals": [list(i) for i in self.intervals], "work": [list(w) for w in self.work],
+                "capacity": self.capacity, "learnedAt": self.learned_at,
+                "startSeconds": self.start_seconds, "needs": [list(n) for n in self.needs],
+                "lastActive": self.last_active}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> CapacityState:
+        """The state :meth:`to_dict` wrote; anything else (None, the queue policy's) is a
+        fresh state."""
+        if not data or data.get("policy") != "capacity":
+            return cls()
+        return cls(time=data.get("time"), totals=totals_from(data.get("totals")), source=data.get("source"),
+                   pods={k: tuple(v) for k, v in (data.get("pods") or {}).items()},
+                   intervals=tuple(tuple(i) for i in data.get("intervals") or ()),
+                   work=tuple(tuple(w) for w in data.get("work") or ()),
+                   capacity=data.get("capacity"), learned_at=data.get("learnedAt"),
+                   start_seconds=data.get("startSeconds"),
+                   needs=tuple((t, int(n)) for t, n in data.get("needs") or ()),
+                   last_active=data.get("lastActive"))
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Arrival rate (requests/s), prompt and generated tokens/s, and the prompt-equivalent
+    work rate (tokens/s) of those; ``request_tokens``: work of one request (tokens)."""
+
+    requests: float
+    prompt_tokens: float
+    generation_tokens: float
+    work: float
+    request_tokens: float
+
+
+def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: CapacityPrior,
+                    ) -> Demand:
+    """Demand over the recent intervals ``(end, arrivals, finished, prompt, generated,
+    seconds)``: the arrival rate over the last :data:`DEMAND_SECONDS` (a shorter window, tried
+    on the Azure code trace, chased second-long bursts that are over before a pod starts);
+    token rates are the arrival rate × the mean lengths of the requests that finished in the
+    window (the prior's ``request_tokens`` when none did)."""
+    def window(seconds: float) -> list[tuple[float, ...]]:
+        return [i for i in intervals if i[0] > now - seconds - _EPS]
+
+    def rate(rows: list[tuple[float, ...]]) -> float:
+        span = sum(r[5] for r in rows)
+        return sum(r[1] for r in rows) / span if span > 0 else 0.0
+
+    long = window(DEMAND_SECONDS)
+    requests = rate(long)
+    finished = sum(r[2] for r in long)
+    if finished > 0:
+        prompt = sum(r[3] for r in long) / finished
+        generated = sum(r[4] for r in long) / finished
+        per_request = prompt + prior.generation_weight * generated
+    else:
+        prompt, generated, per_request = prior.request_tokens, 0.0, prior.request_tokens
+    return Demand(requests, requests * prompt, requests * generated, requests * per_request, per_request)
+
+
+def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: CapacityPrior) -> float:
+    """A new estimate of one pod's capacity at the objective (tokens/s) from a window of pod
+    work ``(end, pod_seconds, prompt, generated, met, total)``.
+
+    Rules: where the objective was missed (< 90% met), the capacity is at most what the pods
+    did (throughput per pod), so the estimate moves toward it; where it was met at more than
+    the estimate, the pods showed more, so the estimate moves up to it. Either move is
+    :data:`LEARN_RATE` of the way (an exponentially weighted average, so one odd window does
+    not swing it); a window with fewer than :data:`LEARN_MIN_REQUESTS` observations, or
+    whose evidence agrees with the estimate, leaves it. The result stays within
+    :data:`CAPACITY_BOUNDS` × the prior.
+    """
+    pod_seconds = sum(w[1] for w in work)
+    total = sum(w[5] for w in work)
+    if pod_seconds <= 0 or total < LEARN_MIN_REQUESTS:
+        return capacity
+    throughput = (sum(w[2] for w in work) + prior.generation_weight * sum(w[3] for w in work)) / pod_seconds
+    met = sum(w[4] for w in work) / total
+    missed = met < OBJECTIVE_QUANTILE
+    if (missed and throughput < capacity) or (not missed and throughput > capacity):
+        capacity += LEARN_RATE * (throughput - capacity)
+    low, high = CAPACITY_BOUNDS
+    return min(max(capacity, low * prior.tokens_per_second), high * prior.tokens_per_second)
+
+
+def drain_seconds(backlog: float, demand: float, capacity: float, ready: int,
+                  arrivals: Sequence[float], horizon: float = 3600.0) -> float:
+    """Seconds until ``backlog`` tokens of work are done, with ``ready`` pods now and one more
+    at each of ``arrivals`` (seconds from now), each doing ``capacity`` tokens/s, while new work
+    comes at ``demand`` tokens/s. math.inf when not within ``horizon``."""
+    if backlog <= 0:
+        return 0.0
+    t, left = 0.0, backlog
+    pods = ready + sum(1 for a in arrivals if a <= 0)
+    for at in sorted(a for a in arrivals if a > 0) + [horizon]:
+        rate = pods * capacity - demand  # negative: the backlog grows
+        if rate > 0 and t + left / rate <= at:
+            return t + left / rate
+        left -= rate * (at - t)
+        t, pods = at, pods + 1
+    return math.inf
+
+
+def plan_backlog(backlog: float, demand: float, capacity: float, fleet: Fleet, pods: int,
+                 start: float, most: int) -> tuple[int, float]:
+    """(extra pods, drain seconds): the fewest pods to add beyond ``pods`` so that
+    ``backlog`` tokens drain within :data:`DRAIN_SECONDS` after a new pod would be ready
+    (``capacity``: tokens/s one pod works through a backlog at).
+
+    The fleet's ready pods work now; its starting pods arrive at their expected ready time
+    (``start`` − age) and the ``pods − len(fleet)`` asked for now at ``start``. No pod is added
+    when the backlog drains before a new one could be ready (it would arrive to no work), nor
+    beyond ``most`` pods in all.
+    """
+    arrivals = [max(0.0, start - age) for age in fleet.starting_ages]
+    arrivals += [start] * max(0, pods - fleet.ready - len(fleet.starting_ages))
+    base = drain_seconds(backlog, demand, capacity, fleet.ready, arrivals)
+    if base <= start:
+        return 0, base
+    extra, took = 0, base
+    while took > start + DRAIN_SECONDS and pods + extra < most:
+        extra += 1
+        took = drain_seconds(backlog, demand, capacity, fleet.ready, arrivals + [start] * extra)
+    return extra, took
+
+
+def _measured_start(state: CapacityState, fleet: Fleet, prior: CapacityPrior) -> float:
+    """The expected start time: the mean of the starts measured this tick blended into the
+    one remembered (half each), or the prior."""
+    known = state.start_seconds
+    if fleet.start_seconds:
+        seen = sum(fleet.start_seconds) / len(fleet.start_seconds)
+        known = seen if known is None else 0.5 * known + 0.5 * seen
+    return known if known is not None else prior.start_seconds
+
+
+def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoad], now: float,
+           current_replicas: int, fleet: Fleet, gateway: GatewayLoad | None = None,
+           prior: CapacityPrior = CapacityPrior()) -> Decision:
+    """One tick of the capacity policy; pure (``state`` is not changed; the new one is
+    ``Decision.state``).
+
+    samples: this tick's :class:`PodLoad` of the ready pods that answered, with their counters
+    and TTFT histograms. current_replicas: the workload's ``spec.replicas``. fleet: ready pods,
+    starting pods' ages and the start times measured (:mod:`.fleet`). gateway: the gateway
+    pods' gauges and counters (None: none answered, or routing off). prior: what to assume
+    before anything is measured.
+
+    Rules, in order:
+
+    1. Demand (:func:`estimate_demand`): arrivals = finished + Δ held, from the gateway's
+       counters, else the pods' own (:mod:`.demand`).
+    2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
+       pods' counters and TTFT histograms (:func:`learn_capacity`), from windows in which no
+       pod was starting (a backlog built while pods start says nothing about the pods).
+    3. Need = ceil(work rate × (1 + :data:`HEADROOM`) / capacity).
+    4. Backlog (waiting requests × work per request) drained on a plan
+       (:func:`plan_backlog`): pods already starting count as capacity from their expected
+       ready time (start measured: pod created → Ready); extra pods only if they arrive
+       before the backlog would drain anyway.
+    5. Guards: KV-cache use per pod above ``targetKVCacheUtilization`` asks for
+       ceil(KV in pods' worth / target) pods and, like waiting requests per ready pod above
+       ``targetQueueDepth``, blocks any scale-down. Neither sizes the count otherwise.
+    6. Scale-down weighs the start time: to the highest need of the last
+       :data:`HOLD_STARTS` start times (a pod removed now takes a start time to come back,
+       so it stays while the load is likely back within that).
+    7. [minReplicas, maxReplicas]; zero as the queue policy does it (``minReplicas: 0``: up
+       from 0 on a request held in the gateway, down to 0 after ``scaleToZeroAfterSeconds``
+       with no request held or arriving, every pod and gateway having answered).
+
+    The decision carries the attainment over :data:`ATTAINMENT_SECONDS` and its numbers
+    (``details``: demand, capacity per pod, pods starting, desired, reason).
+    """
+    if not spec.enabled:
+        return Decision(current_replicas, current_replicas, "autoscaling disabled", state)
+    objective = spec.objectives.ttft_p90_seconds
+
+    # 1. counters -> the interval since the last tick
+    found = demand_totals(samples, gateway)
+    intervals = [i for i in state.intervals if i[0] > now - max(DEMAND_SECONDS, ATTAINMENT_SECONDS) - _EPS]
+    step: Interval | None = None
+    if found is not None and state.totals is not None and state.source == found[0] and state.time is not None:
+        step = interval(state.totals, found[1], now - state.time)
+    if step is not None:
+        intervals.append((now, step.arrivals, step.finished, step.prompt_tokens, step.generation_tokens,
+                          step.seconds))
+    demand = estimate_demand(intervals, now, prior)
+
+    # 2. capacity
+    readings = pod_readings(samples, objective)
+    work = [w for w in state.work if w[0] > now - ATTAINMENT_SECONDS - _EPS]
+    if state.time is not None and readings:
+        did: PodWork = pod_work(state.pods, readings, now - state.time)
+        if did.pod_seconds > 0:
+            work.append((now, did.pod_seconds, did.prompt_tokens, did.generation_tokens, did.ttft_met,
+                         did.ttft_total, float(fleet.starting == 0)))
+    capacity, learned_at = state.capacity or prior.tokens_per_second, state.learned_at
+    if learned_at is None:
+        learned_at = now
+    elif now - learned_at >= LEARN_SECONDS:
+        window = [w for w in work if w[0] > learned_at]
+        if all(w[6] for w in window):  # a window with pods starting measures the start, not the pods
+            capacity = learn_capacity(capacity, window, prior)
+        learned_at = now
+    total = sum(w[5] for w in work)
+    attainment = sum(w[4] for w in work) / total if total > 0 else None
+
+    # 3. need from demand
+    start = _measured_start(state, fleet, prior)
+    need = max(0, math.ceil(demand.work * (1 + HEADROOM) / capacity - _EPS))
+    why = (f"demand {demand.requests:.2f} req/s ({demand.prompt_tokens:.0f} prompt + "
+           f"{demand.generation_tokens:.0f} generated tokens/s) / {capacity:.0f} tokens/s per pod "
+           f"-> {need}")
+
+    # 4. backlog plan
+    waiting = sum(s.num_requests_waiting for s in samples) + (gateway.waiting if gateway else 0.0)
+    backlog = waiting * demand.request_tokens
+    pods = max(current_replicas, need, 1)
+    extra, took = plan_backlog(backlog, demand.work, max(capacity, prior.drain_rate), fleet, pods, start,
+                               spec.max_replicas)
+    if backlog > 0:
+        why += (f"; backlog {waiting:.0f} requests drains in {took:.0f}s" if extra == 0
+                else f"; backlog {waiting:.0f} requests: +{extra} to drain it by {took:.0f}s")
+    need = max(need, (pods + extra) if extra else need)
+
+    # 5. guards
+    kv_total = sum(s.kv_cache_usage_perc for s in samples) / len(samples) * fleet.ready if samples else 0.0
+    kv_need = math.ceil(kv_total / spec.target_kv_cache_utilization - _EPS) if samples else 0
+    if kv_need > need:
+        need, why = kv_need, why + f"; KV cache {kv_total:.2f} pods' worth -> {kv_need}"
+    queue_per_pod = sum(s.num_requests_waiting for s in samples) / len(samples) if samples else 0.0
+    guarded = (samples and (queue_per_pod > spec.target_queue_depth
+                            or kv_total / len(samples) > spec.target_kv_cache_utilization))
+
+    # 6. scale-down weighs the start time
+    need = spec.clamp(max(need, 1))
+    hold = HOLD_STARTS * start
+    needs = tuple(n for n in state.needs if n[0] > now - hold - _EPS) + ((now, need),)
+    desired = need
+    if need < current_replicas:
+        held = max(n for _, n in needs)
+        if guarded:
+            desired, why = current_replicas, why + (f"; no scale-down while {queue_per_pod:.1f} requests "
+                                                   f"wait per pod or the KV cache is above target")
+        elif held > need:
+            desired = min(current_replicas, held)
+            why += f"; keeps {desired}: needed within {hold:.0f}s ({HOLD_STARTS:g} starts of {start:.0f}s)"
+
+    # 7. zero
+    held_now = waiting + (gateway.in_flight or 0.0 if gateway else 0.0) + sum(
+        s.num_requests_running for s in samples)
+    busy = held_now > 0 or (step is not None and step.arrivals > 0)
+    last_active = now if state.last_active is None or busy else state.last_active
+    idle = (gateway is not None and gateway.complete and len(samples) >= fleet.ready and not busy)
+    if spec.min_replicas == 0 and current_replicas == 0:
+        if gateway is not None and gateway.waiting > 0:
+            desired = spec.clamp(max(desired, 1))
+            why = f"scaling from zero: {gateway.waiting:g} requests waiting in the gateway; " + why
+        else:
+            desired, why = 0, f"scaled to zero after {spec.scale_to_zero_after_seconds}s idle"
+    elif spec.min_replicas == 0 and idle and now - last_active >= spec.scale_to_zero_after_seconds:
+        desired, why = 0, (f"scaled to zero after {spec.scale_to_zero_after_seconds}s idle (no request "
+                           f"ran, waited or arrived)")
+    desired = max(0, min(desired, spec.max_replicas))
+    verb = f"scaling {current_replicas} -> {desired}" if desired != current_replicas else f"holding {desired}"
+    reason = f"{verb}: {why}"
+    new_state = replace(
+        state, time=now, totals=found[1] if found else None, source=found[0] if found else None,
+        pods=readings, intervals=tuple(intervals), work=tuple(work), capacity=capacity,
+        learned_at=learned_at, start_seconds=start if (fleet.start_seconds or state.start_seconds) else None,
+        needs=needs, last_active=last_active)
+    details = {"policy": "capacity", "demandRequestsPerSecond": round(demand.requests, 3),
+               "demandPromptTokensPerSecond": round(demand.prompt_tokens, 1),
+               "demandGenerationTokensPerSecond": round(demand.generation_tokens, 1),
+               "capacityTokensPerSecond": round(capacity, 1), "startSeconds": round(start, 1),
+               "podsStarting": len(fleet.starting_ages), "desiredReplicas": desired, "reason": reason}
+    return Decision(desired, current_replicas, reason, new_state, queue_depth=waiting if samples or gateway else None,
+                    kv_cache_utilization=kv_total / len(samples) if samples else None,
+                    recommendation=need, attainment=attainment, details=details)

@@ -1,0 +1,158 @@
+"""The capacity policy rule by rule, on synthetic counters and a synthetic clock."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.api_types.load import GatewayLoad, PodLoad
+from slipstream.operator import capacity_policy as cp
+from slipstream.operator.capacity_policy import CapacityPrior, CapacityState, decide, drain_seconds, \
+    learn_capacity, plan_backlog
+from slipstream.operator.demand import Totals, interval, met_within
+from slipstream.operator.fleet import Fleet, fleet_from_pods
+from slipstream.operator.policy import Tick, decide as policy_decide, load_state
+
+PRIOR = CapacityPrior(tokens_per_second=1000.0, generation_weight=2.0, start_seconds=60.0,
+                      request_tokens=100.0, drain_tokens_per_second=2000.0)
+
+
+def spec(**fields) -> AutoscalingSpec:
+    return AutoscalingSpec(**{"enabled": True, "max_replicas": 10, **fields})
+
+
+def gateway(requests: float, held: float = 0.0, waiting: float = 0.0) -> GatewayLoad:
+    """A gateway that answered ``requests`` of 100 prompt tokens each, none generated."""
+    return GatewayLoad(waiting=waiting, in_flight=held, requests_total=requests,
+                       prompt_tokens_total=100.0 * requests, generation_tokens_total=0.0)
+
+
+def run_rate(rate: float, seconds: float, fleet: Fleet, current: int, s: AutoscalingSpec | None = None,
+             state: CapacityState | None = None, start: float = 0.0):
+    """Tick every 2 s for ``seconds`` with ``rate`` requests/s of 100 tokens; the last decision."""
+    state = state or CapacityState()
+    decision = None
+    for k in range(int(seconds / 2) + 1):
+        now = start + 2.0 * k
+        decision = decide(s or spec(), state, [], now, current, fleet, gateway(rate * now), PRIOR)
+        state = decision.state
+    return decision
+
+
+def test_need_is_demand_over_capacity_with_headroom():
+    # 25 req/s x 100 tokens = 2,500 tokens/s x 1.3 / 1,000 per pod -> 4 pods
+    d = run_rate(25.0, 60, Fleet(4), 4)
+    assert d.recommendation == math.ceil(2500 * (1 + cp.HEADROOM) / 1000)
+    assert d.details["demandRequestsPerSecond"] == pytest.approx(25.0)
+    assert d.details["capacityTokensPerSecond"] == 1000.0
+
+
+def test_arrivals_are_finished_requests_plus_the_change_in_held_ones():
+    before, after = Totals(10, 1000, 0, 5), Totals(14, 1400, 0, 11)
+    assert interval(before, after, 2.0).arrivals == 4 + 6
+    assert interval(after, before, 2.0) is None  # a counter went down: a restart, not demand
+
+
+def test_starting_pods_count_as_capacity_arriving_and_are_not_asked_for_again():
+    # Demand needs 4; 1 ready and 3 starting (30 s old of a 60 s start): the count stays 4 even
+    # with a backlog, because the starting pods drain it before another pod could arrive.
+    fleet = Fleet(1, (30.0, 30.0, 30.0))
+    d = run_rate(25.0, 60, fleet, 4)
+    final = decide(spec(), d.state, [PodLoad("p", 62.0, 40, 8, 0.2)], 62.0, 4, fleet,
+                   gateway(25.0 * 62.0), PRIOR)
+    assert final.desired_replicas == 4 and "drains in" in final.reason
+    assert final.details["podsStarting"] == 3
+
+
+def test_a_backlog_gets_extra_pods_only_if_they_arrive_before_it_drains():
+    # 20,000 tokens, 2 ready pods draining 2,000 tokens/s each against 1,000 tokens/s of demand:
+    # 20,000 / 3,000 = 6.7 s, before a pod started now (60 s) could help.
+    assert plan_backlog(20_000, 1000, 2000, Fleet(2), 2, 60.0, 10) == (0, pytest.approx(20_000 / 3000))
+    # 1,000,000 tokens: 333 s with 2 pods; each extra pod joins at 60 s; to be done by 90 s the
+    # backlog left at 60 s (820,000) needs 27,333 tokens/s over 30 s -> 14 pods, capped at 10.
+    extra, took = plan_backlog(1_000_000, 1000, 2000, Fleet(2), 2, 60.0, 10)
+    assert extra == 8 and took == pytest.approx(60 + (1_000_000 - 3000 * 60) / (10 * 2000 - 1000))
+    # A pod starting (40 s old) is counted from its expected ready time, 20 s from now.
+    assert drain_seconds(100_000, 1000, 2000, 1, [20.0]) == pytest.approx(20 + (100_000 - 1000 * 20) / 3000)
+
+
+def test_scale_down_waits_hold_starts_of_the_measured_start_time():
+    busy = run_rate(25.0, 60, Fleet(4), 4)
+    state, last = busy.state, None
+    for k in range(1, 200):
+        now = 60.0 + 2 * k
+        last = decide(spec(), state, [], now, 4, Fleet(4), gateway(25.0 * 60), PRIOR)
+        state = last.state
+        if last.desired_replicas < 4:
+            break
+    # demand falls to 0 over the 60 s window; the need of 4 is held for 5 starts of 60 s
+    assert 60 + cp.HOLD_STARTS * 60 <= now <= 60 + cp.DEMAND_SECONDS + cp.HOLD_STARTS * 60 + 2
+    # a measured start replaces the prior, later ones are blended in; the hold follows it
+    quick = decide(spec(), busy.state, [], 62.0, 4, Fleet(4, (), (10.0,)), gateway(25.0 * 60), PRIOR)
+    assert quick.details["startSeconds"] == 10.0
+    later = decide(spec(), quick.state, [], 64.0, 4, Fleet(4, (), (30.0,)), gateway(25.0 * 60), PRIOR)
+    assert later.details["startSeconds"] == 20.0
+    state = later.state
+    for k in range(1, 200):
+        now = 64.0 + 2 * k
+        last = decide(spec(), state, [], now, 4, Fleet(4), gateway(25.0 * 60), PRIOR)
+        state = last.state
+        if last.desired_replicas < 4:
+            break
+    assert now <= 64 + cp.DEMAND_SECONDS + cp.HOLD_STARTS * 20 + 2
+
+
+def test_queue_and_kv_guard_scale_down_but_queue_never_sizes_up():
+    idle = run_rate(0.0, 700, Fleet(3), 3)
+    assert idle.desired_replicas == 1
+    queued = [PodLoad(f"p{i}", 702.0, 20, 4, 0.3) for i in range(3)]  # 20 waiting per pod > 5
+    d = decide(spec(), idle.state, queued, 702.0, 3, Fleet(3), gateway(0.0), PRIOR)
+    assert d.desired_replicas == 3 and "no scale-down" in d.reason
+    kv = [PodLoad(f"p{i}", 702.0, 0, 4, 0.95) for i in range(3)]  # 2.85 pods' worth / 0.8 -> 4
+    assert decide(spec(), idle.state, kv, 702.0, 3, Fleet(3), gateway(0.0), PRIOR).desired_replicas == 4
+    few = [PodLoad("p0", 702.0, 20, 4, 0.3)]
+    assert decide(spec(), idle.state, few, 702.0, 1, Fleet(1), gateway(0.0), PRIOR).desired_replicas == 1
+
+
+def test_capacity_learns_down_on_a_miss_and_up_when_pods_did_more_and_met_it():
+    window = lambda prompt, met, total: [(60.0, 60.0, prompt, 0.0, met, total, 1.0)]  # noqa: E731
+    # 60 pod-seconds at 600 tokens/s with 50% met: capacity moves halfway to 600
+    assert learn_capacity(1000.0, window(36_000, 50, 100), PRIOR) == pytest.approx(1000 + cp.LEARN_RATE * (600 - 1000))
+    # met at 1,500 tokens/s: up halfway
+    assert learn_capacity(1000.0, window(90_000, 100, 100), PRIOR) == pytest.approx(1000 + cp.LEARN_RATE * 500)
+    # evidence that agrees, or too few requests: unchanged
+    assert learn_capacity(1000.0, window(36_000, 100, 100), PRIOR) == 1000.0
+    assert learn_capacity(1000.0, window(90_000, 1, 10), PRIOR) == 1000.0
+
+
+def test_ttft_within_the_objective_reads_the_largest_bucket_below_it():
+    buckets = ((0.5, 10.0), (1.0, 30.0), (2.5, 38.0), (math.inf, 40.0))
+    assert met_within(buckets, 1.0) == (30.0, 40.0)
+    assert met_within(buckets, 2.0) == (30.0, 40.0)  # 2 s lies inside (1, 2.5]: counted as not met
+    assert met_within((), 1.0) == (0.0, 0.0)
+
+
+def test_the_state_survives_json_and_another_policys_state_is_not_read():
+    d = run_rate(25.0, 20, Fleet(2), 2)
+    data = json.loads(json.dumps(d.state.to_dict()))
+    assert CapacityState.from_dict(data) == d.state
+    assert load_state(spec(), {"observations": [[1, 2, 3]]}) == CapacityState()
+    assert type(load_state(spec(policy="queue"), data)).__name__ == "AutoscalerState"
+
+
+def test_the_policy_entry_point_runs_the_named_policy():
+    tick = Tick(0.0, 2, Fleet(2), [PodLoad("p", 0.0, 30, 4, 0.2)], None)
+    assert "queue depth" in policy_decide(spec(policy="queue"), None, tick).reason
+    assert "demand" in policy_decide(spec(), None, tick).reason
+
+
+def test_fleet_measures_starts_from_creation_to_ready():
+    pods = [{"metadata": {"name": "a", "creationTimestamp": "2026-01-01T00:00:00Z"},
+             "status": {"conditions": [{"type": "Ready", "status": "True",
+                                        "lastTransitionTime": "2026-01-01T00:00:42Z"}]}},
+            {"metadata": {"name": "b", "creationTimestamp": "2026-01-01T00:01:00Z"}, "status": {}},
+            {"metadata": {"name": "c", "deletionTimestamp": "x"}, "status": {}}]
+    now = 1767225600.0 + 75  # 2026-01-01T00:01:15Z
+    assert fleet_from_pods(pods, now, ["a"]) == Fleet(1, (15.0,), (42.0,))
