@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(900)
 NAMESPACE = "loop"
 NAME = "chat"
 OUTPUT_TOKENS = 10
-SCALING = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 3,
+SCALING = {"enabled": True, "policy": "queue", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 3,
            "targetKVCacheUtilization": 0.5, "stableWindowSeconds": 10, "panicWindowSeconds": 4,
            "scaleDownDelaySeconds": 20}
 TICK = 2.0  # the operator's autoscaler tick
