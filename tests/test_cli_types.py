@@ -12,7 +12,7 @@ from slipstream.server import cli_types as t
 @pytest.mark.parametrize("check, text, want", [
     (t.positive_int, "3", 3), (t.int_at_least(0), "0", 0), (t.non_negative_float, "inf", math.inf),
     (t.finite_non_negative_float, "0", 0.0), (t.positive_float, "0.5", 0.5), (t.fraction, "1", 1.0),
-    (t.port, "65535", 65535), (t.non_negative_int, "0", 0),
+    (t.port, "65535", 65535), (t.non_negative_int, "0", 0), (t.listen_port, "0", 0),
 ])
 def test_accepted_values(check, text, want):
     assert check(text) == want
@@ -24,7 +24,7 @@ def test_accepted_values(check, text, want):
     (t.non_negative_float, "nan", "must be >= 0"), (t.finite_non_negative_float, "inf", "finite"),
     (t.positive_float, "0", "must be > 0"), (t.fraction, "1.5", "(0, 1]"), (t.fraction, "y", "a number"),
     (t.port, "70000", "must be a TCP port (1 to 65535), got 70000"), (t.port, "0", "TCP port"),
-    (t.non_negative_int, "-1", "must be >= 0"),
+    (t.non_negative_int, "-1", "must be >= 0"), (t.listen_port, "65536", "0: any free one"),
 ])
 def test_refused_values_say_what_the_value_must_be(check, text, says):
     with pytest.raises(argparse.ArgumentTypeError, match=None) as caught:

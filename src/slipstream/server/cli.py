@@ -19,7 +19,7 @@ from slipstream.api_types.parallelism import (MASTER_ADDR_FLAG, MASTER_PORT_FLAG
                                               PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
 from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, SCHEDULING_POLICIES
 
-from .cli_types import fraction, non_negative_int, port, positive_int, tenant_weights
+from .cli_types import fraction, listen_port, non_negative_int, port, positive_int, tenant_weights
 
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
@@ -173,7 +173,7 @@ def serve_parser() -> argparse.ArgumentParser:
                         "refs say now; an error if the cache no longer holds it")
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
-    h.add_argument("--port", type=port, default=8000, help="port to listen on")
+    h.add_argument("--port", type=listen_port, default=8000, help="port to listen on (0: any free one)")
     h.add_argument("--max-waiting", type=int, default=128,
                    help="most requests queued beyond the running batch; more get 429 with Retry-After")
     h.add_argument("--shutdown-timeout", type=float, default=30.0,

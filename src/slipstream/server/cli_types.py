@@ -38,6 +38,14 @@ def port(text: str) -> int:
     return value
 
 
+def listen_port(text: str) -> int:
+    """A TCP port to listen on, 0 (any free one) to 65535."""
+    value = _number(text, int)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0 to 65535; 0: any free one), got {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A number ≥ 0 (infinity allowed)."""
     value = _number(text, float)
