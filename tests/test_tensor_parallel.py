@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from slipstream.kernels import ggml_cpu
-from slipstream.server.distributed.executor import RankFailed
+from slipstream.server.distributed.executor import RankFailed, peer_gone
 from slipstream.server.engine import LLM, SamplingParams
 from slipstream.server.models import tensor_parallel as tp
 from slipstream.server.models.loader import load_tokenizer
@@ -248,7 +248,9 @@ def test_serve_starts_its_ranks_answers_and_exits_1_when_a_rank_dies(tmp_path):
         assert len(workers) == 2, "ranks 1 and 2 run as the server's child processes"
         os.kill(workers[0], signal.SIGKILL)
         status, body = _get(base + "/v1/chat/completions", chat)
-        assert status == 500 and "exited with code -9" in body["error"]["message"]
+        # 503, not 500: the replica is going away, the request is not at fault (a gateway retries it)
+        assert status == 503 and body["error"]["code"] == "engine_failed", body
+        assert "exited with code -9" in body["error"]["message"]
         assert server.wait(timeout=60) == 1
         for _ in range(50):  # multiprocessing's resource tracker leaves once its last user has gone
             left = subprocess.run(["pgrep", "-s", str(server.pid)], capture_output=True, text=True).stdout.split()
@@ -259,6 +261,18 @@ def test_serve_starts_its_ranks_answers_and_exits_1_when_a_rank_dies(tmp_path):
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_gloo_saying_a_peer_closed_or_reset_the_connection_is_a_peer_gone_not_a_step_bug():
+    """A rank in another pod that dies shows as a reset (seen on the real control plane); one on
+    this machine as EOF. Either stops the engine; a rank's own error does not."""
+    reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.244.0.5]:41234: "
+                         "Connection reset by peer. This is typically caused by a remote worker crashing. "
+                         "Check the logs of the remote worker before reporting an error. GLHF!")
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Connection closed by peer "
+                          "[127.0.0.1]:5678")
+    assert peer_gone(reset) and peer_gone(closed)
+    assert not peer_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x576 and 192x576)"))
 
 
 def _serve(args: list[str], log):
@@ -272,7 +286,8 @@ def _serve(args: list[str], log):
 def test_two_nodes_serve_one_model_and_node_0_exits_1_when_node_1_dies(tmp_path):
     """Pipeline 2 over two `serve` processes that meet at node 0's --master-port, as two pods of a
     LeaderWorkerSet group do: node 0 answers with one process's tokens; node 1 answers /health,
-    not /ready; killing node 1's rank fails node 0, which exits 1, and node 1 exits 1 too."""
+    not /ready; killing node 1's rank fails node 0's request with a 503 (retry elsewhere), node 0
+    exits 1, and node 1 exits 1 too."""
     import subprocess
     import time
 
@@ -308,7 +323,7 @@ def test_two_nodes_serve_one_model_and_node_0_exits_1_when_node_1_dies(tmp_path)
         os.kill(rank[0], signal.SIGKILL)
         status, body = _get(leader + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": prompt,
                                                          "max_tokens": 4})
-        assert status == 500, body
+        assert status == 503 and body["error"]["code"] == "engine_failed", body
         assert nodes[0].wait(timeout=60) == 1 and nodes[1].wait(timeout=60) == 1
     finally:
         for n in nodes:

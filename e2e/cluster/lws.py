@@ -172,7 +172,7 @@ class LeaderWorkerSetController:
             if not self.component.alive():
                 raise RuntimeError(f"lws-controller exited:\n{log_tail(self.component.log)}")
             try:
-                with urllib.request.urlopen(urllib.request.Request(url, data=b"{}"), context=ctx, timeout=5):
+                with urllib.request.urlopen(urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"}), context=ctx, timeout=5):
                     return
             except urllib.error.HTTPError as err:
                 if err.code != 404:

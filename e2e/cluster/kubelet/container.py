@@ -120,10 +120,12 @@ class Container:
 
     def launch_spec(self, argv: list[str], restart: int, volumes: dict[str, HostVolume], home: Path,
                     netns: str | None, image_paths: list[Path], exposed: list[dict],
-                    hosts: Path | None = None, hostname: str | None = None) -> dict:
+                    hosts: Path | None = None, resolv: Path | None = None,
+                    hostname: str | None = None) -> dict:
         """The launcher's input for run ``restart``: namespaces (``hostname``: a UTS namespace
         with that name), mounts (volumes, the image's HOME, a pulled image's own top-level
-        directories, the termination log, ``hosts`` at /etc/hosts unless a volume is there), the paths the
+        directories, the termination log, ``hosts`` at /etc/hosts and ``resolv`` at
+        /etc/resolv.conf unless a volume is there), the paths the
         image runs from (``keep``: bound again inside any mount that covers them, e.g. a checkout
         under /tmp), user, working directory, env and argv. Raises ConfigError when a mountPath
         is exactly such a path."""
@@ -156,8 +158,9 @@ class Container:
         term_log.touch()
         term_log.chmod(0o666)
         mounts.append({"source": str(term_log), "target": self.spec.get("terminationMessagePath") or "/dev/termination-log"})
-        if hosts is not None and "/etc/hosts" not in targets:
-            mounts.append({"source": str(hosts), "target": "/etc/hosts"})
+        for source, target in ((hosts, "/etc/hosts"), (resolv, "/etc/resolv.conf")):
+            if source is not None and target not in targets:
+                mounts.append({"source": str(source), "target": target})
         return {"netns": netns, "hostname": hostname, "expose": exposed if self.user.uid != 0 else [], "mounts": mounts,
                 "keep": [str(p) for p in image_paths],
                 "uid": self.user.uid, "gid": self.user.gid, "groups": self.user.groups,

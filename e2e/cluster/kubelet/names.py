@@ -16,8 +16,13 @@ Kubernetes' rules, as they are kept here:
   kubelet watches those EndpointSlices (:class:`HeadlessRecords`) and writes the records into
   every pod's hosts file, rewritten in place (the bind mount follows the file) when they change.
 - A pod resolves short names through the search list ``NAMESPACE.svc.cluster.local
-  svc.cluster.local cluster.local``; ``/etc/hosts`` has no search list, so each record is
-  written under every name that the list completes to it (``h.s.ns`` for ``h.s.ns.svc.cluster.local``).
+  svc.cluster.local cluster.local``; ``/etc/hosts`` has no search list (glibc applies it to DNS
+  queries only), so each record is written under every name that the list completes to it
+  (``h.s.ns`` for ``h.s.ns.svc.cluster.local``), the pod's own included.
+- A ClusterFirst pod's ``/etc/resolv.conf`` names the cluster's DNS server and that search list.
+  Here it names the node's address on the pod network, where no DNS server listens: a name that
+  is not in ``/etc/hosts`` fails at once (port unreachable) instead of after the timeouts of a
+  host resolver the pod's network cannot reach.
 """
 from __future__ import annotations
 
@@ -90,7 +95,7 @@ def records_from_slices(slices: Iterable[dict]) -> dict[str, str]:
 def hosts_file(pod: dict, pod_ip: str, records: dict[str, str]) -> str:
     """The pod's ``/etc/hosts``: the kubelet's managed content (localhost, the pod's IP with its
     FQDN and hostname, ``hostAliases``), then ``records`` (FQDN → address, the headless Services'
-    pods) under the names the pod's search list reaches them by."""
+    pods, this one's too) under the names the pod's search list reaches them by."""
     hostname, fqdn = pod_hostname(pod), pod_fqdn(pod)
     lines = ["# Kubernetes-managed hosts file.", *LOCALHOST_LINES,
              f"{pod_ip}\t{fqdn}\t{hostname}" if fqdn else f"{pod_ip}\t{hostname}"]
@@ -99,11 +104,26 @@ def hosts_file(pod: dict, pod_ip: str, records: dict[str, str]) -> str:
         lines.append("\n# Entries added by HostAliases.")
         lines += [f"{a['ip']}\t" + "\t".join(a.get("hostnames") or []) for a in aliases]
     namespace = pod["metadata"]["namespace"]
-    others = sorted((f, ip) for f, ip in records.items() if f != fqdn)
-    if others:
+    if records:
         lines.append("\n# Cluster DNS: pods of headless Services (the process kubelet's stand-in).")
-        lines += [f"{ip}\t" + "\t".join(names_for(f, namespace)) for f, ip in others]
+        lines += [f"{ip}\t" + "\t".join(names_for(f, namespace)) for f, ip in sorted(records.items())]
     return "\n".join(lines) + "\n"
+
+
+def cluster_first(pod: dict) -> bool:
+    """Whether the pod's DNS is the cluster's (dnsPolicy ClusterFirst, the default, off the
+    host network; ClusterFirstWithHostNet on it); else it keeps the node's resolv.conf."""
+    policy = pod["spec"].get("dnsPolicy") or "ClusterFirst"
+    if pod["spec"].get("hostNetwork"):
+        return policy == "ClusterFirstWithHostNet"
+    return policy in ("ClusterFirst", "ClusterFirstWithHostNet")
+
+
+def resolv_conf(namespace: str, nameserver: str) -> str:
+    """A ClusterFirst pod's ``/etc/resolv.conf``: ``nameserver``, the search list, ndots 5 (the
+    kubelet's), one try of one second."""
+    return (f"nameserver {nameserver}\nsearch {' '.join(search_list(namespace))}\n"
+            "options ndots:5 timeout:1 attempts:1\n")
 
 
 def write_in_place(path: Path, text: str) -> None:

@@ -184,6 +184,15 @@ class PodWorker(threading.Thread):
         """The pod's managed /etc/hosts; None for a hostNetwork pod (it sees the node's)."""
         return None if self.pod["spec"].get("hostNetwork") else self.dir / "hosts"
 
+    def _resolv_path(self) -> Path | None:
+        """The pod's /etc/resolv.conf when its DNS is the cluster's (names.cluster_first), written once."""
+        if not names.cluster_first(self.pod):
+            return None
+        path = self.dir / "resolv.conf"
+        if not path.exists():
+            names.write_in_place(path, names.resolv_conf(self.pod["metadata"]["namespace"], self.k.host_ip))
+        return path
+
     def write_hosts(self) -> None:
         """(Re)writes the pod's /etc/hosts from its IP and the current cluster-DNS records
         (names.hosts_file); called at sandbox creation and, from the EndpointSlice watch, on
@@ -354,7 +363,7 @@ class PodWorker(threading.Thread):
         try:
             netns = None if self.pod["spec"].get("hostNetwork") else f"/var/run/netns/{self.k.network.netns(self.uid)}"
             launch = c.launch_spec(argv, restart, self.volumes, self.dir / ".home", netns,
-                                   self.k.image_paths, self.k.exposed, self._hosts_path(),
+                                   self.k.image_paths, self.k.exposed, self._hosts_path(), self._resolv_path(),
                                    None if self.pod["spec"].get("hostNetwork") else names.pod_hostname(self.pod))
         except ConfigError as err:
             c.next_start = time.monotonic() + self.k.backoff_base

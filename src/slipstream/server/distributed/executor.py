@@ -28,6 +28,17 @@ log = logging.getLogger("slipstream.engine")
 HOST = "127.0.0.1"  # every rank of a single-machine group
 
 
+# What gloo's transport says when a peer rank's process is gone: EOF ("Connection closed by peer")
+# or a reset ("Read error [addr]: Connection reset by peer ... typically caused by a remote
+# worker crashing"), the usual way a rank in another pod (another machine) is seen to die.
+PEER_GONE_MARKERS = ("Connection closed", "Connection reset", "remote worker")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` from a collective says a peer rank went away (not a bug in this rank)."""
+    return any(marker in str(error) for marker in PEER_GONE_MARKERS)
+
+
 class RankFailed(RuntimeError):
     """A rank of a parallel engine died or failed; the engine cannot run another step."""
 
@@ -158,8 +169,8 @@ class ParallelRunner:
             return self._run_pipeline(batch, sample_rows, spans)
         except RankFailed:
             raise
-        except RuntimeError as e:  # a collective whose peer went away
-            if any(not p.is_alive() for p in self.workers) or "Connection closed" in str(e):
+        except RuntimeError as e:  # a collective whose peer went away (here, or on another node)
+            if any(not p.is_alive() for p in self.workers) or peer_gone(e):
                 raise self.failure(e) from e
             raise
 
