@@ -133,6 +133,12 @@ def test_pipeline_two_is_one_leaderworkerset_group_whose_pods_find_the_leader_by
         assert env["LWS_LEADER_ADDRESS"] == f"{LEADER}.{LEADER}.{NAMESPACE}", env
         assert env["LWS_WORKER_INDEX"] == index and env["LWS_GROUP_SIZE"] == "2"
         assert pods[name]["spec"]["hostname"] == name and pods[name]["spec"]["subdomain"] == LEADER
+    # LWS's pod webhook sees only a group's pods (its release's objectSelector), at its host URL.
+    hooks = {h["name"]: h for h in get(installed, "mutatingwebhookconfiguration",
+                                      "lws-mutating-webhook-configuration")["webhooks"]}
+    assert hooks["mpod.kb.io"]["objectSelector"] == {
+        "matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]}
+    assert hooks["mpod.kb.io"]["clientConfig"]["url"].startswith("https://127.0.0.1:")
     # The headless Service LWS made for the group lists both pods by hostname (cluster DNS's data).
     slices = get(installed, "endpointslices", "-n", NAMESPACE, "-l", f"kubernetes.io/service-name={LEADER}")
     hostnames = {e.get("hostname"): e["addresses"][0] for s in slices["items"] for e in s.get("endpoints") or []}
