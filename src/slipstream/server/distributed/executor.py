@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import time
 
 import torch
 
@@ -37,6 +38,10 @@ PEER_GONE_MARKERS = ("Connection closed", "Connection reset", "remote worker")
 def peer_gone(error: BaseException) -> bool:
     """Whether ``error`` from a collective says a peer rank went away (not a bug in this rank)."""
     return any(marker in str(error) for marker in PEER_GONE_MARKERS)
+
+
+# How long a failed collective waits for a dead local rank's exit to show, to name it (seconds).
+REAP_WAIT_S = 1.0
 
 
 class RankFailed(RuntimeError):
@@ -127,7 +132,13 @@ class ParallelRunner:
         self._send(("step", step, chunks))
 
     def failure(self, cause: BaseException | None) -> RankFailed:
-        """A :class:`RankFailed` naming the ranks that died and what they recorded."""
+        """A :class:`RankFailed` naming the ranks that died and what they recorded. A collective
+        can fail a moment before its peer's exit is seen (the socket closes while the process
+        dies): up to ``REAP_WAIT_S`` seconds are given for a local rank's exit to show."""
+        deadline = time.monotonic() + REAP_WAIT_S
+        while cause is not None and self.workers and all(p.is_alive() for p in self.workers) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         why = []
         for rank, proc in enumerate(self.workers, start=1):
             try:
