@@ -65,12 +65,14 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow and not cluster" $(ARGS)
 
 # The local control plane built from source (Go 1.26+): etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler, kubectl, helm, crane and registry into build/cluster/bin.
-# A cold build takes ~20 minutes on 2 cores; later ones re-link from Go's caches.
+# kube-controller-manager, kube-scheduler, kubectl, helm, crane, registry and the LeaderWorkerSet
+# controller into build/cluster/bin (LWS's CRD and webhooks into build/cluster/lws).
+# A cold build takes ~22 minutes on 2 cores (LWS ~2 of them); later ones re-link from Go's caches.
 cluster: $(CLUSTER_STAMP)
 
 $(CLUSTER_STAMP): e2e/cluster/build.sh e2e/cluster/kube/go.mod e2e/cluster/kube/go.sum \
-		e2e/cluster/helm/go.mod e2e/cluster/helm/go.sum e2e/cluster/oci/go.mod e2e/cluster/oci/go.sum
+		e2e/cluster/helm/go.mod e2e/cluster/helm/go.sum e2e/cluster/oci/go.mod e2e/cluster/oci/go.sum \
+		e2e/cluster/lws/go.mod e2e/cluster/lws/go.sum
 	e2e/cluster/build.sh build/cluster/bin
 	touch $(CLUSTER_STAMP)
 

@@ -373,7 +373,8 @@ def _serve(args: list[str], log):
 def test_two_nodes_serve_one_model_and_node_0_exits_1_when_node_1_dies(tmp_path):
     """Pipeline 2 over two `serve` processes that meet at node 0's --master-port, as two pods of a
     LeaderWorkerSet group do: node 0 answers with one process's tokens; node 1 answers /health,
-    not /ready; killing node 1's rank fails node 0, which exits 1, and node 1 exits 1 too."""
+    not /ready; killing node 1's rank fails node 0 (a request in the way gets a 503: retry
+    elsewhere), which exits 1, and node 1 exits 1 too."""
     import subprocess
     import time
 
@@ -407,9 +408,12 @@ def test_two_nodes_serve_one_model_and_node_0_exits_1_when_node_1_dies(tmp_path)
                                                text=True).stdout.split()
                 if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
         os.kill(rank[0], signal.SIGKILL)
-        status, body = _get(leader + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": prompt,
-                                                         "max_tokens": 4})
-        assert status == 500, body
+        try:
+            status, body = _get(leader + "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                                                             "max_tokens": 4})
+            assert status == 503, body  # the step failed (engine_failed), or node 0 is already stopping
+        except OSError:
+            pass  # node 0's idle ping noticed first and it has exited: no request reaches a broken group
         assert nodes[0].wait(timeout=60) == 1 and nodes[1].wait(timeout=60) == 1
     finally:
         for n in nodes:

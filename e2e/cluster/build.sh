@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the local control plane from source into build/cluster/bin (`make cluster` calls this):
 # kube-apiserver, kube-controller-manager, kube-scheduler and kubectl (Kubernetes v1.36.3),
-# etcd (the version that release requires), helm (v3.22.0), and go-containerregistry's crane and
-# registry (image volumes and model images). Go's module and build caches make
-# a second run a re-link; a cold one takes ~20 minutes on 2 cores.
+# etcd (the version that release requires), helm (v3.22.0), go-containerregistry's crane and
+# registry (image volumes and model images), and the LeaderWorkerSet controller (sigs.k8s.io/lws
+# v0.7.0) with its CRD and webhook registrations (into build/cluster/lws). Go's module and build
+# caches make a second run a re-link; a cold one takes ~22 minutes on 2 cores.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$here/../../build/cluster/bin}
@@ -43,5 +44,18 @@ cd "$here/oci"
 echo "building crane and registry ($(go list -m -f '{{.Version}}' github.com/google/go-containerregistry)) ..." >&2
 go build -trimpath -ldflags="-s -w" -o "$out/" github.com/google/go-containerregistry/cmd/crane \
   github.com/google/go-containerregistry/cmd/registry
+cd "$here/lws"
+lws_version=$(go list -m -f '{{.Version}}' sigs.k8s.io/lws)
+echo "building the LeaderWorkerSet controller ($lws_version) ..." >&2
+go build -trimpath -ldflags="-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$lws_version" \
+  -o "$out/lws-controller" sigs.k8s.io/lws/cmd
+# The release's own CRD and webhook registrations (config/ of the module), which
+# e2e/cluster/lws.py installs; install -m 644: the module cache's files are read-only.
+lws_src=$(go list -m -f '{{.Dir}}' sigs.k8s.io/lws)/config
+lws_share=$(dirname "$out")/lws
+mkdir -p "$lws_share"
+install -m 644 "$lws_src/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" \
+  "$lws_src/webhook/manifests.yaml" "$lws_src/webhook/mutating-patch.yaml" \
+  "$lws_src/webhook/validating-patch.yaml" "$lws_share/"
 "$out/kube-apiserver" --version
 "$out/helm" version --short

@@ -1,10 +1,12 @@
 """The local test cluster: the control plane (``controlplane.py``) plus one process kubelet
 (``kubelet.py``) whose pods are local processes, each in its own network and mount namespace.
 
-    .venv/bin/python e2e/cluster/cluster.py up [--gpus N]   # then: export KUBECONFIG=build/cluster/kubeconfig
+    .venv/bin/python e2e/cluster/cluster.py up [--gpus N] [--lws]   # then: export KUBECONFIG=build/cluster/kubeconfig
     .venv/bin/python e2e/cluster/cluster.py down
 
-Needs root (network namespaces, bind mounts) and the binaries of ``make cluster``. The pytest
+``--lws`` adds the LeaderWorkerSet controller (``lws.py``) that InferenceServices with
+``parallelism.pipeline`` > 1 need; it is off by default (its 1.2 MB CRD costs the API server
+seconds of CPU, and most tests do not need it). Needs root (network namespaces, bind mounts) and the binaries of ``make cluster``. The pytest
 fixture in ``tests/cluster/conftest.py`` uses :class:`Cluster` the same way.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from controlplane import (  # noqa: E402
     BIN, BUILD, POD_GATEWAY_IP, REPO, Component, ControlPlane, log_tail, missing_binaries,
     stop_from_pid_files)
+from lws import LeaderWorkerSetController  # noqa: E402
 
 NODE_NAME = "node-1"
 RELAY_PORT = 6443
@@ -43,11 +46,14 @@ def why_not_runnable() -> str | None:
 
 @dataclass
 class Cluster:
-    """A running control plane and kubelet; ``kubectl``/``helm`` run against it."""
+    """A running control plane and kubelet; ``kubectl``/``helm`` run against it. ``lws``: start
+    the LeaderWorkerSet controller too (or later, :meth:`start_lws`)."""
     gpus: int = 0
+    lws: bool = False
     python: str = str(REPO / ".venv" / "bin" / "python")
     plane: ControlPlane = field(default_factory=ControlPlane)
     kubelet: Component | None = None
+    lws_controller: LeaderWorkerSetController | None = None
 
     @property
     def kubeconfig(self) -> Path:
@@ -69,6 +75,16 @@ class Cluster:
             self.plane.run_dir / "kubelet.log", self.plane.run_dir / "kubelet.pid")
         self.kubelet.start()
         self.wait_node_ready(timeout)
+        if self.lws:
+            self.start_lws()
+
+    def start_lws(self, timeout: float = 120.0) -> None:
+        """Installs LeaderWorkerSet's CRD and webhooks and starts its controller (once; later
+        calls return at once). Raises RuntimeError when it does not come up."""
+        if self.lws_controller is not None and self.lws_controller.component.alive():
+            return
+        self.lws_controller = LeaderWorkerSetController(self.plane, self.kubectl)
+        self.lws_controller.start(timeout)
 
     def wait_node_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -85,6 +101,8 @@ class Cluster:
                            f"{log_tail(self.plane.run_dir / 'kubelet.log')}")
 
     def stop(self) -> None:
+        if self.lws_controller:
+            self.lws_controller.stop()
         if self.kubelet:
             self.kubelet.stop(timeout=60)
         self.plane.stop()
@@ -137,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up", "down"])
     parser.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu capacity of the node")
+    parser.add_argument("--lws", action="store_true", help="run the LeaderWorkerSet controller too")
     args = parser.parse_args(argv)
-    cluster = Cluster(gpus=args.gpus)
+    cluster = Cluster(gpus=args.gpus, lws=args.lws)
     if args.command == "down":
         running = running_components(cluster.plane.run_dir)
         stop_from_pid_files(cluster.plane.run_dir)
@@ -159,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
         return 1
     print(f"cluster up: API at {cluster.plane.server}, node {NODE_NAME} "
-          f"(pods on {POD_GATEWAY_IP}/24)\nexport KUBECONFIG={cluster.kubeconfig}")
+          f"(pods on {POD_GATEWAY_IP}/24){', LeaderWorkerSet controller' if args.lws else ''}\nexport KUBECONFIG={cluster.kubeconfig}")
     return 0
 
 

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "build" / "cluster"
 BIN = BUILD / "bin"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm",
-            "crane", "registry")
+            "crane", "registry", "lws-controller")
 
 SERVICE_CIDR = "10.0.0.0/24"
 # The ``kubernetes`` Service's ClusterIP (first address of SERVICE_CIDR) and the pod network's

@@ -453,7 +453,70 @@ def test_a_pod_completes_when_its_app_container_does_and_its_sidecar_is_stopped(
     delete(core, "sidecar-done")
 
 
+NAME_LOOKUPS = textwrap.dedent("""
+    import socket, time
+    for _ in range(150):  # until the EndpointSlice controller lists alpha and the kubelet hears of it
+        try:
+            print("short", socket.gethostbyname("alpha.names"), flush=True)
+            break
+        except OSError:
+            time.sleep(0.2)
+    print("fqdn", socket.gethostbyname("alpha.names.kubelet-test.svc.cluster.local"))
+    print("self", socket.gethostname(), socket.gethostbyname(socket.gethostname()))
+    began = time.monotonic()
+    try:
+        socket.gethostbyname("nowhere.example")
+    except OSError:
+        print("unknown", round(time.monotonic() - began, 1), flush=True)
+    time.sleep(3600)
+""")
+
+
+def test_a_pod_behind_a_headless_service_is_found_by_hostname_and_subdomain_from_another_pod(cluster, core):
+    """What cluster DNS answers for a pod with hostname + subdomain naming a headless Service
+    (how a LeaderWorkerSet's workers reach their leader): the kubelet's /etc/hosts has it under
+    the names the search list reaches, a pod's own hostname resolves to its IP, and a name no
+    record has fails at once."""
+    service = "names"
+    if _exists(core.read_namespaced_service, service, NS):
+        core.delete_namespaced_service(service, NS)
+    core.create_namespaced_service(NS, {"metadata": {"name": service}, "spec": {
+        "clusterIP": "None", "selector": {"app": "names-a"}, "ports": [{"port": 80}]}})
+    create(core, pod_manifest("names-a", [{"name": "c", "image": SHELL_IMAGE, "command": ["sleep", "3600"]}],
+                              hostname="alpha", subdomain=service))
+    create(core, pod_manifest("names-b", [{"name": "c", "image": SERVER_IMAGE,
+                                           "command": ["python", "-c", NAME_LOOKUPS]}]))
+    a = wait_pod(core, "names-a", lambda p: p["status"].get("podIP") and container_status(p).get("ready"), "ready")
+    b = wait_pod(core, "names-b", lambda p: p["status"].get("podIP") and container_status(p).get("ready"), "ready")
+    out = wait_for(lambda: "unknown" in (t := log_of(cluster, b, "c")) and t, 60, "the lookups' output")
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    assert lines["short"] == a["status"]["podIP"] and lines["fqdn"] == a["status"]["podIP"], out
+    assert lines["self"] == f"names-b {b['status']['podIP']}", out
+    assert float(lines["unknown"]) < 2.0, out
+    for name in ("names-a", "names-b"):
+        delete(core, name)
+    core.delete_namespaced_service(service, NS)
+
+
 # ---- the kubelet's pure parts (no cluster needed) ----------------------------------------------
+
+def test_a_headless_record_is_listed_under_every_name_the_pods_search_list_completes_to_it():
+    from kubelet.names import hosts_file, names_for, records_from_slices
+    fqdn = "lead-0.lead-0.ns.svc.cluster.local"
+    assert names_for(fqdn, "ns") == [fqdn, "lead-0.lead-0.ns.svc", "lead-0.lead-0.ns", "lead-0.lead-0"]
+    assert names_for(fqdn, "other") == [fqdn, "lead-0.lead-0.ns.svc", "lead-0.lead-0.ns"]
+    records = records_from_slices([{
+        "metadata": {"namespace": "ns", "labels": {"kubernetes.io/service-name": "lead-0"}},
+        "endpoints": [{"addresses": ["10.244.0.4"], "hostname": "lead-0", "conditions": {"ready": True}},
+                      {"addresses": ["10.244.0.5"], "hostname": "lead-0-1", "conditions": {"ready": False}},
+                      {"addresses": ["10.244.0.6"]}]}])
+    assert records == {fqdn: "10.244.0.4"}
+    worker = {"metadata": {"name": "lead-0-1", "namespace": "ns"},
+              "spec": {"hostname": "lead-0-1", "subdomain": "lead-0"}}
+    lines = hosts_file(worker, "10.244.0.5", records).splitlines()
+    assert "10.244.0.5\tlead-0-1.lead-0.ns.svc.cluster.local\tlead-0-1" in lines
+    assert f"10.244.0.4\t{fqdn}\tlead-0.lead-0.ns.svc\tlead-0.lead-0.ns\tlead-0.lead-0" in lines
+
 
 def test_dollar_paren_expansion_follows_kubernetes():
     from kubelet.env import expand

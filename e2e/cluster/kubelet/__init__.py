@@ -14,6 +14,7 @@ Run it with ``e2e/cluster/kubelet.py`` (see ``main.py`` for the flags).
 | ``images`` | the image table (this repository's images, busybox/python) and images pulled from loopback registries (model images) |
 | ``volumes`` | emptyDir, configMap, secret, downwardAPI, projected, PVC, hostPath, image; the pulled-image cache |
 | ``network`` | bridge, network namespaces, addresses, the API server relay |
+| ``names`` | a pod's hostname and managed /etc/hosts, with the headless Services' pod records cluster DNS would serve |
 | ``probes`` | startup/readiness/liveness probes and lifecycle handlers |
 | ``events`` | Events, aggregated as the kubelet's recorder does |
 """

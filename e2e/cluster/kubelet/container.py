@@ -119,9 +119,13 @@ class Container:
         self.view.container_id = f"process://{uuid.uuid4().hex}"
 
     def launch_spec(self, argv: list[str], restart: int, volumes: dict[str, HostVolume], home: Path,
-                    netns: str | None, image_paths: list[Path], exposed: list[dict]) -> dict:
-        """The launcher's input for run ``restart``: namespaces, mounts (volumes, the image's
-        HOME, a pulled image's own top-level directories, the termination log), the paths the
+                    netns: str | None, image_paths: list[Path], exposed: list[dict],
+                    hosts: Path | None = None, resolv: Path | None = None,
+                    hostname: str | None = None) -> dict:
+        """The launcher's input for run ``restart``: namespaces (``hostname``: a UTS namespace
+        with that name), mounts (volumes, the image's HOME, a pulled image's own top-level
+        directories, the termination log, ``hosts`` at /etc/hosts and ``resolv`` at
+        /etc/resolv.conf unless a volume is there), the paths the
         image runs from (``keep``: bound again inside any mount that covers them, e.g. a checkout
         under /tmp), user, working directory, env and argv. Raises ConfigError when a mountPath
         is exactly such a path."""
@@ -154,7 +158,10 @@ class Container:
         term_log.touch()
         term_log.chmod(0o666)
         mounts.append({"source": str(term_log), "target": self.spec.get("terminationMessagePath") or "/dev/termination-log"})
-        return {"netns": netns, "expose": exposed if self.user.uid != 0 else [], "mounts": mounts,
+        for source, target in ((hosts, "/etc/hosts"), (resolv, "/etc/resolv.conf")):
+            if source is not None and target not in targets:
+                mounts.append({"source": str(source), "target": target})
+        return {"netns": netns, "hostname": hostname, "expose": exposed if self.user.uid != 0 else [], "mounts": mounts,
                 "keep": [str(p) for p in image_paths],
                 "uid": self.user.uid, "gid": self.user.gid, "groups": self.user.groups,
                 "no_new_privs": self.user.no_new_privs, "drop_all_caps": self.user.drop_all_caps,
@@ -195,7 +202,7 @@ class Container:
         (exit code or None on timeout, combined output)."""
         if self.proc is None or self.proc.poll() is not None:
             return 1, "container is not running"
-        cmd = [NSENTER, "-t", str(self.proc.pid), "-m", "-n", "--", *self.user.setpriv(), *argv]
+        cmd = [NSENTER, "-t", str(self.proc.pid), "-m", "-n", "-u", "--", *self.user.setpriv(), *argv]
         try:
             done = subprocess.run(cmd, env=self.env, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """Starts one container: ``python -I -S launcher.py SPEC.json`` (as root, from the kubelet).
 
-Joins the pod's network namespace, enters a new mount namespace (private propagation), mounts a
+Joins the pod's network namespace, enters a new mount namespace (private propagation) and, with a
+``hostname``, a new UTS namespace with the pod's hostname (names.py), mounts a
 private tmpfs at /tmp and the pod's volumes (bind mounts; read-only where asked), then becomes
 the container's process: setpriv drops to the container's user, groups and capabilities and
 execs its command, so the container's PID is this process's PID. If the command cannot start,
@@ -16,6 +17,7 @@ import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 
@@ -34,12 +36,16 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
           f"mount {source} on {target}")
 
 
-def enter_namespaces(netns: str | None) -> None:
+def enter_namespaces(netns: str | None, hostname: str | None) -> None:
     if netns:
         with open(netns) as f:
             check(libc.setns(f.fileno(), CLONE_NEWNET), f"setns {netns}")
     check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if hostname:
+        check(libc.unshare(CLONE_NEWUTS), "unshare UTS namespace")
+        name = hostname.encode()
+        check(libc.sethostname(name, ctypes.c_size_t(len(name))), f"sethostname {hostname}")
 
 
 def ensure_mountpoint(target: str, is_file: bool) -> None:
@@ -128,7 +134,7 @@ def main() -> None:
         spec = json.load(f)
     error_file = open(spec["error_file"], "w")
     try:
-        enter_namespaces(spec.get("netns"))
+        enter_namespaces(spec.get("netns"), spec.get("hostname"))
         fds = capture(spec)
         mount_all(spec, fds)
         exec_container(spec)

@@ -27,6 +27,7 @@ from kubernetes.watch import Watch
 from .container import kill_leftovers
 from .events import EventRecorder
 from .images import SLIPSTREAM_UID
+from .names import HeadlessRecords
 from .network import PodNetwork, Relay
 from .node import NodeAgent, node_manifest
 from .objects import Objects
@@ -82,6 +83,15 @@ class Kubelet:
         self.workers: dict[str, PodWorker] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.names = HeadlessRecords(self.api, self._names_changed, self.stopping)
+
+    def _names_changed(self, records: dict[str, str]) -> None:
+        """Headless Services' pods changed: every pod's /etc/hosts is rewritten."""
+        log.info("cluster DNS records: %s", records)
+        with self.lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            w.write_hosts()
 
     def service_env(self) -> dict[str, str]:
         """The variables of the ``kubernetes`` Service, pointing at this node's relay."""
@@ -94,6 +104,9 @@ class Kubelet:
 
     # ---- start and stop ---------------------------------------------------------------------
     def start(self) -> None:
+        """Claims the pod network (RuntimeError when another kubelet has it), removes what an
+        earlier run left, sets up the network and the API relay and registers the Node."""
+        self.network.claim()
         python = (self.repo / ".venv" / "bin" / "python").resolve()
         for target in (python, self.repo / "pyproject.toml", self.repo / ".venv" / "pyvenv.cfg"):
             check_readable(target)
@@ -243,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         sys.exit("kubelet: must run as root (network namespaces, mounts, setuid)")
     kubelet = Kubelet(args)
-    kubelet.start()
+    try:
+        kubelet.start()
+    except RuntimeError as err:
+        sys.exit(f"kubelet: {err}")
     done = threading.Event()
 
     def on_signal(signum, _frame) -> None:
@@ -253,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     threading.Thread(target=kubelet.watch_pods, name="pod-watch", daemon=True).start()
+    threading.Thread(target=kubelet.names.run, name="endpointslice-watch", daemon=True).start()
     log.info("kubelet %s ready (state under %s)", args.node_name, kubelet.state_dir)
     done.wait()
     kubelet.shutdown()

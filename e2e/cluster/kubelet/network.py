@@ -4,19 +4,24 @@ the gateway to the API server (which listens on 127.0.0.1 only), so in-cluster c
 at ``KUBERNETES_SERVICE_HOST:KUBERNETES_SERVICE_PORT``.
 
 Every name starts with the bridge's name, so start-up removes only what an earlier run of this
-kubelet (same ``--bridge``) left behind.
+kubelet (same ``--bridge``) left behind; a lock per bridge name (:meth:`PodNetwork.claim`) keeps
+a second kubelet from removing the network of one that still runs.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import ipaddress
 import logging
+import os
 import select
 import socket
 import subprocess
 import threading
+from pathlib import Path
 
 log = logging.getLogger("kubelet.network")
+LOCK_DIR = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -42,6 +47,18 @@ class PodNetwork:
 
     def _veth(self, uid: str) -> str:
         return f"{self.bridge}-{hashlib.sha1(uid.encode()).hexdigest()[:8]}"
+
+    def claim(self) -> None:
+        """Takes this bridge name's lock for the life of the process. Raises RuntimeError when
+        another kubelet holds it (its pods' namespaces and veths must not be removed)."""
+        path = LOCK_DIR / f"slipstream-kubelet-{self.bridge}.lock"
+        self._lock_fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise RuntimeError(f"another kubelet runs the pod network on bridge {self.bridge} (it holds {path}): "
+                               "stop it first (`make cluster-down`), or give this one another --bridge") from None
 
     def setup(self) -> None:
         """Removes what an earlier run left, then creates the bridge with the gateway address."""

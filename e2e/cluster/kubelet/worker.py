@@ -24,7 +24,7 @@ from typing import Protocol
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from . import volumes
+from . import names, volumes
 from .container import Container, StartRefused, resolve_user
 from .env import ConfigError, command_line, container_env
 from .events import EventRecorder
@@ -57,6 +57,7 @@ class Node(Protocol):
     objects: Objects
     events: EventRecorder
     network: PodNetwork
+    names: names.HeadlessRecords
     host_ip: str
     ca_pem: bytes
     state_dir: Path
@@ -92,6 +93,8 @@ class PodWorker(threading.Thread):
         self.initialized = False   # the init sequence is through: app containers may start
         self.apps_done = False     # no app container will run again: sidecars are not restarted
         self.volumes: dict[str, volumes.HostVolume] = {}
+        self.hosts_lock = threading.Lock()
+        self.hosts_closed = False  # torn down: the hosts file is not written again
         self.last_status: dict | None = None
         self.init = [Container(c, True, self.dir / c["name"]) for c in pod["spec"].get("initContainers") or []]
         self.app = [Container(c, False, self.dir / c["name"]) for c in pod["spec"]["containers"]]
@@ -166,6 +169,7 @@ class PodWorker(threading.Thread):
         except Exception as err:  # noqa: BLE001 - reported as the kubelet does, then retried
             self._emit("Warning", "FailedCreatePodSandBox", f"Failed to create pod sandbox: {err}")
             return False
+        self.write_hosts()
         try:
             self.volumes = volumes.prepare(self._pod_with_ips(), self.dir, self.k.state_dir, self.k.objects)
             self.volumes.update(volumes.token_fallback(self.pod, self.dir, self.k.objects, self.k.ca_pem))
@@ -175,6 +179,32 @@ class PodWorker(threading.Thread):
         self.sandbox_ready = True
         log.info("pod %s: sandbox ready, IP %s, logs under %s", self.key, self.pod_ip, self.dir)
         return True
+
+    def _hosts_path(self) -> Path | None:
+        """The pod's managed /etc/hosts; None for a hostNetwork pod (it sees the node's)."""
+        return None if self.pod["spec"].get("hostNetwork") else self.dir / "hosts"
+
+    def _resolv_path(self) -> Path | None:
+        """The pod's /etc/resolv.conf when its DNS is the cluster's (names.cluster_first), written once."""
+        if not names.cluster_first(self.pod):
+            return None
+        path = self.dir / "resolv.conf"
+        if not path.exists():
+            names.write_in_place(path, names.resolv_conf(self.pod["metadata"]["namespace"], self.k.host_ip))
+        return path
+
+    def write_hosts(self) -> None:
+        """(Re)writes the pod's /etc/hosts from its IP and the current cluster-DNS records
+        (names.hosts_file); called at sandbox creation and, from the EndpointSlice watch, on
+        every change of the records. Under a lock, so the last writer wrote the latest records."""
+        path = self._hosts_path()
+        with self.hosts_lock:
+            if path is None or self.pod_ip is None or self.hosts_closed:
+                return
+            try:
+                names.write_in_place(path, names.hosts_file(self.pod, self.pod_ip, self.k.names.records))
+            except OSError as err:
+                log.warning("pod %s: hosts file not written: %s", self.key, err)
 
     # ---- containers -------------------------------------------------------------------------
     def _sync_containers(self) -> None:
@@ -333,7 +363,8 @@ class PodWorker(threading.Thread):
         try:
             netns = None if self.pod["spec"].get("hostNetwork") else f"/var/run/netns/{self.k.network.netns(self.uid)}"
             launch = c.launch_spec(argv, restart, self.volumes, self.dir / ".home", netns,
-                                   self.k.image_paths, self.k.exposed)
+                                   self.k.image_paths, self.k.exposed, self._hosts_path(), self._resolv_path(),
+                                   None if self.pod["spec"].get("hostNetwork") else names.pod_hostname(self.pod))
         except ConfigError as err:
             c.next_start = time.monotonic() + self.k.backoff_base
             c.view.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(err)}}
@@ -475,6 +506,8 @@ class PodWorker(threading.Thread):
                 c.signal(signal.SIGKILL)
                 c.proc.wait()
         volumes.unmount_memory(self.dir)
+        with self.hosts_lock:
+            self.hosts_closed = True
         if not self.pod["spec"].get("hostNetwork"):
             self.k.network.delete(self.uid)
         if not self.shutdown:

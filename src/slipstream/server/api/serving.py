@@ -41,10 +41,18 @@ async def read_json(request: web.Request) -> Any:
 
 
 def failure(state: ServerState, out: RequestOutput) -> APIError | None:
-    """The error a finished-by-abort output stands for: a drain that ran out (503) or a failed step (500)."""
+    """The error a finished-by-abort output stands for: an engine that stopped for good (503: a
+    rank of a parallel group died and the server is exiting; the request is not at fault, so a
+    gateway retries it on another replica before the first byte), a drain that ran out (503) or
+    a failed step (500)."""
     aborted = out.error or any(c.finish_reason == FinishReason.ABORT for c in out.outputs)
     if not aborted:
         return None
+    stopped = getattr(state.llm, "failure", None)
+    if stopped is not None:
+        return APIError(503, f"The request was aborted: this replica's engine stopped ({stopped}). Retry it; "
+                        "another replica, or this one once restarted, will serve it.", code="engine_failed",
+                        headers={"Retry-After": "1"})
     if state.drain_expired:
         return APIError(503, "The request was aborted: the server is shutting down. Retry it.",
                         code="server_shutting_down")

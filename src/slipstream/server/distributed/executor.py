@@ -157,7 +157,14 @@ class ParallelRunner:
         self._send(("step", step, chunks))
 
     def failure(self, cause: BaseException | None) -> RankFailed:
-        """A :class:`RankFailed` naming the ranks that died and what they recorded."""
+        """A :class:`RankFailed` naming the ranks that died and what they recorded. After a failed
+        collective (``cause``) up to :data:`DEATH_GRACE_S` seconds are given for the ranks to
+        exit: the one that died may not be reaped yet, and the survivors fail their own
+        collectives and exit too, so the message names the rank that died first, not only its
+        peers' errors."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while cause is not None and any(p.is_alive() for p in self.workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
         why = []
         for rank, proc in enumerate(self.workers, start=1):
             try:
@@ -200,11 +207,6 @@ class ParallelRunner:
         except RankFailed:
             raise
         except Exception as e:  # a peer went away, or the ranks no longer line up: fatal either way
-            deadline = time.monotonic() + DEATH_GRACE_S
-            # The ranks that survive fail their own collectives and exit too: wait for them all,
-            # so the message names the rank that died first, not only its peers' errors.
-            while any(p.is_alive() for p in self.workers) and time.monotonic() < deadline:
-                time.sleep(0.05)
             raise self.failure(e) from e
 
     def _run_pipeline(self, batch: SchedulerOutput, sample_rows: list[int], spans: list[PromptSpan]) -> StepOutput:
