@@ -1,5 +1,5 @@
 """Tenants and priorities that the gateway and the pods read the same way: the headers that carry
-them, the default tenant, the scheduling policies ``slipstream serve`` offers and the weights of
+them (tenant, criticality), the default tenant, the scheduling policies ``slipstream serve`` offers and the weights of
 the Virtual Token Counter (VTC, Sheng et al., "Fairness in Serving Large Language Models",
 OSDI '24), which charges a tenant for the prompt and output tokens it was served."""
 from __future__ import annotations
@@ -8,6 +8,13 @@ from __future__ import annotations
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 # A request without the header belongs to this tenant (with one tenant, fair is first-come).
 DEFAULT_TENANT = "default"
+
+# How much a request may be shed under overload (llm-d's criticality): sheddable ones are refused
+# (429) as soon as no model server can take them, critical ones are dispatched before the others
+# and never refused while a standard one waits. The gateway reads it; the pods ignore it.
+CRITICALITY_HEADER = "x-slipstream-criticality"
+CRITICALITIES = ("critical", "standard", "sheddable")  # dispatch order
+DEFAULT_CRITICALITY = "standard"
 
 # fcfs: arrival order; priority: the request's ``priority`` (lower runs sooner, vLLM's), then arrival;
 # fair: VTC across tenants, priority then arrival within a tenant.

@@ -16,18 +16,24 @@ Preemption takes the last request of :meth:`WaitingQueue.protect_order`'s order:
 newest, ``priority`` the lowest priority, ``fair`` the most-served tenant's newest.
 
 Pure policy: no blocks, no clocks; a request's prompt is charged when it is admitted, and the
-scheduler calls :meth:`WaitingQueue.charge` after each step for the output tokens.
+scheduler calls :meth:`WaitingQueue.charge` after each step for the output tokens. The counters
+themselves (:class:`~slipstream.server.virtual_token_counter.TokenCounters`) are shared with the
+gateway's flow control, which orders its own waiting requests by the same rule.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from slipstream.api_types.tenancy import (DEFAULT_SCHEDULING_POLICY, OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT,
                                           SCHEDULING_POLICIES)
 
-from .request import Request
+from ..virtual_token_counter import TokenCounters
+
+if TYPE_CHECKING:
+    from .request import Request
 
 # How many of a tenant's first waiting requests of equal priority are looked at for a cached prefix.
 PREFIX_LOOKAHEAD = 8
@@ -52,14 +58,10 @@ class WaitingQueue:
                  cached_blocks: Callable[[Request], int] | None = None):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
-        weights = dict(tenant_weights or {})
-        if any(not w > 0 for w in weights.values()):
-            raise ValueError(f"tenant weights must be > 0, got {weights}")
         self.policy = policy
-        self.tenant_weights = weights
-        self.prompt_token_weight, self.output_token_weight = prompt_token_weight, output_token_weight
+        self.service = TokenCounters(tenant_weights, prompt_token_weight, output_token_weight)
+        self.counters = self.service.counters  # tenant → weighted tokens served (fair)
         self.cached_blocks = cached_blocks
-        self.counters: dict[str, float] = {}  # tenant → weighted tokens served (fair)
         self._active: dict[str, int] = {}  # tenant → its requests waiting or running
         self._heaps: dict[str, list[tuple]] = {}  # tenant (fcfs, priority: one heap, key "") → entries
         self._seq = itertools.count()
@@ -131,10 +133,8 @@ class WaitingQueue:
         """Count service to ``req``'s tenant: prompt tokens (charged at admission by :meth:`pop`)
         and output tokens (by the scheduler after each step): VTC's counter update, divided by
         the tenant's weight."""
-        if self.policy != "fair":
-            return
-        cost = prompt_tokens * self.prompt_token_weight + output_tokens * self.output_token_weight
-        self.counters[req.tenant] = self.counters.get(req.tenant, 0.0) + cost / self.weight(req.tenant)
+        if self.policy == "fair":
+            self.service.charge(req.tenant, prompt_tokens, output_tokens)
 
     def protect_order(self, running: list[Request]) -> list[Request]:
         """``running`` reordered (stably) so that the request to preempt first is last."""
@@ -143,9 +143,6 @@ class WaitingQueue:
         if self.policy == "fair" and len({r.tenant for r in running}) > 1:
             return sorted(running, key=lambda r: self.counters.get(r.tenant, 0.0))
         return running
-
-    def weight(self, tenant: str) -> float:
-        return self.tenant_weights.get(tenant, 1.0)
 
     # --- inside ---------------------------------------------------------------------------------
     def _queue_of(self, req: Request) -> str:
@@ -164,11 +161,8 @@ class WaitingQueue:
         return min(queued, key=lambda th: (self.counters.get(th[0], 0.0), th[1][0][1]))[1]
 
     def _lift(self, tenant: str) -> None:
-        if self.policy != "fair" or self._active.get(tenant):
-            return
-        backlogged = [self.counters.get(t, 0.0) for t in self._active]
-        if backlogged:
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(backlogged))
+        if self.policy == "fair" and not self._active.get(tenant):
+            self.service.lift(tenant, self._active)
 
     def _prefer_cached(self, heap: list[tuple]) -> Request:
         candidates = [e for e in heapq.nsmallest(PREFIX_LOOKAHEAD, heap) if e[0] == heap[0][0]]

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..cli import HelpFormatter, byte_size, configure_logging
-from ..cli_types import int_at_least, non_negative_float, positive_float
+from ..cli_types import int_at_least, non_negative_float, positive_float, tenant_weights
 from .config import GatewayConfig
 from .routing import DEFAULT_POLICY, POLICIES
 from .routing.weights import add_weight_flags, weights_from_args
@@ -53,6 +53,9 @@ def gateway_parser() -> argparse.ArgumentParser:
                         "plus --queue-headroom, when the pod reports it; else no limit)")
     q.add_argument("--queue-headroom", type=int_at_least(0), default=None,
                    help="requests queued on a pod beyond its max_num_seqs before it is full (default: max_num_seqs)")
+    q.add_argument("--tenant-weights", type=tenant_weights, default=None, metavar="NAME=W,...",
+                   help="tenants' shares (the x-gateway-inference-fairness-id header) when requests wait for a "
+                        "model server, e.g. 'team-a=3,team-b=1' (a tenant not named weighs 1); give the pods the same")
     q.add_argument("--max-tries", type=int_at_least(1), default=d.max_tries,
                    help="most endpoints one request is sent to (a connection error or 503 before the first "
                         "byte moves it on; never after)")
@@ -108,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         retry_after=args.retry_after,
         max_request_bytes=args.max_request_bytes, prefix_capacity=args.prefix_capacity,
         block_index_capacity=args.block_index_capacity, max_prompt_blocks=args.max_prompt_blocks,
-        shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or None)
+        shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or None, tenant_weights=args.tenant_weights)
 
 
 def main(argv: list[str]) -> int:

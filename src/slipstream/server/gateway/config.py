@@ -40,6 +40,8 @@ class GatewayConfig:
     prefix_capacity / block_index_capacity / sessions / max_prompt_blocks: bounds of the routing
         state (prefix table entries, KV-event index entries, session keys, blocks hashed per prompt).
     shutdown_timeout: seconds a stopping gateway gives in-flight requests.
+    tenant_weights: tenant → share of the dispatch from the gateway's queue (default 1 each), as
+        the pods' ``--tenant-weights``.
     api_key: the pods' ``--api-key``, for the gateway's own requests to them (tokenizer files,
         KV events); clients' requests are forwarded with their own ``Authorization``.
     """
@@ -68,6 +70,7 @@ class GatewayConfig:
     max_prompt_blocks: int = 512
     shutdown_timeout: float = 30.0
     api_key: str | None = field(default=None, repr=False)
+    tenant_weights: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", tuple(dict.fromkeys(normalize_url(u) for u in self.endpoints)))
@@ -94,6 +97,8 @@ class GatewayConfig:
         for name in ("shutdown_timeout", "retry_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+        if any(not w > 0 for w in (self.tenant_weights or {}).values()):
+            raise ValueError(f"tenant_weights must be > 0, got {self.tenant_weights}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 

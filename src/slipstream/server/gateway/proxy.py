@@ -6,7 +6,9 @@ A request's path through the gateway:
    (the prompt's block hashes for the prefix policies, a session key) for the inference paths;
    every other path goes to the least-loaded endpoint.
 2. Take a slot (:meth:`WaitQueue.acquire`): at once, or after waiting in the gateway's queue
-   until the request's deadline (429 when the queue is full, 503 past the deadline).
+   until the request's deadline (429 when the queue is full or a sheddable request finds every
+   pod busy, 503 past the deadline); waiting requests are served by criticality, then fairly
+   between tenants (the ``x-gateway-inference-fairness-id`` header, forwarded to the pods too).
 3. Send it with the client's end-to-end headers (``Authorization`` included: the pods enforce
    their ``--api-key``) and a request id. A connection error or a 503 before the first response
    byte moves it to another endpoint (that one excluded, at most ``max_tries`` endpoints); once
@@ -30,12 +32,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from slipstream.api_types.tenancy import (CRITICALITIES, CRITICALITY_HEADER, DEFAULT_CRITICALITY, DEFAULT_TENANT,
+                                          FAIRNESS_ID_HEADER)
+
 from .config import GatewayConfig
 from .endpoints import EndpointSet
 from .metrics import GatewayMetrics
 from .routing import Choice, RouteRequest, Router
 from .usage import TAIL_BYTES, usage_tokens
-from .wait_queue import DeadlineExceeded, QueueFull, WaitQueue
+from .wait_queue import DeadlineExceeded, QueueFull, Shed, WaitQueue
 
 log = logging.getLogger("slipstream.gateway")
 
@@ -120,11 +125,26 @@ class Proxy:
         route, router = await self._route_request(request, body)
         headers = _forward_headers(request, request_id)
         deadline = start + self.config.queue_timeout
+        tenant = request.headers.get(FAIRNESS_ID_HEADER) or DEFAULT_TENANT
+        criticality = (request.headers.get(CRITICALITY_HEADER) or DEFAULT_CRITICALITY).strip().lower()
+        if criticality not in CRITICALITIES:
+            return self._reject(400, "invalid_criticality", request_id,
+                                f"The {CRITICALITY_HEADER} header must be one of {', '.join(CRITICALITIES)}, "
+                                f"got {criticality!r}.")
+        # The prompt's size for the tenant's share, before the pod counts it: its hashed blocks, else
+        # about 4 bytes of body per token.
+        prompt_tokens = len(route.block_hashes) * self._block_size() if route.block_hashes else len(body) // 4
         tried: list[str] = []
         last_error = ""
         for attempt in range(self.config.max_tries):
             try:
-                choice = await self.queue.acquire(lambda loads: router.pick(route, loads), deadline, tried)
+                choice = await self.queue.acquire(lambda loads: router.pick(route, loads), deadline, tried,
+                                                  tenant=tenant, criticality=criticality,
+                                                  prompt_tokens=prompt_tokens if attempt == 0 else 0)
+            except Shed:
+                return self._reject(429, "shed", request_id,
+                                    "Every model server is busy and the request is sheddable "
+                                    f"({CRITICALITY_HEADER}: sheddable); retry after a while.")
             except QueueFull:
                 return self._reject(429, "queue_full", request_id,
                                     f"The gateway holds {self.config.max_queue} requests waiting for a model server "
@@ -163,7 +183,7 @@ class Proxy:
             try:
                 if upstream.status < 400:
                     router.record(route, choice)
-                return await self._relay(request, upstream, request_id, start)
+                return await self._relay(request, upstream, request_id, start, tenant)
             finally:
                 upstream.close()  # no-op once released; else the pod sees the connection go and aborts
                 self.endpoints.release(choice.endpoint)
@@ -191,6 +211,10 @@ class Proxy:
                     log.exception("hashing the prompt failed; routing by load")
         return RouteRequest(hashes, _session_key(request, payload)), self.router
 
+    def _block_size(self) -> int:
+        reference = min(self.endpoints.routable_endpoints(), key=lambda e: e.name, default=None)
+        return reference.block_size if reference is not None else DEFAULT_BLOCK_SIZE
+
     def _count_decision(self, router: Router, route: RouteRequest, choice: Choice) -> None:
         self.metrics.decisions.labels(router.policy, choice.reason).inc()
         if route.block_hashes:
@@ -206,8 +230,9 @@ class Proxy:
         return error_response(status, message, code=reason, headers=headers)
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, request_id: str,
-                     start: float) -> web.StreamResponse:
-        """Copy ``upstream``'s status, end-to-end headers and body to the client as it arrives."""
+                     start: float, tenant: str = DEFAULT_TENANT) -> web.StreamResponse:
+        """Copy ``upstream``'s status, end-to-end headers and body to the client as it arrives;
+        the output tokens its usage reports are charged to ``tenant``."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for key, value in upstream.headers.items():
             if key.lower() not in HOP_BY_HOP and key.lower() not in ("content-length", "x-request-id"):
@@ -247,4 +272,5 @@ class Proxy:
         if tokens is not None:
             self.metrics.prompt_tokens.inc(tokens[0])
             self.metrics.generation_tokens.inc(tokens[1])
+            self.queue.charge_output(tenant, tokens[1])
         return response

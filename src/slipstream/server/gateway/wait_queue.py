@@ -1,53 +1,95 @@
 """The gateway's wait queue: requests that no endpoint can take yet (the lossless cold path:
-scale from zero, a rollout, every pod at its limit).
+scale from zero, a rollout, every pod at its limit), with flow control between tenants.
 
-A request takes a slot with :meth:`WaitQueue.acquire`: at once when the routing policy picks an
-endpoint, else it waits in a bounded FIFO queue until an endpoint appears or a slot frees, up to
-its deadline. The queue hears of freed capacity from the :class:`~.endpoints.EndpointSet`
-(a slot released, a fresh scrape, a scraper tick) and hands slots out in arrival order.
+A request takes a slot with :meth:`WaitQueue.acquire`: at once when nobody waits and the routing
+policy picks an endpoint, else it waits, bounded, until an endpoint appears or a slot frees, up
+to its deadline. The queue hears of freed capacity from the :class:`~.endpoints.EndpointSet`
+(a slot released, a fresh scrape, a scraper tick) and hands slots out in this order:
+
+1. criticality band (``x-slipstream-criticality``): critical, then standard; a sheddable request
+   never waits, it is refused (429) as soon as no endpoint can take it;
+2. between tenants (``x-gateway-inference-fairness-id``), the one served least so far by the
+   Virtual Token Counter the engine uses (:class:`~slipstream.server.virtual_token_counter.TokenCounters`:
+   a request's estimated prompt tokens are charged when it gets its slot, its output tokens when
+   its response ends; a tenant that starts waiting again is lifted to the least-served waiting
+   tenant's count);
+3. arrival, within a tenant.
+
+When the queue is full a critical request takes the place of the newest standard one (which is
+refused, 429), so a critical request is never refused while a standard one waits.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
+
+from slipstream.api_types.tenancy import CRITICALITIES, DEFAULT_CRITICALITY, DEFAULT_TENANT
+from slipstream.server.virtual_token_counter import TokenCounters
 
 from .endpoints import EndpointSet
 from .routing import Choice, EndpointLoad
 
 Pick = Callable[[Sequence[EndpointLoad]], "Choice | None"]
+CRITICAL, STANDARD, SHEDDABLE = CRITICALITIES
 
 
 class QueueFull(Exception):
-    """The gateway's queue holds ``max_queue`` requests already (answer 429)."""
+    """The gateway's queue holds ``max_queue`` requests already, or a critical request took this
+    one's place (answer 429)."""
+
+
+class Shed(QueueFull):
+    """A sheddable request that no endpoint could take at once (answer 429)."""
 
 
 class DeadlineExceeded(Exception):
     """A request waited its whole ``queue_timeout`` for an endpoint (answer 503)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Waiter:
     pick: Pick
     exclude: Collection[str]
     future: asyncio.Future = field(repr=False)
+    tenant: str
+    band: int  # index in CRITICALITIES
+    prompt_tokens: int
+    seq: int
 
 
 class WaitQueue:
     """Requests waiting for a slot on one of ``endpoints``; at most ``max_queue`` (default the
-    endpoints' ``config.max_queue``)."""
+    endpoints' ``config.max_queue``); ``tenant_weights``: tenant → share (default 1 each)."""
 
-    def __init__(self, endpoints: EndpointSet, max_queue: int | None = None):
+    def __init__(self, endpoints: EndpointSet, max_queue: int | None = None,
+                 tenant_weights: Mapping[str, float] | None = None):
         self.endpoints = endpoints
         self.max_queue = endpoints.config.max_queue if max_queue is None else max_queue
-        self._waiters: deque[_Waiter] = deque()
+        self.service = TokenCounters(tenant_weights)
+        self._queues: dict[tuple[int, str], deque[_Waiter]] = {}  # (band, tenant) → arrival order
+        self._count = 0
+        self._seq = itertools.count()
         endpoints.add_capacity_listener(self.dispatch)
 
     @property
     def waiting(self) -> int:
         """Requests waiting in the gateway for an endpoint."""
-        return len(self._waiters)
+        return self._count
+
+    def waiting_by_tenant(self) -> dict[str, int]:
+        """Requests waiting per tenant."""
+        counts: dict[str, int] = {}
+        for (_, tenant), queue in self._queues.items():
+            counts[tenant] = counts.get(tenant, 0) + len(queue)
+        return {t: n for t, n in counts.items() if n}
+
+    def charge_output(self, tenant: str, output_tokens: int) -> None:
+        """Count the output tokens a finished response of ``tenant`` carried."""
+        self.service.charge(tenant, 0, output_tokens)
 
     def _try(self, pick: Pick, exclude: Collection[str]) -> Choice | None:
         loads = self.endpoints.loads()
@@ -58,24 +100,40 @@ class WaitQueue:
             self.endpoints.take(choice.endpoint)
         return choice
 
-    async def acquire(self, pick: Pick, deadline: float, exclude: Collection[str] = ()) -> Choice:
+    async def acquire(self, pick: Pick, deadline: float, exclude: Collection[str] = (), *,
+                      tenant: str = DEFAULT_TENANT, criticality: str = DEFAULT_CRITICALITY,
+                      prompt_tokens: int = 0) -> Choice:
         """A slot on the endpoint ``pick`` chooses among the routable ones not in ``exclude``
         (those only when no other is routable: an endpoint that failed is unready until its
         /ready answers again, and then it may be the only one left).
 
-        Waits (FIFO behind earlier waiters) while ``pick`` returns None, until ``deadline`` (on
-        the endpoints' clock). Raises QueueFull when ``max_queue`` requests wait already and
-        DeadlineExceeded past the deadline. The caller must :meth:`EndpointSet.release` the
-        choice's endpoint.
+        Waits (in the module's order) while ``pick`` returns None, until ``deadline`` (on the
+        endpoints' clock). ``prompt_tokens`` (an estimate) is charged to ``tenant`` when the slot
+        is granted. Raises :class:`Shed` for a sheddable request that gets no slot at once,
+        :class:`QueueFull` when ``max_queue`` requests wait already (or a critical request took
+        this one's place) and :class:`DeadlineExceeded` past the deadline. The caller must
+        :meth:`EndpointSet.release` the choice's endpoint.
+
+        Raises:
+            ValueError: an unknown ``criticality``.
         """
-        if not self._waiters:
+        if criticality not in CRITICALITIES:
+            raise ValueError(f"criticality must be one of {', '.join(CRITICALITIES)}, got {criticality!r}")
+        if not self._count:
             choice = self._try(pick, exclude)
             if choice is not None:
+                self.service.charge(tenant, prompt_tokens, 0)
                 return choice
-        if len(self._waiters) >= self.max_queue:
+        if criticality == SHEDDABLE:
+            raise Shed
+        if self._count >= self.max_queue and not (criticality == CRITICAL and self._evict_standard()):
             raise QueueFull
-        waiter = _Waiter(pick, frozenset(exclude), asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
+        if not any(t == tenant for _, t in self._queues):
+            self.service.lift(tenant, self.waiting_by_tenant())
+        waiter = _Waiter(pick, frozenset(exclude), asyncio.get_running_loop().create_future(), tenant,
+                         CRITICALITIES.index(criticality), prompt_tokens, next(self._seq))
+        self._queues.setdefault((waiter.band, tenant), deque()).append(waiter)
+        self._count += 1
         try:
             done, _ = await asyncio.wait({waiter.future}, timeout=max(0.0, deadline - self.endpoints.clock()))
         except BaseException:  # cancelled: the client went away while waiting
@@ -86,32 +144,60 @@ class WaitQueue:
             raise DeadlineExceeded
         return waiter.future.result()
 
+    def _remove(self, waiter: _Waiter) -> None:
+        key = (waiter.band, waiter.tenant)
+        queue = self._queues.get(key)
+        if queue is None or waiter not in queue:
+            return
+        queue.remove(waiter)
+        self._count -= 1
+        if not queue:  # one entry per tenant that waits now, not per tenant ever seen
+            del self._queues[key]
+
     def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.future.done() and not waiter.future.cancelled():
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
             self.endpoints.release(waiter.future.result().endpoint)  # handed a slot just as it gave up
             return
         waiter.future.cancel()
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
+        self._remove(waiter)
+
+    def _evict_standard(self) -> bool:
+        """Refuse the newest waiting standard request to make room; False when none waits."""
+        newest = max((q[-1] for (band, _), q in self._queues.items() if q and band == CRITICALITIES.index(STANDARD)),
+                     key=lambda w: w.seq, default=None)
+        if newest is None:
+            return False
+        self._remove(newest)
+        if not newest.future.done():
+            newest.future.set_exception(QueueFull())
+        return True
+
+    def _next(self, skipped: set[int]) -> _Waiter | None:
+        """The waiter to serve next (module docstring), passing over those in ``skipped``."""
+        best, best_key = None, None
+        for (band, tenant), queue in self._queues.items():
+            head = next((w for w in queue if w.seq not in skipped), None)
+            if head is None:
+                continue
+            key = (band, self.service.served(tenant), head.seq)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return best
 
     def dispatch(self) -> None:
-        """Hand free slots to waiters in arrival order. Stops at the first waiter without
+        """Hand free slots to waiters in the module's order. Stops at the first waiter without
         exclusions that gets none: every endpoint is full or unroutable, so no later one would."""
-        if not self._waiters:
-            return
-        kept: deque[_Waiter] = deque()
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        skipped: set[int] = set()
+        while (waiter := self._next(skipped)) is not None:
             if waiter.future.done():
+                self._remove(waiter)
                 continue
             choice = self._try(waiter.pick, waiter.exclude)
             if choice is not None:
+                self._remove(waiter)
+                self.service.charge(waiter.tenant, waiter.prompt_tokens, 0)
                 waiter.future.set_result(choice)
                 continue
-            kept.append(waiter)
             if not waiter.exclude:
-                break
-        kept.extend(self._waiters)
-        self._waiters = kept
+                return
+            skipped.add(waiter.seq)

@@ -1,0 +1,50 @@
+"""The Virtual Token Counter's per-tenant counters (VTC; Sheng et al., "Fairness in Serving Large
+Language Models", OSDI '24, Algorithm 2), shared by the engine's scheduling policy
+(:mod:`slipstream.server.engine.fairness`) and the gateway's flow control
+(:mod:`slipstream.server.gateway.wait_queue`): whoever has been served least goes next. Pure; it
+imports nothing but the contract, so the gateway stays free of the engine."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from slipstream.api_types.tenancy import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT
+
+
+class TokenCounters:
+    """VTC's per-tenant counters: the weighted tokens each tenant has been served.
+
+    Args:
+        tenant_weights: tenant → weight (> 0); a tenant not named weighs 1.
+        prompt_token_weight, output_token_weight: the charge per prompt and per output token.
+
+    Raises:
+        ValueError: a weight ≤ 0.
+    """
+
+    def __init__(self, tenant_weights: Mapping[str, float] | None = None,
+                 prompt_token_weight: float = PROMPT_TOKEN_WEIGHT, output_token_weight: float = OUTPUT_TOKEN_WEIGHT):
+        weights = dict(tenant_weights or {})
+        if any(not w > 0 for w in weights.values()):
+            raise ValueError(f"tenant weights must be > 0, got {weights}")
+        self.tenant_weights = weights
+        self.prompt_token_weight, self.output_token_weight = prompt_token_weight, output_token_weight
+        self.counters: dict[str, float] = {}
+
+    def weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, 1.0)
+
+    def served(self, tenant: str) -> float:
+        """``tenant``'s counter: weighted tokens served, divided by its weight."""
+        return self.counters.get(tenant, 0.0)
+
+    def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
+        """Count ``prompt_tokens`` and ``output_tokens`` served to ``tenant``."""
+        cost = prompt_tokens * self.prompt_token_weight + output_tokens * self.output_token_weight
+        self.counters[tenant] = self.served(tenant) + cost / self.weight(tenant)
+
+    def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
+        """``tenant`` becomes backlogged: its counter rises to the least of the ``backlogged``
+        tenants' (none: unchanged), so time it spent idle is no credit."""
+        floor = min((self.served(t) for t in backlogged if t != tenant), default=None)
+        if floor is not None and floor > self.served(tenant):
+            self.counters[tenant] = floor

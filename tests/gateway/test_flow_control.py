@@ -1,0 +1,134 @@
+"""Flow control in the gateway's wait queue: while every pod is full, slots go to critical before
+standard requests, between tenants to the least served (VTC, the engine's counters), in arrival
+order within a tenant; a sheddable request never waits; a full queue makes room for a critical
+request by refusing the newest standard one. And the same through HTTP (429 ``shed``, 400 for a
+bad criticality)."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from slipstream.api_types.load import PodLoad
+from slipstream.api_types.tenancy import CRITICALITY_HEADER, FAIRNESS_ID_HEADER
+from slipstream.server.gateway.config import GatewayConfig
+from slipstream.server.gateway.endpoints import EndpointSet
+from slipstream.server.gateway.routing import Router
+from slipstream.server.gateway.routing.plugins import RouteRequest
+from slipstream.server.gateway.wait_queue import QueueFull, Shed, WaitQueue
+
+from gateway_helpers import chat, metrics, running_gateway, total
+
+POD = "http://127.0.0.2:8000"
+
+
+def one_slot_pod(max_queue: int = 100, weights=None) -> tuple[EndpointSet, WaitQueue]:
+    endpoints = EndpointSet(GatewayConfig(max_in_flight=1, max_queue=max_queue))
+    endpoints.set_endpoints([POD])
+    endpoints.observe(POD, PodLoad(POD, 0.0, 0.0, 0.0, 0.0), ready=True)
+    return endpoints, WaitQueue(endpoints, tenant_weights=weights)
+
+
+ROUTER = Router("least-loaded")
+
+
+def pick(loads):
+    return ROUTER.pick(RouteRequest(), loads)
+
+
+async def served_order(endpoints: EndpointSet, queue: WaitQueue, waiters: dict[str, asyncio.Task],
+                       output_tokens: dict[str, int] | None = None) -> list[str]:
+    """Release the slot one request at a time; the order the waiters got it in (by name)."""
+    order = []
+    while len(order) < len(waiters):
+        endpoints.release(POD)
+        for _ in range(20):  # the granted waiter's task resumes within a few loop turns
+            done = [name for name, task in waiters.items() if task.done() and name not in order]
+            if done:
+                break
+            await asyncio.sleep(0)
+        assert len(done) == 1, done
+        order += done
+        tenant = done[0].split("-")[0]
+        queue.charge_output(tenant, (output_tokens or {}).get(tenant, 0))
+    return order
+
+
+async def test_a_flooding_tenant_does_not_starve_one_that_sends_a_few():
+    endpoints, queue = one_slot_pod()
+    deadline = endpoints.clock() + 30
+    await queue.acquire(pick, deadline, tenant="a", prompt_tokens=100)  # a holds the slot
+    waiters = {f"a-{i}": asyncio.create_task(queue.acquire(pick, deadline, tenant="a", prompt_tokens=100))
+               for i in range(6)}
+    await asyncio.sleep(0)
+    waiters |= {f"b-{i}": asyncio.create_task(queue.acquire(pick, deadline, tenant="b", prompt_tokens=100))
+                for i in range(2)}
+    await asyncio.sleep(0)
+    assert queue.waiting_by_tenant() == {"a": 6, "b": 2}
+    order = await served_order(endpoints, queue, waiters)
+    # b's two requests go out within its first turns, not behind a's six (first-come's order).
+    assert order[:4] == ["a-0", "b-0", "a-1", "b-1"], order
+
+
+async def test_output_tokens_count_and_weights_scale_the_share():
+    endpoints, queue = one_slot_pod(weights={"a": 3})
+    deadline = endpoints.clock() + 30
+    await queue.acquire(pick, deadline, tenant="x")
+    waiters = {f"{t}-{i}": asyncio.create_task(queue.acquire(pick, deadline, tenant=t, prompt_tokens=10))
+               for i in range(4) for t in ("a", "b")}
+    await asyncio.sleep(0)
+    order = await served_order(endpoints, queue, waiters, output_tokens={"a": 100, "b": 100})
+    # Each request costs 10 + 2 × 100 tokens; a weighs 3, so a's counter grows a third as fast:
+    # three of its requests per one of b's while both wait (ties go to the earlier arrival).
+    assert order == ["a-0", "b-0", "a-1", "a-2", "b-1", "a-3", "b-2", "b-3"], order
+
+
+async def test_critical_requests_get_the_next_slot_and_sheddable_ones_never_wait():
+    endpoints, queue = one_slot_pod()
+    deadline = endpoints.clock() + 30
+    await queue.acquire(pick, deadline)
+    standard = asyncio.create_task(queue.acquire(pick, deadline, tenant="a"))
+    await asyncio.sleep(0)
+    critical = asyncio.create_task(queue.acquire(pick, deadline, tenant="b", criticality="critical"))
+    await asyncio.sleep(0)
+    with pytest.raises(Shed):
+        await queue.acquire(pick, deadline, criticality="sheddable")
+    assert await served_order(endpoints, queue, {"b-critical": critical, "a-standard": standard}) == \
+        ["b-critical", "a-standard"]
+    endpoints.release(POD)  # a free slot: a sheddable request is served like any other
+    assert (await queue.acquire(pick, deadline, criticality="sheddable")).endpoint == POD
+    with pytest.raises(ValueError, match="criticality must be one of critical, standard, sheddable"):
+        await queue.acquire(pick, deadline, criticality="urgent")
+
+
+async def test_a_full_queue_refuses_standard_requests_and_makes_room_for_a_critical_one():
+    endpoints, queue = one_slot_pod(max_queue=2)
+    deadline = endpoints.clock() + 30
+    await queue.acquire(pick, deadline)
+    first, newest = (asyncio.create_task(queue.acquire(pick, deadline)) for _ in range(2))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):
+        await queue.acquire(pick, deadline)
+    critical = asyncio.create_task(queue.acquire(pick, deadline, criticality="critical"))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):
+        await newest  # the newest standard request gave its place
+    assert queue.waiting == 2 and not first.done()
+    assert await served_order(endpoints, queue, {"c": critical, "s": first}) == ["c", "s"]
+
+
+@pytest.mark.timeout(60)
+async def test_through_http_a_sheddable_request_gets_429_shed_and_a_bad_criticality_400():
+    async with running_gateway(endpoints=(), queue_timeout=5, retry_after=3) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        headers = {CRITICALITY_HEADER: "sheddable", FAIRNESS_ID_HEADER: "batch"}
+        async with session.post(url + "/v1/chat/completions", json=chat(), headers=headers) as response:
+            body = await response.json()
+            assert response.status == 429 and response.headers["Retry-After"] == "3", body
+            assert body["error"]["code"] == "shed" and body["error"]["type"] == "rate_limit_error"
+        async with session.post(url + "/v1/chat/completions", json=chat(),
+                                headers={CRITICALITY_HEADER: "urgent"}) as response:
+            assert response.status == 400 and "critical, standard, sheddable" in (await response.text())
+        assert gateway.queue.waiting == 0
+        assert total(await metrics(session, url), "slipstream:gateway_rejections_total", reason="shed") == 1
