@@ -14,7 +14,7 @@ import yaml
 from operator_helpers import CRD_PATH, EXAMPLES
 from pod_security import restricted_violations
 from slipstream.operator.render import render_children
-from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNOTATION,
+from slipstream.operator.resources import (PRESTOP_SLEEP_SECONDS, SPEC_HASH_ANNOTATION, server_args,
                                            needs_disruption_budget, pod_selector, render_deployment,
                                            render_disruption_budget, render_service, spec_hash)
 from slipstream.operator.gateway_resources import GATEWAY_RULES, gateway_args, \
@@ -530,3 +530,25 @@ def test_a_routing_weight_that_is_not_a_finite_number_at_least_0_is_refused(weig
     """An infinite weight turned every gateway score into NaN and each request into a 500."""
     with pytest.raises(SpecError, match=r"spec\.routing\.weights\.queue must be a (finite )?number ≥ 0"):
         parse_spec({"routing": {"weights": {"queue": weight}}}, name="x")
+
+
+def test_fairness_reaches_the_pods_and_the_gateway_with_the_same_weights():
+    spec = parse_spec({"fairness": {"policy": "priority", "tenants": [{"name": "team-a", "weight": 3},
+                                                                      {"name": "team-b", "weight": 0.5}]}})
+    args = server_args(spec, "chat")
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
+    assert args[args.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5"
+    gateway = gateway_args(spec, "chat", "ml")
+    assert gateway[gateway.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5"
+    # The parsers on the other side read them back as given.
+    from slipstream.api_types.tenancy import parse_tenant_weights
+    assert parse_tenant_weights("team-a=3,team-b=0.5") == {"team-a": 3.0, "team-b": 0.5}
+    # Defaults: the engine's own default policy, no weights, nothing to pass.
+    plain = server_args(parse_spec({}), "chat")
+    assert "--scheduling-policy" not in plain and "--tenant-weights" not in plain
+    for bad, says in (({"tenants": [{"name": "a"}, {"name": "a"}]}, "repeated: a"),
+                      ({"tenants": [{"name": "a,b"}]}, "without ','"),
+                      ({"tenants": [{"name": "a", "weight": 0}]}, "weight"),
+                      ({"policy": "lottery"}, "policy")):
+        with pytest.raises(ValueError, match=says):
+            parse_spec({"fairness": bad})

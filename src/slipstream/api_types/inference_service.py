@@ -20,6 +20,7 @@ from .model import ModelSpec
 from .parallelism import GPUS_EQUAL_TENSOR_MESSAGE, GPUS_EQUAL_TENSOR_RULE, ParallelismSpec
 from .routing_spec import RoutingSpec
 from .schema import QUANTITY_PATTERN, QUANTITY_RULE, CelRule, Quantity, SpecModel, spec_field
+from .tenancy import FairnessSpec
 
 GROUP = "slipstream.dev"
 VERSION = "v1alpha1"
@@ -112,6 +113,11 @@ class InferenceServiceSpec(SpecModel):
         default_factory=ResourcesSpec,
         description="Per pod. cpu is requested; memory is requested and the limit; gpus become the "
                     "nvidia.com/gpu limit.")
+    fairness: FairnessSpec = spec_field(
+        default_factory=FairnessSpec,
+        description="Sharing between tenants (the x-gateway-inference-fairness-id header): the pods' "
+                    "scheduling policy and the tenants' weights, applied by the pods' engines and by "
+                    "the gateway to the requests it holds.")
     parallelism: ParallelismSpec = spec_field(
         default_factory=ParallelismSpec,
         description="How one replica is split: tensor ranks per pod (one GPU each) and pipeline "

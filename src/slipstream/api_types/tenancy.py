@@ -4,6 +4,12 @@ the Virtual Token Counter (VTC, Sheng et al., "Fairness in Serving Large Languag
 OSDI '24), which charges a tenant for the prompt and output tokens it was served."""
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import model_validator
+
+from .schema import SpecModel, spec_field
+
 # llm-d's name for the header that says whose request it is; the gateway forwards it to the pods.
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 # A request without the header belongs to this tenant (with one tenant, fair is first-come).
@@ -51,3 +57,37 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
             raise ValueError(f"tenant {name!r} is given a weight twice")
         weights[name] = weight
     return weights
+
+
+class TenantSpec(SpecModel):
+    """One of ``spec.fairness.tenants``: a tenant (the value of its requests' fairness-id
+    header) and its weight."""
+
+    name: str = spec_field(..., min_length=1, max_length=253, pattern=r"^[^,=]+$", rule="a name without ',' or '='",
+                           description=f"The tenant: the {FAIRNESS_ID_HEADER} header of its requests.")
+    weight: float = spec_field(1.0, gt=0, description="Its share of the tokens served when tenants "
+                                                      "compete (a tenant not listed weighs 1).")
+
+
+class FairnessSpec(SpecModel):
+    """``spec.fairness``: how the pods' engines and the gateway share capacity between tenants."""
+
+    policy: Literal[SCHEDULING_POLICIES] = spec_field(  # type: ignore[valid-type]
+        DEFAULT_SCHEDULING_POLICY,
+        description="fair (the tokens served are shared between tenants by weight; first-come with "
+                    "one tenant), priority (requests' priority field, lower sooner) or fcfs.")
+    tenants: tuple[TenantSpec, ...] = spec_field(
+        (), strict=False, description="Tenants' weights (a tenant not listed weighs 1).",
+        schema={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "FairnessSpec":
+        names = [t.name for t in self.tenants]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"tenants must be listed once each; repeated: {', '.join(repeated)}")
+        return self
+
+    def weights_argument(self) -> str | None:
+        """``--tenant-weights``' value (``a=3,b=1``), or None with no tenant listed."""
+        return ",".join(f"{t.name}={t.weight:g}" for t in self.tenants) or None

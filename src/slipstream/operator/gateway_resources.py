@@ -75,6 +75,7 @@ def gateway_args(spec: InferenceServiceSpec, name: str, namespace: str) -> list[
         *(arg for scorer in DEFAULT_WEIGHTS for arg in (cli_flag(scorer), str(float(getattr(weights, scorer))))),
         "--max-queue", str(routing.queue_size),
         "--queue-timeout", str(routing.queue_timeout_seconds),
+        *(["--tenant-weights", spec.fairness.weights_argument()] if spec.fairness.weights_argument() else []),
     ]
 
 

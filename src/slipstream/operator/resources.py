@@ -21,6 +21,7 @@ from slipstream.api_types.parallelism import (LEADER_WORKER_INDEX, LWS_LEADER_AD
                                               LWS_WORKER_INDEX_LABEL, MASTER_ADDR_FLAG, MASTER_PORT,
                                               MASTER_PORT_FLAG, NNODES_FLAG, NODE_RANK_FLAG,
                                               PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY
 from slipstream.operator.model_spec import (MODEL_IMAGE_DIR, ModelCacheSpec, ModelLocation, model_location,
                                             quantity_bytes, use_image_volume)
 from slipstream.operator.spec import InferenceServiceSpec, SpecError, parse_spec
@@ -173,6 +174,10 @@ def server_args(spec: InferenceServiceSpec, name: str,
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.max_waiting is not None:
         args += ["--max-waiting", str(engine.max_waiting)]
+    if spec.fairness.policy != DEFAULT_SCHEDULING_POLICY:  # the same default on both sides
+        args += ["--scheduling-policy", spec.fairness.policy]
+    if spec.fairness.weights_argument():
+        args += ["--tenant-weights", spec.fairness.weights_argument()]
     return args + parallel_args(spec)
 
 
