@@ -132,3 +132,27 @@ async def test_through_http_a_sheddable_request_gets_429_shed_and_a_bad_critical
             assert response.status == 400 and "critical, standard, sheddable" in (await response.text())
         assert gateway.queue.waiting == 0
         assert total(await metrics(session, url), "slipstream:gateway_rejections_total", reason="shed") == 1
+
+
+def test_per_tenant_metrics_name_the_top_tenants_and_sum_the_rest_as_other():
+    from slipstream.api_types import metrics as names
+    from slipstream.api_types.metrics import parse_exposition
+    from slipstream.server.gateway.metrics import TOP_TENANTS, GatewayMetrics
+
+    endpoints, queue = one_slot_pod()
+    for i in range(TOP_TENANTS + 5):
+        queue.service.charge(f"t{i:02d}", 100 + i, 0)
+    samples = parse_exposition(GatewayMetrics(endpoints, queue).render().decode())
+    served = {labels["tenant"]: value for labels, value in samples[names.GATEWAY_TENANT_SERVED_TOKENS]}
+    assert len(served) == TOP_TENANTS + 1 and "t24" in served and "t00" not in served
+    assert served["other"] == sum(100 + i for i in range(5))
+
+
+def test_counters_of_idle_tenants_are_forgotten_past_the_bound_keeping_the_backlogged():
+    from slipstream.server.virtual_token_counter import TokenCounters
+
+    counters = TokenCounters(max_tenants=3)
+    for tenant, tokens in (("a", 10), ("b", 50), ("c", 70), ("busy", 40)):
+        counters.charge(tenant, tokens, 0)
+    counters.lift("new", backlogged=["busy"])  # a (10 ≤ busy's 40) would be lifted anyway
+    assert set(counters.counters) == {"c", "busy", "new"} and counters.served("new") == 40

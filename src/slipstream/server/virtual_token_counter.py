@@ -9,6 +9,10 @@ from collections.abc import Iterable, Mapping
 
 from slipstream.api_types.tenancy import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT
 
+# Counters kept for idle tenants before the oldest are forgotten (tenant ids come from a header:
+# memory must not grow with every id ever sent).
+MAX_TENANTS = 10_000
+
 
 class TokenCounters:
     """VTC's per-tenant counters: the weighted tokens each tenant has been served.
@@ -16,19 +20,23 @@ class TokenCounters:
     Args:
         tenant_weights: tenant → weight (> 0); a tenant not named weighs 1.
         prompt_token_weight, output_token_weight: the charge per prompt and per output token.
+        max_tenants: counters kept; past it, :meth:`lift` forgets idle tenants, first those a
+            return would lift anyway (at or below the least backlogged counter), then the oldest.
 
     Raises:
         ValueError: a weight ≤ 0.
     """
 
     def __init__(self, tenant_weights: Mapping[str, float] | None = None,
-                 prompt_token_weight: float = PROMPT_TOKEN_WEIGHT, output_token_weight: float = OUTPUT_TOKEN_WEIGHT):
+                 prompt_token_weight: float = PROMPT_TOKEN_WEIGHT, output_token_weight: float = OUTPUT_TOKEN_WEIGHT,
+                 max_tenants: int = MAX_TENANTS):
         weights = dict(tenant_weights or {})
         if any(not w > 0 for w in weights.values()):
             raise ValueError(f"tenant weights must be > 0, got {weights}")
         self.tenant_weights = weights
         self.prompt_token_weight, self.output_token_weight = prompt_token_weight, output_token_weight
         self.counters: dict[str, float] = {}
+        self.max_tenants = max_tenants
 
     def weight(self, tenant: str) -> float:
         return self.tenant_weights.get(tenant, 1.0)
@@ -45,6 +53,18 @@ class TokenCounters:
     def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
         """``tenant`` becomes backlogged: its counter rises to the least of the ``backlogged``
         tenants' (none: unchanged), so time it spent idle is no credit."""
+        backlogged = set(backlogged)
         floor = min((self.served(t) for t in backlogged if t != tenant), default=None)
         if floor is not None and floor > self.served(tenant):
             self.counters[tenant] = floor
+        if len(self.counters) > self.max_tenants:
+            self._forget_idle(backlogged | {tenant}, floor)
+
+    def _forget_idle(self, active: set[str], floor: float | None) -> None:
+        idle = [t for t in self.counters if t not in active]
+        for t in idle:  # these would be lifted to the floor on return: nothing is lost
+            if floor is not None and self.counters[t] <= floor:
+                del self.counters[t]
+        left = [t for t in idle if t in self.counters]  # in insertion order: the oldest first
+        for t in left[:max(0, len(self.counters) - self.max_tenants)]:
+            del self.counters[t]

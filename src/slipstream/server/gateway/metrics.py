@@ -17,6 +17,9 @@ from .wait_queue import WaitQueue
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
+TOP_TENANTS = 20  # tenants named in the per-tenant metrics; the rest are "other"
+OTHER_TENANT = "other"
+
 
 class _EndpointCollector:
     """Gauges read from the endpoint set and the wait queue at scrape time, so removed endpoints
@@ -49,6 +52,31 @@ class _EndpointCollector:
         count = GaugeMetricFamily(names.GATEWAY_ENDPOINTS, "Endpoints known to the gateway")
         count.add_metric([], len(self.endpoints))
         yield count
+        yield from self._tenants()
+
+    def _tenants(self):
+        """Per tenant, bounded: the :data:`TOP_TENANTS` most served (or waiting) by name, the rest
+        summed as ``other``."""
+        waiting = self.queue.waiting_by_tenant()
+        served = self.queue.service.counters
+        ranked = sorted(set(served) | set(waiting), key=lambda t: (-served.get(t, 0.0), t))
+        named = set(ranked[:TOP_TENANTS])
+        rows: dict[str, list[float]] = {}
+        for tenant in ranked:
+            row = rows.setdefault(tenant if tenant in named else OTHER_TENANT, [0.0, 0.0])
+            row[0] += waiting.get(tenant, 0)
+            row[1] += served.get(tenant, 0.0)
+        waiting_family = GaugeMetricFamily(names.GATEWAY_TENANT_REQUESTS_WAITING,
+                                           "Requests held in the gateway, by tenant", labels=["tenant"])
+        served_family = GaugeMetricFamily(names.GATEWAY_TENANT_SERVED_TOKENS,
+                                          "Weighted tokens served per tenant (the fairness counter: prompt "
+                                          "tokens + 2 × output tokens, divided by the tenant's weight)",
+                                          labels=["tenant"])
+        for tenant, (w, s) in sorted(rows.items()):
+            waiting_family.add_metric([tenant], w)
+            served_family.add_metric([tenant], s)
+        yield waiting_family
+        yield served_family
 
 
 class GatewayMetrics:
