@@ -158,7 +158,8 @@ def test_scores_are_weighted_terms_in_unit_range():
     router.record(RouteRequest(session="s"), Choice(B, "load"))  # the session went to B
     endpoints = [EndpointLoad(A, waiting=4, kv_cache_usage=0.5), EndpointLoad(B, waiting=0, kv_cache_usage=0.0)]
     scored = dict(zip((A, B), router.score(request, endpoints)))
-    assert scored[A] == pytest.approx(2.0 * 0.5 + 1.0 * (4 - 4) / 8 + 0.5 * 0.5)
+    # A's half prefix hit counts for less behind its 4 waiting requests: / (1 + 4).
+    assert scored[A] == pytest.approx(2.0 * 0.5 / 5 + 1.0 * (4 - 4) / 8 + 0.5 * 0.5)
     assert scored[B] == pytest.approx(0.0 + 1.0 * (4 - 0) / 8 + 0.5 * 1.0 + 0.25)
     wide = [EndpointLoad(A, waiting=20), EndpointLoad(B, waiting=0)]
     scored = dict(zip((A, B), router.score(RouteRequest(hashes(9, 4)), wide)))

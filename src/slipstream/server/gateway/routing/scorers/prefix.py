@@ -12,12 +12,19 @@ from ..plugins import BaseScorer, Choice, CycleState, EndpointLoad, RouteRequest
 def prefix_scores(index: PrefixIndex, request: RouteRequest, endpoints: Sequence[EndpointLoad],
                   state: CycleState) -> list[float]:
     """Matched leading blocks / the prompt's full blocks, per endpoint (0 for a prompt without
-    blocks). Leaves the matches in ``state.matched_blocks``."""
+    blocks), divided by 1 + the endpoint's waiting requests. Leaves the matches in
+    ``state.matched_blocks``.
+
+    Why the division: a cache hit saves the prefix's prefill, but a request queued behind others
+    waits for their whole decode first, which soon costs more than recomputing the prefix on a
+    pod with a free seat. Undivided, a hot prefix (one system prompt for every request) stays on
+    one pod however long its queue grows; divided, once its pod has a queue the load terms win,
+    a second pod gets the prefix too, and from then on the two share it."""
     blocks = len(request.block_hashes)
     if not blocks:
         return [0.0] * len(endpoints)
     state.matched_blocks = matches = index.match(request.block_hashes)
-    return [matches.get(e.name, 0) / blocks for e in endpoints]
+    return [matches.get(e.name, 0) / blocks / (1.0 + max(0.0, e.waiting)) for e in endpoints]
 
 
 def prefix_reason(endpoint: str, state: CycleState) -> str | None:
