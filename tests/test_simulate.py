@@ -340,3 +340,26 @@ def test_the_hpa_baseline_scales_by_the_ratio_outside_the_tolerance_and_holds_do
     assert hpa.decide(tick(20, 300, 6)).desired_replicas == 6  # between syncs
     assert hpa.decide(tick(30, 0, 6)).desired_replicas == 6  # down waits for the window
     assert hpa.decide(tick(330, 0, 6)).desired_replicas == 1
+
+
+def test_tenants_in_the_workload_and_the_fair_policy_protect_the_small_tenant(tmp_path):
+    """An overloaded replica, 90% of the arrivals from one tenant: first-come makes the small
+    tenant wait behind the flood; fair (the engine's VTC) admits it next."""
+    p90 = {}
+    for policy in ("fcfs", "fair"):
+        out = tmp_path / f"{policy}.json"
+        assert simulate.main(["--profile", "tiny", "--rate", "40rps for 20s", "--prompt-tokens", "256",
+                              "--output-tokens", "64", "--no-autoscaling", "--initial-replicas", "1",
+                              "--tenants", "batch=9,chat=1", "--scheduling-policy", policy, "--no-plot",
+                              "--json", str(out)]) == 0
+        tenants = json.loads(out.read_text())["tenants"]
+        assert set(tenants) == {"batch", "chat"} and 0.05 < tenants["chat"]["requests"] / 800 < 0.15
+        p90[policy] = tenants["chat"]["ttft_p90_s"]
+    assert p90["fair"] < 0.3 * p90["fcfs"], p90
+
+
+@pytest.mark.parametrize("text", ["batch", "batch=0", "=1"])
+def test_a_bad_tenant_share_is_a_usage_error(text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        simulate.main(["--tenants", text, "--no-plot"])
+    assert exit_.value.code == 2 and "--tenants" in capsys.readouterr().err

@@ -32,16 +32,18 @@ import yaml
 
 from slipstream.api_types.routing import POLICIES
 from slipstream.api_types.autoscaling import CRD_KEYS, POLICIES as SCALING_POLICIES, AutoscalingSpec
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 
 from .cli import HelpFormatter
+from .cli_types import tenant_weights
 from .gateway.routing.weights import add_weight_flags, weights_from_args
 from .sim.clairvoyant import minute_counts
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
 from .sim.scalers import HPAScaler, PolicyScaler, Scaler, ScheduleScaler, profile_prior
-from .sim.trace import Arrival, cap_lengths, parse_length, parse_rate_schedule, poisson_arrivals, read_trace, \
-    scale_times
+from .sim.trace import (Arrival, assign_tenants, cap_lengths, parse_length, parse_rate_schedule, parse_tenant_shares,
+                        poisson_arrivals, read_trace, scale_times)
 from .sim.workloads import PrefixGroups
 
 DEFAULT_RATE = "10rps for 60s, 40rps for 120s, 5rps for 600s"
@@ -58,6 +60,13 @@ _SPEC_FLAGS = {
     "scale_down_delay_seconds": (int, "whole seconds of lower recommendations before scaling down (default 300)"),
     "tolerance": (float, "dead band around the targets, 0..1 (tolerance, default 0.1)"),
 }
+
+
+def _tenant_shares(text: str) -> dict[str, float]:
+    try:
+        return parse_tenant_shares(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_routing(text: str) -> list[str]:
@@ -94,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--prompt-tokens", type=parse_length, default="512", help="prompt length, N or A-B (uniform)")
     load.add_argument("--output-tokens", type=parse_length, default="256", help="output length, N or A-B (uniform)")
     load.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths")
+    load.add_argument("--tenants", type=_tenant_shares, default=None, metavar="NAME=SHARE,...",
+                      help="tenants and their shares of the arrivals, e.g. 'batch=9,chat=1' (each arrival's tenant "
+                           "drawn with --seed); the summary gives each tenant's TTFT")
     load.add_argument("--workload", choices=["distinct", "prefix-groups"], default="distinct",
                       help="distinct: prompts share nothing; prefix-groups: each prompt starts with one of "
                            "--groups system prompts and sessions of --turns turns extend their previous turn "
@@ -115,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
                                                                  "× 0.9 − weights)")
     pod.add_argument("--startup-delay", type=float, default=60.0,
                      help="seconds from scale-up to a new replica taking requests")
+    pod.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=DEFAULT_SCHEDULING_POLICY,
+                     help="each replica's engine policy (slipstream serve's)")
+    pod.add_argument("--tenant-weights", type=tenant_weights, default=None, metavar="NAME=W,...",
+                     help="tenants' weights under --scheduling-policy fair (slipstream serve's)")
     pod.add_argument("--no-prefix-caching", action="store_true", help="replicas share no KV blocks between requests")
     pod.add_argument("--routing", type=parse_routing, default="round-robin", metavar="POLICY[,POLICY...]|all",
                      help=f"the gateway's policy ({', '.join(POLICIES)}); round-robin is what a ClusterIP "
@@ -189,9 +205,11 @@ def arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None]:
 
 
 def capped_arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None, int]:
-    """:func:`arrivals` fitted to the profile's ``max_model_len`` (and ``--max-output-tokens``)
-    unless ``--no-cap``: (arrivals, duration, how many requests were cut)."""
+    """:func:`arrivals` (with their ``--tenants``) fitted to the profile's ``max_model_len`` (and
+    ``--max-output-tokens``) unless ``--no-cap``: (arrivals, duration, how many requests were cut)."""
     played, duration = arrivals(args)
+    if getattr(args, "tenants", None):
+        played = assign_tenants(played, args.tenants, args.seed)
     if getattr(args, "no_cap", False):
         return played, duration, 0
     played, changed = cap_lengths(played, get_profile(args.profile).model.max_model_len,
@@ -203,7 +221,9 @@ def replica_config(args: argparse.Namespace) -> ReplicaConfig:
     profile = get_profile(args.profile)
     config = ReplicaConfig.for_profile(profile, max_num_seqs=args.max_num_seqs,
                                        max_num_batched_tokens=args.max_num_batched_tokens,
-                                       kv_cache_bytes=args.kv_cache_memory_bytes)
+                                       kv_cache_bytes=args.kv_cache_memory_bytes,
+                                       scheduling_policy=getattr(args, "scheduling_policy", None),
+                                       tenant_weights=getattr(args, "tenant_weights", None))
     return replace(config, prefix_caching=False) if args.no_prefix_caching else config
 
 
@@ -314,7 +334,26 @@ def summary(result: SimResult) -> str:
     lines += [f"  t={t:7.1f}s {d.current_replicas} -> {d.desired_replicas}: {d.reason}" for t, d in result.scalings]
     if not result.scalings:
         lines.append("  none")
+    tenants = tenant_numbers(result)
+    if len(tenants) > 1:
+        lines.append("tenants:")
+        lines += [f"  {name:12} {row['requests']:6d} requests, TTFT p50 {_ms(row['ttft_p50_s'])} ms, "
+                  f"p90 {_ms(row['ttft_p90_s'])} ms; {row['tokens_served']} tokens served"
+                  for name, row in tenants.items()]
     return "\n".join(lines)
+
+
+def tenant_numbers(result: SimResult) -> dict[str, dict[str, Any]]:
+    """Per tenant: requests, TTFT p50/p90 (seconds) and tokens served (prompt + output of its
+    finished requests)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name in sorted({r.tenant for r in result.requests}):
+        mine = [r for r in result.requests if r.tenant == name]
+        ttfts = sorted(r.ttft for r in mine if r.ttft is not None)
+        pick = (lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None)
+        rows[name] = {"requests": len(mine), "ttft_p50_s": pick(0.5), "ttft_p90_s": pick(0.9),
+                      "tokens_served": sum(r.prompt_tokens + r.output_tokens for r in mine if r.finished is not None)}
+    return rows
 
 
 def comparison(results: dict[str, SimResult]) -> str:
@@ -399,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{capped} requests capped to max_model_len {get_profile(args.profile).model.max_model_len}"
               + (f" and --max-output-tokens {args.max_output_tokens}" if args.max_output_tokens else ""))
     if args.json is not None:
-        args.json.write_text(json.dumps({**numbers(result, objective), "capped_requests": capped}, indent=2) + "\n")
+        args.json.write_text(json.dumps({**numbers(result, objective), "capped_requests": capped,
+                                         "tenants": tenant_numbers(result)}, indent=2) + "\n")
     if not args.no_plot:
         plot(result, args.plot, f"{args.profile}: {args.rate or (args.trace or DEFAULT_RATE)}")
         print(f"plot: {args.plot}")

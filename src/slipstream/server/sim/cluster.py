@@ -34,10 +34,12 @@ from typing import Iterable, Mapping
 
 from slipstream.api_types.load import GatewayLoad, PodLoad
 from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, DEFAULT_TENANT
 from slipstream.operator.autoscaler import Decision
 from slipstream.operator.fleet import Fleet
 from slipstream.operator.policy import Tick
 
+from ..engine.fairness import WaitingQueue
 from ..engine.kv_cache import STORED, KVCacheManager
 from ..engine.outputs import RequestMetrics
 from ..engine.request import Request
@@ -63,13 +65,16 @@ def _params(output_tokens: int) -> SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
-    """Engine settings of every replica (token counts; bytes for the KV cache)."""
+    """Engine settings of every replica (token counts; bytes for the KV cache; the engine's
+    scheduling policy and tenant weights)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_bytes: int
     block_size: int = 16
     prefix_caching: bool = True
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
+    tenant_weights: Mapping[str, float] | None = None
 
     @classmethod
     def for_profile(cls, profile: Profile, **overrides) -> ReplicaConfig:
@@ -95,6 +100,7 @@ class SimRequest:
     finished: float | None = None
     replica: str = ""
     cached_tokens: int = 0
+    tenant: str = DEFAULT_TENANT
     serial: int = field(default_factory=lambda: next(_SERIALS))
 
     @property
@@ -151,8 +157,10 @@ class VirtualReplica:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block of {config.block_size} tokens")
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=config.prefix_caching)
         self.kv.record_events(kv_events)
+        waiting = WaitingQueue(config.scheduling_policy, config.tenant_weights,
+                               cached_blocks=self.kv.cached_prefix_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_model_len=profile.model.max_model_len)
+                                   max_model_len=profile.model.max_model_len, waiting=waiting)
         self.time = created
         self.created = created
         self.ready_at = ready_at
@@ -201,7 +209,7 @@ class VirtualReplica:
         if sim.content is not None:
             self._replies[rid] = sim.content.reply_ids()
         req = Request(rid, rid, 0, prompt_ids if prompt_ids is not None else sim.prompt_ids(),
-                      _params(sim.output_tokens), None, RequestMetrics(now))
+                      _params(sim.output_tokens), None, RequestMetrics(now), tenant=sim.tenant)
         req.block_hashes = list(block_hashes)
         self.scheduler.add(req)
         self.time = max(self.time, now)
@@ -441,7 +449,8 @@ class Cluster:
             count = bisect.bisect_left(times, now, lo=i) - i
             for arrival in arrivals[i:i + count]:
                 self._advance(arrival.time)
-                sim = SimRequest(arrival.time, arrival.prompt_tokens, arrival.output_tokens, arrival.content)
+                sim = SimRequest(arrival.time, arrival.prompt_tokens, arrival.output_tokens, arrival.content,
+                                 tenant=arrival.tenant)
                 result.requests.append(sim)
                 if not self._route(sim, arrival.time):
                     self.pending.append(sim)

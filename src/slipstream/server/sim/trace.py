@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from slipstream.api_types.tenancy import DEFAULT_TENANT, parse_tenant_weights
+
 _PHASE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:rps|/s)\s+for\s+(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$", re.IGNORECASE)
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -56,13 +58,14 @@ class Content(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """One request: when it arrives (seconds from the start), its lengths in tokens, and its
-    token content (None: a prompt that shares no prefix with any other)."""
+    """One request: when it arrives (seconds from the start), its lengths in tokens, its token
+    content (None: a prompt that shares no prefix with any other) and its tenant."""
 
     time: float
     prompt_tokens: int
     output_tokens: int
     content: Content | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 def parse_rate_schedule(text: str) -> list[Phase]:
@@ -190,3 +193,23 @@ def read_trace(path: str | Path, prompt_tokens: tuple[int, int], output_tokens: 
                              f"TIME >= 0 and counts >= 1, got {line.strip()!r}") from None
         arrivals.append(Arrival(time, prompt, output))
     return sorted(arrivals, key=lambda a: a.time)
+
+
+def parse_tenant_shares(text: str) -> dict[str, float]:
+    """``"batch=0.9,chat=0.1"`` → each tenant's share of the arrivals (normalized to sum 1).
+
+    Raises:
+        ValueError: not ``NAME=SHARE`` items with shares > 0, or a name twice.
+    """
+    shares = parse_tenant_weights(text)
+    if not shares:
+        raise ValueError("--tenants needs at least one NAME=SHARE")
+    total = sum(shares.values())
+    return {name: share / total for name, share in shares.items()}
+
+
+def assign_tenants(arrivals: list[Arrival], shares: dict[str, float], seed: int = 0) -> list[Arrival]:
+    """``arrivals`` with each one's tenant drawn (seeded) in proportion to ``shares``."""
+    rng = random.Random(f"tenants-{seed}")
+    names, weights = list(shares), list(shares.values())
+    return [replace(a, tenant=rng.choices(names, weights)[0]) for a in arrivals]
