@@ -4,6 +4,7 @@ its service gap, weights, counter lift, preemption order and cached-prefix prefe
 (tests/api/test_api_tenancy.py: the tenant header and ``priority`` field through the HTTP API)."""
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -170,3 +171,37 @@ def test_bad_policy_and_weights_are_refused():
     for bad in ("a", "a=0", "=1", "a=x", "a=1,a=2", "a=inf"):
         with pytest.raises(ValueError):
             parse_tenant_weights(bad)
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_tenant_that_waits_while_another_holds_every_seat_gets_one_at_the_next_step(policy):
+    s = scheduler(policy, seats=4)
+    flood = [request("a", max_tokens=50) for _ in range(6)]
+    for r in flood:
+        s.add(r)
+    for _ in range(3):
+        step(s)
+    assert {r.tenant for r in s.running} == {"a"} and len(s.running) == 4
+    s.add(light := request("b", max_tokens=50))
+    batch = step(s)
+    if policy == "fcfs":
+        assert light not in batch  # behind a's whole requests
+        return
+    assert light in batch and light in s.running
+    assert [r for r in flood if r.num_preemptions] == [flood[3]]  # a's newest gave up its seat
+    step(s)
+    assert light in s.running and sum(r.num_preemptions for r in flood) == 1  # no back and forth
+
+
+def test_seats_move_toward_an_even_split_by_weight_and_stop_there():
+    s = scheduler("fair", seats=4, weights={"a": 3})
+    for _ in range(6):
+        s.add(request("a", max_tokens=50))
+    for _ in range(3):
+        step(s)
+    for _ in range(4):
+        s.add(request("b", max_tokens=50))
+    for _ in range(6):
+        step(s)
+    seats = collections.Counter(r.tenant for r in s.running)
+    assert seats == {"a": 3, "b": 1}, seats  # 3:1 by weight, then no more preemptions

@@ -67,8 +67,9 @@ async def test_a_flooding_tenant_does_not_starve_one_that_sends_a_few():
     await asyncio.sleep(0)
     assert queue.waiting_by_tenant() == {"a": 6, "b": 2}
     order = await served_order(endpoints, queue, waiters)
-    # b's two requests go out within its first turns, not behind a's six (first-come's order).
-    assert order[:4] == ["a-0", "b-0", "a-1", "b-1"], order
+    # b's two requests go out within its first turns, not behind a's six (first-come's order):
+    # b is lifted to a's count on arrival and, with fewer waiting, wins the tie.
+    assert order[:4] == ["b-0", "a-0", "b-1", "a-1"], order
 
 
 async def test_output_tokens_count_and_weights_scale_the_share():
@@ -80,8 +81,8 @@ async def test_output_tokens_count_and_weights_scale_the_share():
     await asyncio.sleep(0)
     order = await served_order(endpoints, queue, waiters, output_tokens={"a": 100, "b": 100})
     # Each request costs 10 + 2 × 100 tokens; a weighs 3, so a's counter grows a third as fast:
-    # three of its requests per one of b's while both wait (ties go to the earlier arrival).
-    assert order == ["a-0", "b-0", "a-1", "a-2", "b-1", "a-3", "b-2", "b-3"], order
+    # three of its requests per one of b's while both wait (ties go to the tenant with fewer waiting).
+    assert order == ["a-0", "b-0", "a-1", "a-2", "a-3", "b-1", "b-2", "b-3"], order
 
 
 async def test_critical_requests_get_the_next_slot_and_sheddable_ones_never_wait():
@@ -156,3 +157,15 @@ def test_counters_of_idle_tenants_are_forgotten_past_the_bound_keeping_the_backl
         counters.charge(tenant, tokens, 0)
     counters.lift("new", backlogged=["busy"])  # a (10 ≤ busy's 40) would be lifted anyway
     assert set(counters.counters) == {"c", "busy", "new"} and counters.served("new") == 40
+
+
+async def test_first_come_between_tenants_when_the_policy_is_not_fair():
+    endpoints, _ = one_slot_pod()
+    queue = WaitQueue(endpoints, fair=False)
+    deadline = endpoints.clock() + 30
+    await queue.acquire(pick, deadline, tenant="a")
+    waiters = {f"a-{i}": asyncio.create_task(queue.acquire(pick, deadline, tenant="a")) for i in range(3)}
+    await asyncio.sleep(0)
+    waiters |= {"b-0": asyncio.create_task(queue.acquire(pick, deadline, tenant="b"))}
+    await asyncio.sleep(0)
+    assert await served_order(endpoints, queue, waiters) == ["a-0", "a-1", "a-2", "b-0"]

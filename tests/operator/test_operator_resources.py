@@ -540,6 +540,7 @@ def test_fairness_reaches_the_pods_and_the_gateway_with_the_same_weights():
     assert args[args.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5"
     gateway = gateway_args(spec, "chat", "ml")
     assert gateway[gateway.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5"
+    assert gateway[gateway.index("--scheduling-policy") + 1] == "priority"
     # The parsers on the other side read them back as given.
     from slipstream.api_types.tenancy import parse_tenant_weights
     assert parse_tenant_weights("team-a=3,team-b=0.5") == {"team-a": 3.0, "team-b": 0.5}

@@ -22,6 +22,7 @@ from slipstream.operator.resources import CONTAINER_SECURITY_CONTEXT, GATEWAY_CO
     PORT_NAME, POD_SECURITY_CONTEXT, PROBE_PERIOD_SECONDS, SPEC_HASH_ANNOTATION, \
     gateway_selector_labels, labels, serving_selector_labels, spec_hash
 from slipstream.api_types.routing import DEFAULT_WEIGHTS, cli_flag
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY
 from slipstream.operator.spec import InferenceServiceSpec, parse_spec
 
 CONTAINER_NAME = "gateway"
@@ -76,6 +77,7 @@ def gateway_args(spec: InferenceServiceSpec, name: str, namespace: str) -> list[
         "--max-queue", str(routing.queue_size),
         "--queue-timeout", str(routing.queue_timeout_seconds),
         *(["--tenant-weights", spec.fairness.weights_argument()] if spec.fairness.weights_argument() else []),
+        *(["--scheduling-policy", spec.fairness.policy] if spec.fairness.policy != DEFAULT_SCHEDULING_POLICY else []),
     ]
 
 

@@ -13,7 +13,11 @@ prefix-cache locality as DLPM does (Cao et al., arXiv 2501.14312). With one tena
 priorities it admits in arrival order, exactly as ``fcfs``.
 
 Preemption takes the last request of :meth:`WaitingQueue.protect_order`'s order: ``fcfs`` the
-newest, ``priority`` the lowest priority, ``fair`` the most-served tenant's newest.
+newest, ``priority`` the lowest priority, ``fair`` the most-served tenant's newest. Under ``fair``
+a tenant that waits while another holds every seat also gets one at the next step
+(:meth:`WaitingQueue.seat_victim`: the other's newest request is preempted and recomputed later,
+mostly from the prefix cache), so a flood cannot make a light tenant wait for a whole request
+to finish.
 
 Pure policy: no blocks, no clocks; a request's prompt is charged when it is admitted, and the
 scheduler calls :meth:`WaitingQueue.charge` after each step for the output tokens. The counters
@@ -136,6 +140,26 @@ class WaitingQueue:
         if self.policy == "fair":
             self.service.charge(req.tenant, prompt_tokens, output_tokens)
 
+    def seat_victim(self, running: list[Request], max_num_seqs: int) -> Request | None:
+        """``fair`` with every seat taken: the running request to preempt so that the next waiting
+        request's tenant gets a seat now, or None. One is given when the tenant holding the most
+        seats per weight would, after giving one up, still hold at least as many per weight as
+        the waiting tenant, and has been served more: seats move toward an even split by weight,
+        a step at a time, and never back and forth. The victim is that tenant's newest."""
+        if self.policy != "fair" or len(running) < max_num_seqs or not self._len:
+            return None
+        head = self.head()
+        seats: dict[str, int] = {}
+        for r in running:
+            seats[r.tenant] = seats.get(r.tenant, 0) + 1
+        weight = self.service.weight
+        rich = max(seats, key=lambda t: (seats[t] / weight(t), self.service.served(t)))
+        mine = seats.get(head.tenant, 0)
+        if rich == head.tenant or (seats[rich] - 1) / weight(rich) < (mine + 1) / weight(head.tenant) \
+                or self.service.served(rich) < self.service.served(head.tenant):
+            return None
+        return next(r for r in reversed(running) if r.tenant == rich)
+
     def protect_order(self, running: list[Request]) -> list[Request]:
         """``running`` reordered (stably) so that the request to preempt first is last."""
         if self.policy == "priority":
@@ -157,8 +181,10 @@ class WaitingQueue:
             return None
         if self.policy != "fair" or len(queued) == 1:
             return queued[0][1]
-        # The least-served backlogged tenant; ties to the one whose head arrived first.
-        return min(queued, key=lambda th: (self.counters.get(th[0], 0.0), th[1][0][1]))[1]
+        # The least-served backlogged tenant; ties (a tenant just lifted to another's count) to the
+        # one with fewer requests in the engine, then to the earlier head.
+        return min(queued, key=lambda th: (self.counters.get(th[0], 0.0), self._active.get(th[0], 0),
+                                           th[1][0][1]))[1]
 
     def _lift(self, tenant: str) -> None:
         if self.policy == "fair" and not self._active.get(tenant):

@@ -87,6 +87,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.running = self.waiting.protect_order(self.running)
+        seat = self.waiting.seat_victim(self.running, self.max_num_seqs)
+        if seat is not None:  # before anything is scheduled: the freed seat goes to the waiting tenant
+            self.running.remove(seat)
+            self._preempt(seat)
+            out.preempted.append(seat)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -103,7 +108,7 @@ class Scheduler:
                 out.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        if out.preempted:
+        if out.preempted and out.preempted != [seat]:
             if not self.running:
                 # A lone request preempted itself: blocks that waiting choices hold (a fork's,
                 # possibly past a sliding window its parent cannot find again) are all that is left.

@@ -37,7 +37,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.endpoints = EndpointSet(config)
-        self.queue = WaitQueue(self.endpoints, tenant_weights=config.tenant_weights)
+        self.queue = WaitQueue(self.endpoints, tenant_weights=config.tenant_weights,
+                               fair=config.scheduling_policy == "fair")
         self.metrics = GatewayMetrics(self.endpoints, self.queue)
         self.block_index = BlockIndex(config.block_index_capacity)
         self.router = Router(config.policy, weights=config.weights, block_index=self.block_index,

@@ -6,8 +6,11 @@ import asyncio
 import os
 from pathlib import Path
 
+from slipstream.api_types.tenancy import SCHEDULING_POLICIES
+
 from ..cli import HelpFormatter, byte_size, configure_logging
 from ..cli_types import int_at_least, non_negative_float, positive_float, tenant_weights
+
 from .config import GatewayConfig
 from .routing import DEFAULT_POLICY, POLICIES
 from .routing.weights import add_weight_flags, weights_from_args
@@ -53,6 +56,9 @@ def gateway_parser() -> argparse.ArgumentParser:
                         "plus --queue-headroom, when the pod reports it; else no limit)")
     q.add_argument("--queue-headroom", type=int_at_least(0), default=None,
                    help="requests queued on a pod beyond its max_num_seqs before it is full (default: max_num_seqs)")
+    q.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.scheduling_policy,
+                   help="the order of the requests held while every model server is busy: 'fair' between tenants "
+                        "(the x-gateway-inference-fairness-id header), else first-come; as the pods' policy")
     q.add_argument("--tenant-weights", type=tenant_weights, default=None, metavar="NAME=W,...",
                    help="tenants' shares (the x-gateway-inference-fairness-id header) when requests wait for a "
                         "model server, e.g. 'team-a=3,team-b=1' (a tenant not named weighs 1); give the pods the same")
@@ -111,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         retry_after=args.retry_after,
         max_request_bytes=args.max_request_bytes, prefix_capacity=args.prefix_capacity,
         block_index_capacity=args.block_index_capacity, max_prompt_blocks=args.max_prompt_blocks,
-        shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or None, tenant_weights=args.tenant_weights)
+        shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or None, tenant_weights=args.tenant_weights,
+        scheduling_policy=args.scheduling_policy)
 
 
 def main(argv: list[str]) -> int:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
+
 from .routing import DEFAULT_POLICY, POLICIES, Weights
 
 
@@ -42,6 +44,8 @@ class GatewayConfig:
     shutdown_timeout: seconds a stopping gateway gives in-flight requests.
     tenant_weights: tenant → share of the dispatch from the gateway's queue (default 1 each), as
         the pods' ``--tenant-weights``.
+    scheduling_policy: ``fair`` (between tenants) or first-come (``fcfs``, and ``priority``,
+        whose order the pods apply) for the requests the gateway holds, as the pods' policy.
     api_key: the pods' ``--api-key``, for the gateway's own requests to them (tokenizer files,
         KV events); clients' requests are forwarded with their own ``Authorization``.
     """
@@ -71,6 +75,7 @@ class GatewayConfig:
     shutdown_timeout: float = 30.0
     api_key: str | None = field(default=None, repr=False)
     tenant_weights: dict[str, float] | None = None
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", tuple(dict.fromkeys(normalize_url(u) for u in self.endpoints)))
@@ -97,6 +102,9 @@ class GatewayConfig:
         for name in ("shutdown_timeout", "retry_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if any(not w > 0 for w in (self.tenant_weights or {}).values()):
             raise ValueError(f"tenant_weights must be > 0, got {self.tenant_weights}")
         if self.max_request_bytes < 1:

@@ -63,11 +63,13 @@ class _Waiter:
 
 class WaitQueue:
     """Requests waiting for a slot on one of ``endpoints``; at most ``max_queue`` (default the
-    endpoints' ``config.max_queue``); ``tenant_weights``: tenant → share (default 1 each)."""
+    endpoints' ``config.max_queue``); ``tenant_weights``: tenant → share (default 1 each);
+    ``fair`` False: first-come between tenants (criticality bands still apply)."""
 
     def __init__(self, endpoints: EndpointSet, max_queue: int | None = None,
-                 tenant_weights: Mapping[str, float] | None = None):
+                 tenant_weights: Mapping[str, float] | None = None, fair: bool = True):
         self.endpoints = endpoints
+        self.fair = fair
         self.max_queue = endpoints.config.max_queue if max_queue is None else max_queue
         self.service = TokenCounters(tenant_weights)
         self._queues: dict[tuple[int, str], deque[_Waiter]] = {}  # (band, tenant) → arrival order
@@ -179,7 +181,8 @@ class WaitQueue:
             head = next((w for w in queue if w.seq not in skipped), None)
             if head is None:
                 continue
-            key = (band, self.service.served(tenant), head.seq)
+            # Ties (a tenant just lifted to another's count): the one with fewer waiting first.
+            key = (band, self.service.served(tenant), len(queue), head.seq) if self.fair else (band, head.seq)
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best
