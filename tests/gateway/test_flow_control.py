@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from slipstream.api_types.load import PodLoad
-from slipstream.api_types.tenancy import CRITICALITY_HEADER, FAIRNESS_ID_HEADER
+from slipstream.api_types.tenancy import CRITICALITY_HEADER, FAIRNESS_ID_HEADER, tenant_of
 from slipstream.server.gateway.config import GatewayConfig
 from slipstream.server.gateway.endpoints import EndpointSet
 from slipstream.server.gateway.routing import Router
@@ -169,3 +169,26 @@ async def test_first_come_between_tenants_when_the_policy_is_not_fair():
     waiters |= {"b-0": asyncio.create_task(queue.acquire(pick, deadline, tenant="b"))}
     await asyncio.sleep(0)
     assert await served_order(endpoints, queue, waiters) == ["a-0", "a-1", "a-2", "b-0"]
+
+
+async def test_uncongested_tenants_cannot_grow_the_gateways_counters():
+    endpoints, queue = one_slot_pod()
+    queue.service.max_tenants = 100
+    for i in range(1000):
+        await queue.acquire(pick, endpoints.clock() + 30, tenant=f"id-{i}", prompt_tokens=10)
+        endpoints.release(POD)
+    assert len(queue.service.counters) <= 101
+
+
+@pytest.mark.timeout(60)
+async def test_a_tenant_header_with_bad_bytes_keeps_the_metrics_scrapable():
+    async with running_gateway(endpoints=(), queue_timeout=0.2) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        raw = "caf\udce9"  # what the server hands over for the byte 0xE9
+        gateway.queue.service.charge(tenant_of(raw), 5, 0)
+        async with session.get(url + "/metrics") as response:
+            assert response.status == 200
+            assert 'tenant="caf\ufffd"' in await response.text()
+        async with session.post(url + "/v1/chat/completions", json=chat(),
+                                headers={FAIRNESS_ID_HEADER: "x" * 300}) as response:
+            assert response.status == 400 and "at most 253" in await response.text()

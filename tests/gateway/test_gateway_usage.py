@@ -15,6 +15,19 @@ def test_usage_is_read_from_a_json_body_and_from_the_last_sse_event():
     assert usage_tokens(b'data: {"choices":[{"delta":{}}]}\n\n') is None
 
 
+def test_usage_with_nested_details_as_slipstream_and_openai_send_it():
+    body = (b'{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":33,"total_tokens":363,'
+            b'"completion_tokens":330,"prompt_tokens_details":{"cached_tokens":16}}}')
+    assert usage_tokens(body) == (33, 330)
+    responses = (b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"r",'
+                 b'"usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":0},"output_tokens":4,'
+                 b'"output_tokens_details":{"reasoning_tokens":0},"total_tokens":13}}}\n\n')
+    assert usage_tokens(responses) == (9, 4)
+    # A tail cut inside an earlier usage object still finds the complete last one.
+    assert usage_tokens(b'ens":1}}\n\ndata: {"usage":{"prompt_tokens":2,"completion_tokens":3}}') == (2, 3)
+    assert usage_tokens(b'{"usage": "none"}') is None
+
+
 def test_the_gateway_counters_are_read_as_demand():
     text = ("slipstream:gateway_requests_waiting 2\n"
             'slipstream:gateway_endpoint_in_flight{endpoint="a"} 3\n'

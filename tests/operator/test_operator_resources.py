@@ -534,22 +534,25 @@ def test_a_routing_weight_that_is_not_a_finite_number_at_least_0_is_refused(weig
 
 def test_fairness_reaches_the_pods_and_the_gateway_with_the_same_weights():
     spec = parse_spec({"fairness": {"policy": "priority", "tenants": [{"name": "team-a", "weight": 3},
-                                                                      {"name": "team-b", "weight": 0.5}]}})
+                                                                      {"name": "team-b", "weight": 0.5},
+                                                                      {"name": "big", "weight": 999.25}]}})
     args = server_args(spec, "chat")
     assert args[args.index("--scheduling-policy") + 1] == "priority"
-    assert args[args.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5"
+    assert args[args.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5,big=999.25"
     gateway = gateway_args(spec, "chat", "ml")
-    assert gateway[gateway.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5"
+    assert gateway[gateway.index("--tenant-weights") + 1] == "team-a=3,team-b=0.5,big=999.25"
     assert gateway[gateway.index("--scheduling-policy") + 1] == "priority"
     # The parsers on the other side read them back as given.
     from slipstream.api_types.tenancy import parse_tenant_weights
-    assert parse_tenant_weights("team-a=3,team-b=0.5") == {"team-a": 3.0, "team-b": 0.5}
+    assert parse_tenant_weights("team-a=3,team-b=0.5,big=999.25") == {"team-a": 3.0, "team-b": 0.5, "big": 999.25}
     # Defaults: the engine's own default policy, no weights, nothing to pass.
     plain = server_args(parse_spec({}), "chat")
     assert "--scheduling-policy" not in plain and "--tenant-weights" not in plain
     for bad, says in (({"tenants": [{"name": "a"}, {"name": "a"}]}, "repeated: a"),
                       ({"tenants": [{"name": "a,b"}]}, "without ','"),
                       ({"tenants": [{"name": "a", "weight": 0}]}, "weight"),
+                      ({"tenants": [{"name": " "}]}, "space"), ({"tenants": [{"name": " a"}]}, "space"),
+                      ({"tenants": [{"name": "a", "weight": 1e9}]}, "weight"),
                       ({"policy": "lottery"}, "policy")):
         with pytest.raises(ValueError, match=says):
             parse_spec({"fairness": bad})

@@ -15,6 +15,34 @@ FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
 # A request without the header belongs to this tenant (with one tenant, fair is first-come).
 DEFAULT_TENANT = "default"
 
+# A tenant name in --tenant-weights and spec.fairness: no separator, no surrounding space (the
+# parser strips it, so ' a' and 'a' would be one tenant).
+TENANT_NAME_PATTERN = r"^[^,=\s]([^,=]*[^,=\s])?$"
+# Weights within these bounds (a weight near 0 makes a counter overflow to inf).
+MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 0.001, 1000.0
+
+# Longest tenant id accepted (as a CRD tenant name): ids come from a header anyone can set.
+MAX_TENANT_LENGTH = 253
+
+
+def tenant_of(header: str | None) -> str:
+    """The tenant a request's fairness-id header names: :data:`DEFAULT_TENANT` when absent or
+    blank; bytes that are not UTF-8 (an HTTP server hands them over as surrogate escapes) become
+    U+FFFD, so the id can be a metric label.
+
+    Raises:
+        ValueError: an id longer than :data:`MAX_TENANT_LENGTH` characters.
+    """
+    value = (header or "").strip()
+    if not value:
+        return DEFAULT_TENANT
+    value = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if len(value) > MAX_TENANT_LENGTH:
+        raise ValueError(f"the {FAIRNESS_ID_HEADER} header must be at most {MAX_TENANT_LENGTH} characters, "
+                         f"got {len(value)}")
+    return value
+
+
 # How much a request may be shed under overload (llm-d's criticality): sheddable ones are refused
 # (429) as soon as no model server can take them, critical ones are dispatched before the others
 # and never refused while a standard one waits. The gateway reads it; the pods ignore it.
@@ -50,9 +78,9 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
             weight = float(value)
         except ValueError:
             weight = float("nan")
-        if not sep or not name or not 0 < weight < float("inf"):
-            raise ValueError(f"tenant weights are NAME=WEIGHT items with a weight > 0, separated by commas; "
-                             f"got {item!r}")
+        if not sep or not name or not MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT:
+            raise ValueError(f"tenant weights are NAME=WEIGHT items with a weight from {MIN_TENANT_WEIGHT:g} to "
+                             f"{MAX_TENANT_WEIGHT:g}, separated by commas; got {item!r}")
         if name in weights:
             raise ValueError(f"tenant {name!r} is given a weight twice")
         weights[name] = weight
@@ -63,10 +91,12 @@ class TenantSpec(SpecModel):
     """One of ``spec.fairness.tenants``: a tenant (the value of its requests' fairness-id
     header) and its weight."""
 
-    name: str = spec_field(..., min_length=1, max_length=253, pattern=r"^[^,=]+$", rule="a name without ',' or '='",
+    name: str = spec_field(..., min_length=1, max_length=MAX_TENANT_LENGTH, pattern=TENANT_NAME_PATTERN,
+                           rule="a name without ',' or '=' that neither starts nor ends with a space",
                            description=f"The tenant: the {FAIRNESS_ID_HEADER} header of its requests.")
-    weight: float = spec_field(1.0, gt=0, description="Its share of the tokens served when tenants "
-                                                      "compete (a tenant not listed weighs 1).")
+    weight: float = spec_field(1.0, ge=MIN_TENANT_WEIGHT, le=MAX_TENANT_WEIGHT,
+                               description="Its share of the tokens served when tenants compete (a "
+                                           "tenant not listed weighs 1).")
 
 
 class FairnessSpec(SpecModel):
@@ -90,4 +120,4 @@ class FairnessSpec(SpecModel):
 
     def weights_argument(self) -> str | None:
         """``--tenant-weights``' value (``a=3,b=1``), or None with no tenant listed."""
-        return ",".join(f"{t.name}={t.weight:g}" for t in self.tenants) or None
+        return ",".join(f"{t.name}={t.weight!r}".removesuffix(".0") for t in self.tenants) or None

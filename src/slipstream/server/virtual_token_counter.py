@@ -5,7 +5,7 @@ Language Models", OSDI '24, Algorithm 2), shared by the engine's scheduling poli
 imports nothing but the contract, so the gateway stays free of the engine."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from slipstream.api_types.tenancy import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT
 
@@ -20,8 +20,11 @@ class TokenCounters:
     Args:
         tenant_weights: tenant → weight (> 0); a tenant not named weighs 1.
         prompt_token_weight, output_token_weight: the charge per prompt and per output token.
-        max_tenants: counters kept; past it, :meth:`lift` forgets idle tenants, first those a
-            return would lift anyway (at or below the least backlogged counter), then the oldest.
+        max_tenants: counters kept; past it, :meth:`lift` and :meth:`charge` forget idle tenants,
+            first those a return would lift anyway (at or below the least backlogged counter),
+            then the oldest.
+        active: the tenants with requests now (waiting or running), never forgotten; None: the
+            ones :meth:`lift` is told of only.
 
     Raises:
         ValueError: a weight ≤ 0.
@@ -29,7 +32,7 @@ class TokenCounters:
 
     def __init__(self, tenant_weights: Mapping[str, float] | None = None,
                  prompt_token_weight: float = PROMPT_TOKEN_WEIGHT, output_token_weight: float = OUTPUT_TOKEN_WEIGHT,
-                 max_tenants: int = MAX_TENANTS):
+                 max_tenants: int = MAX_TENANTS, active: Callable[[], Iterable[str]] | None = None):
         weights = dict(tenant_weights or {})
         if any(not w > 0 for w in weights.values()):
             raise ValueError(f"tenant weights must be > 0, got {weights}")
@@ -37,6 +40,7 @@ class TokenCounters:
         self.prompt_token_weight, self.output_token_weight = prompt_token_weight, output_token_weight
         self.counters: dict[str, float] = {}
         self.max_tenants = max_tenants
+        self.active = active
 
     def weight(self, tenant: str) -> float:
         return self.tenant_weights.get(tenant, 1.0)
@@ -49,6 +53,9 @@ class TokenCounters:
         """Count ``prompt_tokens`` and ``output_tokens`` served to ``tenant``."""
         cost = prompt_tokens * self.prompt_token_weight + output_tokens * self.output_token_weight
         self.counters[tenant] = self.served(tenant) + cost / self.weight(tenant)
+        if len(self.counters) > self.max_tenants:
+            active = set(self.active()) if self.active is not None else set()
+            self._forget_idle(active | {tenant}, None)
 
     def lift(self, tenant: str, backlogged: Iterable[str]) -> None:
         """``tenant`` becomes backlogged: its counter rises to the least of the ``backlogged``

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from slipstream.api_types.tenancy import DEFAULT_TENANT, FAIRNESS_ID_HEADER
+from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, tenant_of
 from slipstream.server.api import render
 from slipstream.server.api.errors import APIError, bad_request, refusal
 from slipstream.server.api.generation import GenerationGroup
@@ -118,7 +118,10 @@ class GenerationCall:
         state = self.state
         with state.admit(self.request_id, len(prompts), params.n) as record:
             self.record = record
-            tenant = request.headers.get(FAIRNESS_ID_HEADER) or DEFAULT_TENANT
+            try:
+                tenant = tenant_of(request.headers.get(FAIRNESS_ID_HEADER))
+            except ValueError as exc:
+                raise bad_request(str(exc), code="invalid_tenant") from None
             priority = getattr(self.req, "priority", 0)
             async with GenerationGroup(state.llm, prompts, params, self.request_id, tenant, priority) as group:
                 try:

@@ -63,7 +63,8 @@ class WaitingQueue:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.policy = policy
-        self.service = TokenCounters(tenant_weights, prompt_token_weight, output_token_weight)
+        self.service = TokenCounters(tenant_weights, prompt_token_weight, output_token_weight,
+                                     active=lambda: self._active)
         self.counters = self.service.counters  # tenant → weighted tokens served (fair)
         self.cached_blocks = cached_blocks
         self._active: dict[str, int] = {}  # tenant → its requests waiting or running
@@ -86,10 +87,17 @@ class WaitingQueue:
 
     def remove(self, req: Request) -> None:
         """Take a waiting request out (finished or aborted while it waited)."""
-        heap = self._heaps[self._queue_of(req)]
+        key = self._queue_of(req)
+        heap = self._heaps[key]
         heap[:] = [e for e in heap if e[2] is not req]
         heapq.heapify(heap)
         self._len -= 1
+        self._drop_if_empty(key)
+
+    def _drop_if_empty(self, key: str) -> None:
+        # One heap per tenant waiting now, not per tenant ever seen (ids come from a header).
+        if not self._heaps[key]:
+            del self._heaps[key]
 
     def head(self) -> Request | None:
         """The request to admit next (not removed: :meth:`pop` it once admitted); None when empty."""
@@ -106,10 +114,12 @@ class WaitingQueue:
         as VTC charges input at dispatch: the next admission of the same step sees it."""
         if req.num_preemptions == 0:
             self.charge(req, max(0, req.num_prompt_tokens - req.num_computed_tokens), 0)
-        heap = self._heaps[self._queue_of(req)]
+        key = self._queue_of(req)
+        heap = self._heaps[key]
         if heap[0][2] is req:
             heapq.heappop(heap)
             self._len -= 1
+            self._drop_if_empty(key)
         else:
             self.remove(req)
 
@@ -142,20 +152,22 @@ class WaitingQueue:
 
     def seat_victim(self, running: list[Request], max_num_seqs: int) -> Request | None:
         """``fair`` with every seat taken: the running request to preempt so that the next waiting
-        request's tenant gets a seat now, or None. One is given when the tenant holding the most
-        seats per weight would, after giving one up, still hold at least as many per weight as
-        the waiting tenant, and has been served more: seats move toward an even split by weight,
-        a step at a time, and never back and forth. The victim is that tenant's newest."""
+        request's tenant gets a seat now, or None. Each tenant running or next in line has a
+        target of ``max_num_seqs × its weight ÷ their weights' sum`` seats; one moves when the
+        waiting tenant holds fewer than its target and the tenant furthest above its own target
+        (and served at least as much) holds more than its: seats move toward the split by
+        weight, a step at a time, and never back and forth. The victim is that tenant's newest."""
         if self.policy != "fair" or len(running) < max_num_seqs or not self._len:
             return None
         head = self.head()
-        seats: dict[str, int] = {}
+        seats: dict[str, int] = {head.tenant: 0}
         for r in running:
             seats[r.tenant] = seats.get(r.tenant, 0) + 1
         weight = self.service.weight
-        rich = max(seats, key=lambda t: (seats[t] / weight(t), self.service.served(t)))
-        mine = seats.get(head.tenant, 0)
-        if rich == head.tenant or (seats[rich] - 1) / weight(rich) < (mine + 1) / weight(head.tenant) \
+        total = sum(weight(t) for t in seats)
+        target = {t: max_num_seqs * weight(t) / total for t in seats}
+        rich = max(seats, key=lambda t: (seats[t] - target[t], self.service.served(t)))
+        if rich == head.tenant or seats[head.tenant] >= target[head.tenant] or seats[rich] <= target[rich] \
                 or self.service.served(rich) < self.service.served(head.tenant):
             return None
         return next(r for r in reversed(running) if r.tenant == rich)

@@ -33,7 +33,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from slipstream.api_types.tenancy import (CRITICALITIES, CRITICALITY_HEADER, DEFAULT_CRITICALITY, DEFAULT_TENANT,
-                                          FAIRNESS_ID_HEADER)
+                                          FAIRNESS_ID_HEADER, tenant_of)
 
 from .config import GatewayConfig
 from .endpoints import EndpointSet
@@ -125,7 +125,10 @@ class Proxy:
         route, router = await self._route_request(request, body)
         headers = _forward_headers(request, request_id)
         deadline = start + self.config.queue_timeout
-        tenant = request.headers.get(FAIRNESS_ID_HEADER) or DEFAULT_TENANT
+        try:
+            tenant = tenant_of(request.headers.get(FAIRNESS_ID_HEADER))
+        except ValueError as exc:
+            return self._reject(400, "invalid_tenant", request_id, f"{exc}.")
         criticality = (request.headers.get(CRITICALITY_HEADER) or DEFAULT_CRITICALITY).strip().lower()
         if criticality not in CRITICALITIES:
             return self._reject(400, "invalid_criticality", request_id,

@@ -71,7 +71,7 @@ class WaitQueue:
         self.endpoints = endpoints
         self.fair = fair
         self.max_queue = endpoints.config.max_queue if max_queue is None else max_queue
-        self.service = TokenCounters(tenant_weights)
+        self.service = TokenCounters(tenant_weights, active=self.waiting_by_tenant)
         self._queues: dict[tuple[int, str], deque[_Waiter]] = {}  # (band, tenant) → arrival order
         self._count = 0
         self._seq = itertools.count()
