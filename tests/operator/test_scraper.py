@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from slipstream.api_types.load import GatewayLoad, PodLoad
+from slipstream.api_types.load import GatewayLoad
 from slipstream.operator.scraper import PodTarget, ScrapeResult, parse_gateway_metrics, parse_metrics, pod_targets, \
     scrape_gateways, scrape_pods
 from slipstream.server.gateway.config import GatewayConfig

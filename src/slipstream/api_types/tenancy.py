@@ -4,6 +4,7 @@ the Virtual Token Counter (VTC, Sheng et al., "Fairness in Serving Large Languag
 OSDI '24), which charges a tenant for the prompt and output tokens it was served."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import model_validator
@@ -59,6 +60,17 @@ DEFAULT_SCHEDULING_POLICY = "fair"
 # paper's default ratio (output tokens cost about twice as much compute per token in a batch).
 PROMPT_TOKEN_WEIGHT = 1.0
 OUTPUT_TOKEN_WEIGHT = 2.0
+
+
+def check_tenant_weights(weights: Mapping[str, float] | None, name: str = "tenant_weights") -> None:
+    """The one check of a weights mapping given in code (flags go through
+    :func:`parse_tenant_weights`).
+
+    Raises:
+        ValueError: a weight that is not > 0, naming ``name``.
+    """
+    if any(not w > 0 for w in (weights or {}).values()):
+        raise ValueError(f"{name} must be > 0, got {dict(weights)}")
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:

@@ -25,7 +25,7 @@ from slipstream.api_types.autoscaling import AutoscalingSpec
 from slipstream.api_types.load import GatewayLoad, PodLoad
 
 from .autoscaler import Decision
-from .demand import Interval, PodWork, Totals, demand_totals, interval, met_within, pod_readings, \
+from .demand import Interval, PodWork, Totals, demand_totals, interval, pod_readings, \
     pod_work, totals_from
 from .fleet import Fleet
 

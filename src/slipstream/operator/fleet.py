@@ -27,7 +27,9 @@ class Fleet:
         return len(self.starting_ages)
 
 
-def _epoch(stamp: str | None) -> float | None:
+def epoch_seconds(stamp: str | None) -> float | None:
+    """A Kubernetes timestamp (RFC 3339, ``2026-12-06T01:02:03Z``) as epoch seconds; None when
+    absent or unreadable."""
     if not stamp:
         return None
     try:
@@ -51,11 +53,11 @@ def fleet_from_pods(pods: Iterable[Mapping[str, Any]], now: float, ready_names: 
         metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
         if metadata.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
             continue
-        created = _epoch(metadata.get("creationTimestamp"))
+        created = epoch_seconds(metadata.get("creationTimestamp"))
         if metadata.get("name") in ready_set:
             ready += 1
             condition = next((c for c in status.get("conditions") or () if c.get("type") == "Ready"), {})
-            became = _epoch(condition.get("lastTransitionTime"))
+            became = epoch_seconds(condition.get("lastTransitionTime"))
             if created is not None and became is not None and now - became <= recent_seconds \
                     and became >= created:
                 starts.append(became - created)

@@ -16,10 +16,10 @@ An HPA that still runs and disagrees writes again, and the autoscaler stands bac
 """
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from slipstream.operator.fleet import epoch_seconds
 from slipstream.operator.kube import FIELD_MANAGER
 
 # Longer than an HPA's 15 s sync and KEDA's 30 s polling, and than the HPA's default 300 s
@@ -42,15 +42,6 @@ class ReplicasWriter:
         return f"{self.manager}{via}"
 
 
-def _epoch(stamp: str | None) -> float | None:
-    if not stamp:
-        return None
-    try:
-        return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def replicas_writers(deployment: Mapping[str, Any]) -> list[ReplicasWriter]:
     """The managers that own ``spec.replicas`` of ``deployment`` (usually one), from its
     ``metadata.managedFields``."""
@@ -60,7 +51,7 @@ def replicas_writers(deployment: Mapping[str, Any]) -> list[ReplicasWriter]:
         if "f:replicas" in fields:
             found.append(ReplicasWriter(entry.get("manager") or "an unnamed manager",
                                         entry.get("subresource") or None,
-                                        _epoch(entry.get("time"))))
+                                        epoch_seconds(entry.get("time"))))
     return found
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from slipstream.api_types.tenancy import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT
+from slipstream.api_types.tenancy import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT, check_tenant_weights
 
 # Counters kept for idle tenants before the oldest are forgotten (tenant ids come from a header:
 # memory must not grow with every id ever sent).
@@ -33,10 +33,8 @@ class TokenCounters:
     def __init__(self, tenant_weights: Mapping[str, float] | None = None,
                  prompt_token_weight: float = PROMPT_TOKEN_WEIGHT, output_token_weight: float = OUTPUT_TOKEN_WEIGHT,
                  max_tenants: int = MAX_TENANTS, active: Callable[[], Iterable[str]] | None = None):
-        weights = dict(tenant_weights or {})
-        if any(not w > 0 for w in weights.values()):
-            raise ValueError(f"tenant weights must be > 0, got {weights}")
-        self.tenant_weights = weights
+        check_tenant_weights(tenant_weights, "tenant weights")
+        self.tenant_weights = dict(tenant_weights or {})
         self.prompt_token_weight, self.output_token_weight = prompt_token_weight, output_token_weight
         self.counters: dict[str, float] = {}
         self.max_tenants = max_tenants

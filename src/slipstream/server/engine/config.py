@@ -9,7 +9,7 @@ import torch
 from slipstream.api_types.engine import (CPU_KV_CACHE_BYTES, DEFAULT_BLOCK_SIZE,  # noqa: F401
                                          DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                          DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, check_gpu_memory_utilization)
-from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES, check_tenant_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,8 +115,7 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
-        if any(not w > 0 for w in (self.tenant_weights or {}).values()):
-            raise ValueError(f"tenant_weights must be > 0, got {self.tenant_weights}")
+        check_tenant_weights(self.tenant_weights)
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be a TCP port (1 to 65535), got {self.master_port}")
         if self.nnodes > 1 and self.master_port is None:

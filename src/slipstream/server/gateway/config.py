@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
+from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES, check_tenant_weights
 
 from .routing import DEFAULT_POLICY, POLICIES, Weights
 
@@ -105,8 +105,7 @@ class GatewayConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
-        if any(not w > 0 for w in (self.tenant_weights or {}).values()):
-            raise ValueError(f"tenant_weights must be > 0, got {self.tenant_weights}")
+        check_tenant_weights(self.tenant_weights)
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 

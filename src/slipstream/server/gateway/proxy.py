@@ -36,7 +36,7 @@ from slipstream.api_types.tenancy import (CRITICALITIES, CRITICALITY_HEADER, DEF
                                           FAIRNESS_ID_HEADER, tenant_of)
 
 from .config import GatewayConfig
-from .endpoints import EndpointSet
+from .endpoints import DEFAULT_BLOCK_SIZE, EndpointSet
 from .metrics import GatewayMetrics
 from .routing import Choice, RouteRequest, Router
 from .usage import TAIL_BYTES, usage_tokens
@@ -205,7 +205,7 @@ class Proxy:
             return RouteRequest(session=request.headers.get(SESSION_ID) or None), self.router
         hashes: tuple[bytes, ...] = ()
         if self._hashing and request.path in HASHED_PATHS:
-            reference = min(self.endpoints.routable_endpoints(), key=lambda e: e.name, default=None)
+            reference = self._reference_endpoint()
             if reference is not None:
                 try:
                     hashes = tuple(await self.hasher.block_hashes(request.path, payload, reference.name,
@@ -214,8 +214,12 @@ class Proxy:
                     log.exception("hashing the prompt failed; routing by load")
         return RouteRequest(hashes, _session_key(request, payload)), self.router
 
+    def _reference_endpoint(self):
+        """The routable endpoint whose tokenizer and block size stand for all (the first by name)."""
+        return min(self.endpoints.routable_endpoints(), key=lambda e: e.name, default=None)
+
     def _block_size(self) -> int:
-        reference = min(self.endpoints.routable_endpoints(), key=lambda e: e.name, default=None)
+        reference = self._reference_endpoint()
         return reference.block_size if reference is not None else DEFAULT_BLOCK_SIZE
 
     def _count_decision(self, router: Router, route: RouteRequest, choice: Choice) -> None:
