@@ -12,11 +12,15 @@ a streamed ``POST /v1/completions`` of ``--prompt-tokens`` random token ids with
 - ``B alone``: B's ``--b-streams`` streams;
 - ``flood``: A with ``--a-streams`` (≥ 3× the pods' running slots) beside B's, fair and fcfs:
   B's TTFT p90 against B alone, total throughput against first-come's;
-- ``backlogged``: both tenants with more streams than slots, A offering ``--a-streams`` and B
-  a tenth of it: Jain's index of the tokens each was served;
+- ``backlogged``: both tenants with at least as many streams as the pods' slots, A ten times
+  B's: Jain's index of the tokens each was served;
 - ``weights 3:1``: both backlogged with ``--tenant-weights A=3,B=1``: the ratio of tokens served;
-- ``sheddable``: the flood, with A's requests marked ``x-slipstream-criticality: sheddable``:
-  A's are refused (429) while the pods are full, B's (standard) never.
+- ``sheddable``: the flood, with A's requests marked ``x-slipstream-criticality: sheddable`` and
+  B's ``critical``: A's are refused (429) while the pods are full, B's never.
+
+Tokens served count each request's prompt at its first token and each streamed output token,
+inside the window. A plot (``--plot``, matplotlib) shows B's TTFT per request and the tokens each
+tenant was served over time.
 
 Times are in modelled seconds (wall ÷ S). Usage: ``python benchmarks/fairness.py
 [--time-scale 4] [--duration 20]``. Loopback addresses only; not part of ``make test``.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import platform
 import random
@@ -50,8 +55,10 @@ class Tally:
     """One tenant's results in a scenario."""
 
     ttfts: list[float] = field(default_factory=list)
-    tokens: int = 0  # prompt + output tokens of the requests that finished inside the window
+    tokens: int = 0  # prompt tokens (at the first token) and output tokens streamed inside the window
     rejected: int = 0
+    firsts: list[tuple[float, float]] = field(default_factory=list)  # (sent, TTFT), modelled s from the start
+    served: list[tuple[float, int]] = field(default_factory=list)  # (when, tokens), modelled s from the start
 
     def p(self, q: float) -> float | None:
         if not self.ttfts:
@@ -62,6 +69,7 @@ class Tally:
 
 async def client(session: aiohttp.ClientSession, tenant: str, criticality: str | None, until: float,
                  args: argparse.Namespace, tally: Tally, rng: random.Random) -> None:
+    began = until - args.duration * args.time_scale
     headers = {TENANT_HEADER: tenant, **({CRITICALITY_HEADER: criticality} if criticality else {})}
     url = f"http://{GATEWAY[0]}:{GATEWAY[1]}/v1/completions"
     while time.monotonic() < until:
@@ -75,16 +83,24 @@ async def client(session: aiohttp.ClientSession, tenant: str, criticality: str |
                 await asyncio.sleep(float(r.headers.get("Retry-After", "1")) * 0.1)
                 continue
             r.raise_for_status()
-            async for _ in r.content.iter_any():
+            async for line in r.content:  # one SSE event per line; each completion chunk, one token
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.monotonic()
+                if now > until:
+                    break
+                tokens = 1
                 if first is None:
-                    first = time.monotonic()
-        if first is not None and time.monotonic() <= until:
-            tally.ttfts.append((first - start) / args.time_scale)
-            tally.tokens += args.prompt_tokens + args.output_tokens
+                    first = now
+                    tally.ttfts.append((first - start) / args.time_scale)
+                    tally.firsts.append(((start - began) / args.time_scale, tally.ttfts[-1]))
+                    tokens += args.prompt_tokens
+                tally.tokens += tokens
+                tally.served.append(((now - began) / args.time_scale, tokens))
 
 
 async def scenario(args: argparse.Namespace, name: str, streams: dict[str, int], policy: str,
-                   weights: str | None = None, sheddable: str | None = None) -> dict:
+                   weights: str | None = None, criticality: dict[str, str] | None = None) -> dict:
     extra = ["--scheduling-policy", policy] + (["--tenant-weights", weights] if weights else [])
     procs = [spawn([sys.executable, "-m", "slipstream.server", "serve", "--model",
                     f"sim:{args.profile},time_scale={args.time_scale:g}", "--host", host, "--port", str(POD_PORT),
@@ -103,9 +119,10 @@ async def scenario(args: argparse.Namespace, name: str, streams: dict[str, int],
             await asyncio.sleep(1.0)  # the gateway's first scrape of both pods
             until = time.monotonic() + args.duration * args.time_scale
             rng = random.Random(0)
-            await asyncio.gather(*(client(session, tenant, sheddable if tenant == "A" else None, until, args,
+            await asyncio.gather(*(client(session, tenant, (criticality or {}).get(tenant), until, args,
                                           tallies[tenant], random.Random(rng.random()))
                                    for tenant, n in streams.items() for _ in range(n)))
+            pods = [await pod_counters(session, f"http://{host}:{POD_PORT}") for host in POD_HOSTS]
     finally:
         stop(procs)
     row = {"scenario": name, "policy": policy, "streams": streams}
@@ -113,8 +130,24 @@ async def scenario(args: argparse.Namespace, name: str, streams: dict[str, int],
         row[tenant] = {"requests": len(t.ttfts), "ttft_p50_s": t.p(0.5), "ttft_p90_s": t.p(0.9),
                        "tokens": t.tokens, "rejected": t.rejected}
     row["tokens_per_s"] = sum(t.tokens for t in tallies.values()) / args.duration
+    row["pods"] = {k: sum(p[k] for p in pods) for k in pods[0]}  # the engines' own totals
     print(json.dumps(row), flush=True)
+    row["tallies"] = dict(tallies)  # for the plot; not in the JSON
     return row
+
+
+async def pod_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """A pod's engine totals: preemptions, prompt tokens admitted and those found in its prefix cache."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    wanted = {"slipstream:num_preemptions_total": "preemptions", "slipstream:prompt_tokens_total": "prompt_tokens",
+              "slipstream:prefix_cache_hits_total": "prefix_hits"}
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            out[wanted[name]] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def jain(values: list[float]) -> float:
@@ -127,10 +160,12 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     rows = [await scenario(args, "B alone", {"B": b}, "fair")]
     for policy in ("fair", "fcfs"):
         rows.append(await scenario(args, "flood", {"A": a, "B": b}, policy))
+    backlogged = {"A": 10 * slots, "B": slots}  # both more streams than the pods' slots, A 10× B
     for policy in ("fair", "fcfs"):
-        rows.append(await scenario(args, "backlogged", {"A": a, "B": max(slots, a // 10)}, policy))
+        rows.append(await scenario(args, "backlogged", backlogged, policy))
     rows.append(await scenario(args, "weights 3:1", {"A": 2 * slots, "B": 2 * slots}, "fair", weights="A=3,B=1"))
-    rows.append(await scenario(args, "sheddable", {"A": a, "B": b}, "fair", sheddable="sheddable"))
+    rows.append(await scenario(args, "sheddable", {"A": a, "B": b}, "fair", criticality={"A": "sheddable",
+                                                                                        "B": "critical"}))
     return rows
 
 
@@ -138,20 +173,51 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     alone = rows[0]["B"]["ttft_p90_s"]
     fcfs_tput = {r["scenario"]: r["tokens_per_s"] for r in rows if r["policy"] == "fcfs"}
     lines = ["| scenario | policy | streams A/B | B TTFT p90 (s) | ÷ B alone | tokens/s | ÷ fcfs | "
-             "served A:B | Jain | rejected A/B |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "served A:B | Jain | rejected A/B | preemptions |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         A, B = r.get("A", {}), r["B"]
         served = [A.get("tokens", 0), B["tokens"]]
-        ratio = f"{served[0] / served[1]:.2f}" if served[1] else "—"
+        ratio = f"{served[0] / served[1]:.2f}" if served[1] and "A" in r else "—"
         base = fcfs_tput.get(r["scenario"])
+        vs_fcfs = f"{r['tokens_per_s'] / base:.2f}" if base else "—"
         lines.append(f"| {r['scenario']} | {r['policy']} | {r['streams'].get('A', 0)}/{r['streams']['B']} | "
-                     f"{B['ttft_p90_s']:.3f} | {B['ttft_p90_s'] / alone:.2f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['tokens_per_s'] / base:.2f} | {ratio} | {jain(served) if 'A' in r else 1:.3f} | "
-                     f"{A.get('rejected', 0)}/{B['rejected']} |" if base else
-                     f"| {r['scenario']} | {r['policy']} | {r['streams'].get('A', 0)}/{r['streams']['B']} | "
-                     f"{B['ttft_p90_s']:.3f} | {B['ttft_p90_s'] / alone:.2f} | {r['tokens_per_s']:.0f} | — | "
-                     f"{ratio} | {jain(served) if 'A' in r else 1:.3f} | {A.get('rejected', 0)}/{B['rejected']} |")
+                     f"{B['ttft_p90_s']:.3f} | {B['ttft_p90_s'] / alone:.2f} | {r['tokens_per_s']:.0f} | {vs_fcfs} | "
+                     f"{ratio} | {jain(served) if 'A' in r else 1:.3f} | {A.get('rejected', 0)}/{B['rejected']} | "
+                     f"{r['pods']['preemptions']:.0f} |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], tallies: list[dict[str, Tally]], path: Path) -> bool:
+    """B's TTFT per request (alone, beside the flood: fair and first-come) and each tenant's
+    tokens served over time (backlogged, fair and first-come; weights 3:1)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for row, tally in zip(rows, tallies):
+        label = f"{row['scenario']}, {row['policy']}"
+        if row["scenario"] in ("B alone", "flood") and tally.get("B") and tally["B"].firsts:
+            a.plot(*zip(*tally["B"].firsts), "o" if row["policy"] == "fair" else "x", ms=3, label=label)
+        if row["scenario"] in ("backlogged", "weights 3:1"):
+            style = {"fair": "-", "fcfs": ":"}[row["policy"]] if row["scenario"] == "backlogged" else "--"
+            for tenant, color in (("A", "C0"), ("B", "C1")):
+                if tally.get(tenant) and tally[tenant].served:
+                    times, tokens = zip(*sorted(tally[tenant].served))
+                    total = list(itertools.accumulate(tokens))
+                    b.plot(times, total, style, color=color, label=f"{tenant}: {label}")
+    a.set(xlabel="request sent (s, modelled)", ylabel="B's TTFT (s, modelled)", yscale="log",
+          title="tenant B's time to first token")
+    b.set(xlabel="time (s, modelled)", ylabel="tokens served (prompt + output)",
+          title="tokens served per tenant, both backlogged")
+    a.legend(fontsize=7)
+    b.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,14 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--json", type=Path, default=OUT / "fairness.json")
+    p.add_argument("--plot", type=Path, default=OUT / "fairness.png")
     args = p.parse_args(argv)
     OUT.mkdir(exist_ok=True)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
     rows = asyncio.run(main_async(args))
+    tallies = [row.pop("tallies") for row in rows]
     args.json.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"\n{model}, {platform.machine()}; {sys.argv}")
     print(table(rows, args))
+    print(f"plot: {args.plot}" if plot(rows, tallies, args.plot) else "plot: matplotlib not installed, skipped")
     return 0
 
 

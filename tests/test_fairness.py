@@ -193,6 +193,22 @@ def test_a_tenant_that_waits_while_another_holds_every_seat_gets_one_at_the_next
     assert light in s.running and sum(r.num_preemptions for r in flood) == 1  # no back and forth
 
 
+def test_a_seat_comes_with_the_budget_for_its_prefill_and_the_victim_has_least_to_recompute():
+    s = scheduler("fair", seats=2, budget=64, blocks=512)
+    short, long = request("a", prompt=range(40), max_tokens=50), request("a", prompt=range(100, 300), max_tokens=50)
+    for r in (short, long):
+        s.add(r)
+    step(s)  # short's whole prompt, long's first 24 tokens
+    step(s)  # long: 63 more
+    assert (short.num_computed_tokens, long.num_computed_tokens) == (41, 87)
+    s.add(light := request("b", prompt=range(500, 548), max_tokens=5))
+    batch = s.schedule()
+    # short is the victim (older, but less computed); b's 48-token prompt goes whole into this
+    # step, and long's prefill chunk gets what is left of the 64-token budget
+    assert short.num_preemptions == 1 and long.num_preemptions == 0
+    assert dict(zip(batch.requests, batch.num_new_tokens)) == {long: 16, light: 48}
+
+
 def test_seats_move_toward_an_even_split_by_weight_and_stop_there():
     s = scheduler("fair", seats=4, weights={"a": 3})
     for _ in range(6):

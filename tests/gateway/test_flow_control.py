@@ -21,6 +21,7 @@ from slipstream.server.gateway.wait_queue import QueueFull, Shed, WaitQueue
 from gateway_helpers import chat, metrics, running_gateway, total
 
 POD = "http://127.0.0.2:8000"
+POD_NAMES = [f"http://127.0.0.{2 + i}:8000" for i in range(2)]
 
 
 def one_slot_pod(max_queue: int = 100, weights=None) -> tuple[EndpointSet, WaitQueue]:
@@ -135,18 +136,97 @@ async def test_through_http_a_sheddable_request_gets_429_shed_and_a_bad_critical
         assert total(await metrics(session, url), "slipstream:gateway_rejections_total", reason="shed") == 1
 
 
-def test_per_tenant_metrics_name_the_top_tenants_and_sum_the_rest_as_other():
+def pods(slots: int, count: int = 1, weights=None, fair: bool = True) -> tuple[EndpointSet, WaitQueue]:
+    names = [f"http://127.0.0.{2 + i}:8000" for i in range(count)]
+    endpoints = EndpointSet(GatewayConfig(max_in_flight=slots))
+    endpoints.set_endpoints(names)
+    for name in names:
+        endpoints.observe(name, PodLoad(name, 0.0, 0.0, 0.0, 0.0), ready=True)
+    return endpoints, WaitQueue(endpoints, tenant_weights=weights, fair=fair)
+
+
+async def turns(n: int = 5) -> None:
+    """A few loop turns: a granted waiter's task resumes within them."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def hold(queue: WaitQueue, tenant: str, n: int, **kwargs) -> list[asyncio.Task]:
+    """``n`` acquisitions by ``tenant``, each a task (granted ones are done after a loop turn)."""
+    tasks = [asyncio.create_task(queue.acquire(pick, queue.endpoints.clock() + 30, tenant=tenant, **kwargs))
+             for _ in range(n)]
+    await turns()
+    return tasks
+
+
+async def test_a_tenant_below_its_share_is_not_held_behind_a_flood_of_another():
+    endpoints, queue = pods(slots=2, count=2)  # 4 slots
+    flood = await hold(queue, "a", 7)
+    assert sum(t.done() for t in flood) == 4 and queue.waiting == 3
+    few = await hold(queue, "b", 3)
+    # b's share of the 4 slots is 2: two go out at once past the pods' limits, spread over both;
+    # the third waits like a's.
+    granted = [t.result().endpoint for t in few if t.done()]
+    assert sorted(granted) == sorted(POD_NAMES[:2]) and queue.waiting_by_tenant() == {"a": 3, "b": 1}
+    assert queue.in_flight_by_tenant() == {"a": 4, "b": 2}
+    assert sorted(e.in_flight for e in endpoints.loads()) == [3, 3]
+    # The pods stay above their limits until a's requests finish: a slot a gives back frees none,
+    # and b, at its share, borrows no more; one of b's own returning lets its third go.
+    queue.release(flood[0].result().endpoint, "a")
+    await turns()
+    assert not few[2].done() and queue.in_flight_by_tenant() == {"a": 3, "b": 2}
+    queue.release(few[0].result().endpoint, "b")
+    await turns()
+    assert few[2].done() and queue.waiting_by_tenant() == {"a": 3}
+    # a's waiters get slots only as the total falls below the pods' limits (4).
+    for task in flood[1:4]:
+        queue.release(task.result().endpoint, "a")
+    await turns()
+    assert sum(t.done() for t in flood[4:]) == 2 and queue.in_flight_by_tenant() == {"a": 2, "b": 2}
+    for task in flood[4:]:
+        task.cancel()
+
+
+async def test_weights_size_the_shares_and_one_tenant_or_first_come_never_borrows():
+    endpoints, queue = pods(slots=4, weights={"a": 3})  # b's share of 4 slots beside a is 1
+    await hold(queue, "a", 4)
+    assert [t.done() for t in await hold(queue, "b", 2)] == [True, False]
+    for fair, second in ((True, "a"), (False, "b")):  # alone, or first-come: nobody borrows
+        endpoints, queue = pods(slots=2, fair=fair)
+        await hold(queue, "a", 2)
+        assert [t.done() for t in await hold(queue, second, 1)] == [False]
+
+
+async def test_a_sheddable_request_never_borrows():
+    endpoints, queue = pods(slots=2)
+    await hold(queue, "a", 2)
+    with pytest.raises(Shed):
+        await queue.acquire(pick, endpoints.clock() + 30, tenant="b", criticality="sheddable")
+
+
+async def test_per_tenant_metrics_name_the_top_tenants_and_sum_the_rest_as_other():
     from slipstream.api_types import metrics as names
     from slipstream.api_types.metrics import parse_exposition
-    from slipstream.server.gateway.metrics import TOP_TENANTS, GatewayMetrics
+    from slipstream.api_types.tenancy import TOP_TENANTS
+    from slipstream.server.gateway.metrics import GatewayMetrics
 
     endpoints, queue = one_slot_pod()
     for i in range(TOP_TENANTS + 5):
         queue.service.charge(f"t{i:02d}", 100 + i, 0)
+    await queue.acquire(pick, endpoints.clock() + 30, tenant="t24")
+    for tenant in ("t23", "t00"):
+        with pytest.raises(Shed):
+            await queue.acquire(pick, endpoints.clock() + 30, tenant=tenant, criticality="sheddable")
     samples = parse_exposition(GatewayMetrics(endpoints, queue).render().decode())
-    served = {labels["tenant"]: value for labels, value in samples[names.GATEWAY_TENANT_SERVED_TOKENS]}
+
+    def by_tenant(name: str) -> dict[str, float]:
+        return {labels["tenant"]: value for labels, value in samples[name]}
+    served = by_tenant(names.GATEWAY_TENANT_SERVED_TOKENS)
     assert len(served) == TOP_TENANTS + 1 and "t24" in served and "t00" not in served
     assert served["other"] == sum(100 + i for i in range(5))
+    assert by_tenant(names.GATEWAY_TENANT_REQUESTS_IN_FLIGHT)["t24"] == 1
+    rejected = by_tenant(names.GATEWAY_TENANT_REJECTIONS + "_total")
+    assert rejected["t23"] == 1 and rejected["other"] == 1 and rejected["t24"] == 0
 
 
 def test_counters_of_idle_tenants_are_forgotten_past_the_bound_keeping_the_backlogged():
@@ -176,8 +256,8 @@ async def test_uncongested_tenants_cannot_grow_the_gateways_counters():
     queue.service.max_tenants = 100
     for i in range(1000):
         await queue.acquire(pick, endpoints.clock() + 30, tenant=f"id-{i}", prompt_tokens=10)
-        endpoints.release(POD)
-    assert len(queue.service.counters) <= 101
+        queue.release(POD, f"id-{i}")
+    assert len(queue.service.counters) <= 101 and queue.in_flight_by_tenant() == {}
 
 
 @pytest.mark.timeout(60)

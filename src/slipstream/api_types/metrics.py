@@ -31,6 +31,11 @@ VLLM_GAUGES: Mapping[str, str] = MappingProxyType({
     NUM_REQUESTS_RUNNING: "vllm:num_requests_running",
     KV_CACHE_USAGE_PERC: "vllm:kv_cache_usage_perc",
 })
+# Per tenant (label tenant: the TOP_TENANTS most served by name, the rest summed as "other").
+TENANT_SERVED_TOKENS = PREFIX + "tenant_served_tokens"
+TENANT_REQUESTS_WAITING = PREFIX + "tenant_requests_waiting"
+TENANT_REQUESTS_RUNNING = PREFIX + "tenant_requests_running"
+TENANT_REJECTIONS = PREFIX + "tenant_rejections"  # counter
 # Counters (samples end in _total).
 NUM_PREEMPTIONS = PREFIX + "num_preemptions"
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries"
@@ -66,6 +71,8 @@ GATEWAY_RETRIES = GATEWAY_PREFIX + "retries"  # counter, label reason
 GATEWAY_REJECTIONS = GATEWAY_PREFIX + "rejections"  # counter, label reason
 GATEWAY_TENANT_REQUESTS_WAITING = GATEWAY_PREFIX + "tenant_requests_waiting"  # label tenant (top 20 + other)
 GATEWAY_TENANT_SERVED_TOKENS = GATEWAY_PREFIX + "tenant_served_tokens"  # label tenant (top 20 + other)
+GATEWAY_TENANT_REQUESTS_IN_FLIGHT = GATEWAY_PREFIX + "tenant_requests_in_flight"  # label tenant (top 20 + other)
+GATEWAY_TENANT_REJECTIONS = GATEWAY_PREFIX + "tenant_rejections"  # counter, label tenant (top 20 + other)
 GATEWAY_UPSTREAM_ERRORS_AFTER_FIRST_BYTE = GATEWAY_PREFIX + "upstream_errors_after_first_byte"  # counter
 GATEWAY_QUEUE_TIME_SECONDS = GATEWAY_PREFIX + "queue_time_seconds"
 GATEWAY_TIME_TO_FIRST_TOKEN_SECONDS = GATEWAY_PREFIX + "time_to_first_token_seconds"

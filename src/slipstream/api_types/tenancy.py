@@ -4,7 +4,7 @@ the Virtual Token Counter (VTC, Sheng et al., "Fairness in Serving Large Languag
 OSDI '24), which charges a tenant for the prompt and output tokens it was served."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import model_validator
@@ -60,6 +60,28 @@ DEFAULT_SCHEDULING_POLICY = "fair"
 # paper's default ratio (output tokens cost about twice as much compute per token in a batch).
 PROMPT_TOKEN_WEIGHT = 1.0
 OUTPUT_TOKEN_WEIGHT = 2.0
+
+
+# Per-tenant metrics name this many tenants (the most served) and sum the rest under OTHER_TENANT:
+# ids come from a header, and a label value per id would grow Prometheus without bound.
+TOP_TENANTS = 20
+OTHER_TENANT = "other"
+
+
+def fold_tenants(columns: Sequence[Mapping[str, float]], top: int = TOP_TENANTS) -> dict[str, list[float]]:
+    """Rows of per-tenant metrics with bounded cardinality: tenant → one value per column (a
+    missing one 0). The ``top`` tenants ranked by the columns in order (the first, e.g. tokens
+    served, decides; ties by the next, then by name) keep their names; the others are summed
+    under :data:`OTHER_TENANT` (a tenant called that is summed with them)."""
+    tenants = set().union(*columns)
+    ranked = sorted(tenants, key=lambda t: (*(-c.get(t, 0.0) for c in columns), t))
+    named = set(ranked[:top])
+    rows: dict[str, list[float]] = {}
+    for tenant in ranked:
+        row = rows.setdefault(tenant if tenant in named else OTHER_TENANT, [0.0] * len(columns))
+        for i, column in enumerate(columns):
+            row[i] += column.get(tenant, 0.0)
+    return rows
 
 
 def check_tenant_weights(weights: Mapping[str, float] | None, name: str = "tenant_weights") -> None:

@@ -8,6 +8,9 @@ from the engine's per-step listener. ``engine_config_info`` (value 1, as vLLM's
 ``vllm:cache_config_info``) carries the engine's settings as labels — ``block_size``,
 ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching`` (``true``/``false``) —
 so a gateway learns how to hash prompts for this pod; it appears once the engine is loaded.
+Per tenant (the fairness header's id): requests waiting and running in the engine, its fairness
+counter and the 429s the server answered it, for the :data:`~slipstream.api_types.tenancy.TOP_TENANTS`
+most served by name and the rest summed as ``other`` (bounded cardinality: ids come from a header).
 ``cpu_kernel_info{isa=...}`` (value 1) names the CPU kernel path in use (``avx512``, ``avx2``,
 ``neon``, ``generic``; ``none`` when quantized weights are served dequantized to fp32) once the
 process has resolved it, i.e. on CPU.
@@ -24,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from slipstream.api_types import metrics as names
+from slipstream.api_types.tenancy import fold_tenants
+from slipstream.server.virtual_token_counter import count_for_tenant
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LABELS = [names.MODEL_NAME]
@@ -40,8 +45,10 @@ ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16
 class _EngineCollector:
     """Gauges and engine-side counters, read from ``stats()`` whenever Prometheus scrapes."""
 
-    def __init__(self, model_name: Callable[[], str], stats: Callable[[], Any], vllm_compatible: bool) -> None:
+    def __init__(self, model_name: Callable[[], str], stats: Callable[[], Any], vllm_compatible: bool,
+                 rejected: Callable[[], dict[str, int]] = dict) -> None:
         self._model_name, self._stats, self._vllm = model_name, stats, vllm_compatible
+        self._rejected = rejected
 
     def describe(self) -> list:
         return []  # collected lazily: the engine may not be loaded when the registry is built
@@ -82,11 +89,34 @@ class _EngineCollector:
                                         labels=_LABELS + ["isa"])
             kernels.add_metric([name, isa], 1)
             yield kernels
+        yield from self._tenants(name, stats)
         if stats is not None:
             info = GaugeMetricFamily(names.ENGINE_CONFIG_INFO, "The engine's settings, as labels (value 1).",
                                      labels=_LABELS + list(_CONFIG_LABELS))
             info.add_metric([name] + [_label_value(getattr(stats, attr)) for attr in _CONFIG_LABELS], 1)
             yield info
+
+
+    def _tenants(self, name: str, stats: Any):
+        running = stats.tenant_running if stats else {}
+        waiting = {t: n - running.get(t, 0) for t, n in (stats.tenant_requests if stats else {}).items()}
+        rows = fold_tenants([stats.tenant_served if stats else {}, waiting, running, self._rejected()])
+        labels = _LABELS + ["tenant"]
+        families = [
+            GaugeMetricFamily(names.TENANT_SERVED_TOKENS, "Weighted tokens served per tenant (the fair policy's "
+                              "counter: prompt tokens + 2 × output tokens, divided by the tenant's weight).",
+                              labels=labels),
+            GaugeMetricFamily(names.TENANT_REQUESTS_WAITING, "Requests waiting to be scheduled, by tenant.",
+                              labels=labels),
+            GaugeMetricFamily(names.TENANT_REQUESTS_RUNNING, "Requests in the running batch, by tenant.",
+                              labels=labels),
+            CounterMetricFamily(names.TENANT_REJECTIONS, "Requests refused with 429 (queue full), by tenant.",
+                                labels=labels),
+        ]
+        for tenant, values in sorted(rows.items()):
+            for family, value in zip(families, values):
+                family.add_metric([name, tenant], value)
+        yield from families
 
 
 _CONFIG_LABELS = names.ENGINE_CONFIG_LABELS
@@ -121,7 +151,8 @@ class ServerMetrics:
         self.queue_time = histogram(names.REQUEST_QUEUE_TIME_SECONDS, "Arrival to first scheduled.", REQUEST_BUCKETS)
         self.iteration_tokens = histogram(names.ITERATION_TOKENS, "Tokens (prefill + decode) per engine step.",
                                           ITERATION_BUCKETS)
-        r.register(_EngineCollector(model_name, stats, vllm_compatible))
+        self._rejected: dict[str, int] = {}  # tenant → 429s (bounded: count_for_tenant)
+        r.register(_EngineCollector(model_name, stats, vllm_compatible, lambda: dict(self._rejected)))
 
     def start(self) -> None:
         """Export every series at zero from the start (once the model name is known), so rates work."""
@@ -130,6 +161,10 @@ class ServerMetrics:
             self.label(metric)
         for reason in ("stop", "length", "abort", "error"):
             self.label(self.request_success, reason)
+
+    def reject(self, tenant: str) -> None:
+        """Count a 429 answered to ``tenant`` (the event loop's thread)."""
+        count_for_tenant(self._rejected, tenant)
 
     def label(self, metric: Any, *extra: str) -> Any:
         return metric.labels(self._model_name(), *extra)

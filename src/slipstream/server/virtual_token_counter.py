@@ -14,6 +14,14 @@ from slipstream.api_types.tenancy import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGH
 MAX_TENANTS = 10_000
 
 
+def count_for_tenant(counts: dict[str, int], tenant: str, bound: int = MAX_TENANTS) -> None:
+    """Add one to ``counts[tenant]`` (e.g. requests refused), keeping the ``bound`` tenants counted
+    most recently: the others' counts are forgotten, oldest first."""
+    counts[tenant] = counts.pop(tenant, 0) + 1  # re-inserted: the newest
+    if len(counts) > bound:
+        del counts[next(iter(counts))]
+
+
 class TokenCounters:
     """VTC's per-tenant counters: the weighted tokens each tenant has been served.
 
@@ -42,6 +50,13 @@ class TokenCounters:
 
     def weight(self, tenant: str) -> float:
         return self.tenant_weights.get(tenant, 1.0)
+
+    def shares(self, slots: float, tenants: Iterable[str]) -> dict[str, float]:
+        """Each of ``tenants``' share of ``slots`` (running seats, in-flight requests) split by
+        weight: ``slots × weight ÷ the tenants' weights' sum``; a float, not rounded."""
+        tenants = set(tenants)
+        total = sum(self.weight(t) for t in tenants)
+        return {t: slots * self.weight(t) / total for t in tenants}
 
     def served(self, tenant: str) -> float:
         """``tenant``'s counter: weighted tokens served, divided by its weight."""

@@ -116,12 +116,12 @@ class GenerationCall:
     async def run(self, request: web.Request, prompts: list, params: SamplingParams) -> web.StreamResponse:
         """Admit, start and answer; raises :class:`APIError` for anything refused before a stream opens."""
         state = self.state
-        with state.admit(self.request_id, len(prompts), params.n) as record:
+        try:
+            tenant = tenant_of(request.headers.get(FAIRNESS_ID_HEADER))
+        except ValueError as exc:
+            raise bad_request(str(exc), code="invalid_tenant") from None
+        with state.admit(self.request_id, len(prompts), params.n, tenant) as record:
             self.record = record
-            try:
-                tenant = tenant_of(request.headers.get(FAIRNESS_ID_HEADER))
-            except ValueError as exc:
-                raise bad_request(str(exc), code="invalid_tenant") from None
             priority = getattr(self.req, "priority", 0)
             async with GenerationGroup(state.llm, prompts, params, self.request_id, tenant, priority) as group:
                 try:

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slipstream.api_types.tenancy import DEFAULT_TENANT
 from slipstream.server.api.errors import APIError
 from slipstream.server.api.logprobs import TokenBytes
 from slipstream.server.api.reasoning import get_reasoning_parser
@@ -96,9 +97,11 @@ class ServerState:
         return max(waiting + max(0, num_seqs - free), in_flight - max_num_seqs)
 
     @contextmanager
-    def admit(self, request_id: str, num_prompts: int, n: int = 1) -> Iterator[RequestRecord]:
+    def admit(self, request_id: str, num_prompts: int, n: int = 1,
+              tenant: str = DEFAULT_TENANT) -> Iterator[RequestRecord]:
         """Count one API call of ``num_prompts`` prompts × ``n`` choices in flight (429 when the
-        queue is full, 400 when it could never fit); log its line when it leaves."""
+        queue is full, counted for ``tenant``; 400 when it could never fit); log its line when it
+        leaves."""
         self.check_accepting()
         num_seqs = num_prompts * n
         limit = self.llm.config.max_num_seqs + self.options.max_waiting
@@ -108,6 +111,7 @@ class ServerState:
                            "(--max-num-seqs plus --max-waiting) can be queued at once. Split it into smaller "
                            "requests.", param="n" if n > 1 else "prompt", code="too_many_sequences")
         if self.would_wait(num_seqs) > self.options.max_waiting:
+            self.metrics.reject(tenant)
             raise APIError(429, f"Too many requests queued (limit --max-waiting={self.options.max_waiting}); "
                            "retry shortly.", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.in_flight[request_id] = num_seqs

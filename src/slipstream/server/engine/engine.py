@@ -2,6 +2,7 @@
 ``add_request`` → ``step`` (schedule → run → sample → postprocess) → outputs."""
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import time
@@ -512,4 +513,8 @@ class LLMEngine:
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             enable_prefix_caching=self.kv.enable_prefix_caching,
+            # copies (atomic under the GIL): stats() is read from the event loop while the engine steps
+            tenant_requests=self.scheduler.waiting.requests_by_tenant(),
+            tenant_running=dict(collections.Counter(r.tenant for r in list(self.scheduler.running))),
+            tenant_served=dict(self.scheduler.waiting.counters),
         )

@@ -131,6 +131,10 @@ class WaitingQueue:
         else:
             self._active.pop(req.tenant, None)
 
+    def requests_by_tenant(self) -> dict[str, int]:
+        """Requests in the engine (waiting or running) per tenant; a copy."""
+        return dict(self._active)
+
     def __len__(self) -> int:
         return self._len
 
@@ -156,21 +160,20 @@ class WaitingQueue:
         target of ``max_num_seqs × its weight ÷ their weights' sum`` seats; one moves when the
         waiting tenant holds fewer than its target and the tenant furthest above its own target
         (and served at least as much) holds more than its: seats move toward the split by
-        weight, a step at a time, and never back and forth. The victim is that tenant's newest."""
+        weight, a step at a time, and never back and forth. The victim is that tenant's request
+        with the fewest computed tokens (the least to recompute; the newest among equals)."""
         if self.policy != "fair" or len(running) < max_num_seqs or not self._len:
             return None
         head = self.head()
         seats: dict[str, int] = {head.tenant: 0}
         for r in running:
             seats[r.tenant] = seats.get(r.tenant, 0) + 1
-        weight = self.service.weight
-        total = sum(weight(t) for t in seats)
-        target = {t: max_num_seqs * weight(t) / total for t in seats}
+        target = self.service.shares(max_num_seqs, seats)
         rich = max(seats, key=lambda t: (seats[t] - target[t], self.service.served(t)))
         if rich == head.tenant or seats[head.tenant] >= target[head.tenant] or seats[rich] <= target[rich] \
                 or self.service.served(rich) < self.service.served(head.tenant):
             return None
-        return next(r for r in reversed(running) if r.tenant == rich)
+        return min(reversed(running), key=lambda r: (r.tenant != rich, r.num_computed_tokens))
 
     def protect_order(self, running: list[Request]) -> list[Request]:
         """``running`` reordered (stably) so that the request to preempt first is last."""

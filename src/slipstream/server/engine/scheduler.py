@@ -88,10 +88,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.running = self.waiting.protect_order(self.running)
         seat = self.waiting.seat_victim(self.running, self.max_num_seqs)
+        reserved = 0
         if seat is not None:  # before anything is scheduled: the freed seat goes to the waiting tenant
             self.running.remove(seat)
             self._preempt(seat)
             out.preempted.append(seat)
+            # and the budget for its prefill, ahead of the running requests' prefill chunks
+            # (their decodes still fit): the seat is for this step, not for when a chunk leaves room
+            head = self.waiting.head()
+            reserved = max(0, min(head.num_tokens - head.num_computed_tokens, budget - len(self.running)))
+            budget -= reserved
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -108,6 +114,7 @@ class Scheduler:
                 out.num_new_tokens.append(n)
                 budget -= n
                 i += 1
+        budget += reserved
         if out.preempted and out.preempted != [seat]:
             if not self.running:
                 # A lone request preempted itself: blocks that waiting choices hold (a fork's,

@@ -51,3 +51,8 @@ class EngineStats:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0  # tokens per step
     enable_prefix_caching: bool = False
+    # per tenant (the fairness header's id): requests in the engine (waiting or running), running,
+    # and the fairness counter (weighted tokens served; ``fair`` only)
+    tenant_requests: dict[str, int] = field(default_factory=dict)
+    tenant_running: dict[str, int] = field(default_factory=dict)
+    tenant_served: dict[str, float] = field(default_factory=dict)

@@ -7,19 +7,16 @@ has no pod to scrape (scale from zero).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from slipstream.api_types import metrics as names
+from slipstream.api_types.tenancy import fold_tenants
 
 from ..metrics import CONTENT_TYPE, REQUEST_BUCKETS, TTFT_BUCKETS
 from .endpoints import EndpointSet
 from .wait_queue import WaitQueue
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
-
-TOP_TENANTS = 20  # tenants named in the per-tenant metrics; the rest are "other"
-OTHER_TENANT = "other"
-
 
 class _EndpointCollector:
     """Gauges read from the endpoint set and the wait queue at scrape time, so removed endpoints
@@ -55,28 +52,26 @@ class _EndpointCollector:
         yield from self._tenants()
 
     def _tenants(self):
-        """Per tenant, bounded: the :data:`TOP_TENANTS` most served (or waiting) by name, the rest
-        summed as ``other``."""
-        waiting = self.queue.waiting_by_tenant()
-        served = self.queue.service.counters
-        ranked = sorted(set(served) | set(waiting), key=lambda t: (-served.get(t, 0.0), t))
-        named = set(ranked[:TOP_TENANTS])
-        rows: dict[str, list[float]] = {}
-        for tenant in ranked:
-            row = rows.setdefault(tenant if tenant in named else OTHER_TENANT, [0.0, 0.0])
-            row[0] += waiting.get(tenant, 0)
-            row[1] += served.get(tenant, 0.0)
-        waiting_family = GaugeMetricFamily(names.GATEWAY_TENANT_REQUESTS_WAITING,
-                                           "Requests held in the gateway, by tenant", labels=["tenant"])
-        served_family = GaugeMetricFamily(names.GATEWAY_TENANT_SERVED_TOKENS,
-                                          "Weighted tokens served per tenant (the fairness counter: prompt "
-                                          "tokens + 2 × output tokens, divided by the tenant's weight)",
-                                          labels=["tenant"])
-        for tenant, (w, s) in sorted(rows.items()):
-            waiting_family.add_metric([tenant], w)
-            served_family.add_metric([tenant], s)
-        yield waiting_family
-        yield served_family
+        """Per tenant, bounded (:func:`~slipstream.api_types.tenancy.fold_tenants`): the most served
+        by name, the rest summed as ``other``."""
+        rows = fold_tenants([self.queue.service.counters, self.queue.waiting_by_tenant(),
+                             self.queue.in_flight_by_tenant(), self.queue.rejected_by_tenant()])
+        families = [
+            GaugeMetricFamily(names.GATEWAY_TENANT_SERVED_TOKENS,
+                              "Weighted tokens served per tenant (the fairness counter: prompt tokens + 2 × "
+                              "output tokens, divided by the tenant's weight)", labels=["tenant"]),
+            GaugeMetricFamily(names.GATEWAY_TENANT_REQUESTS_WAITING, "Requests held in the gateway, by tenant",
+                              labels=["tenant"]),
+            GaugeMetricFamily(names.GATEWAY_TENANT_REQUESTS_IN_FLIGHT,
+                              "Requests the gateway has in flight on the pods, by tenant", labels=["tenant"]),
+            CounterMetricFamily(names.GATEWAY_TENANT_REJECTIONS,
+                                "Requests the gateway refused while the pods were full (429: shed, queue full), "
+                                "by tenant", labels=["tenant"]),
+        ]
+        for tenant, values in sorted(rows.items()):
+            for family, value in zip(families, values):
+                family.add_metric([tenant], value)
+        yield from families
 
 
 class GatewayMetrics:

@@ -164,7 +164,7 @@ class Proxy:
                     request.method, URL(choice.endpoint + request.raw_path, encoded=True), headers=headers,
                     data=body if body else None, allow_redirects=False)
             except _UPSTREAM_ERRORS as exc:
-                self.endpoints.release(choice.endpoint)
+                self.queue.release(choice.endpoint, tenant)
                 self.endpoints.mark_unready(choice.endpoint, "connection failed")
                 last_error = f"{choice.endpoint}: {exc!r}"
                 log.warning("request %s: %s failed before the response (%r); trying another endpoint",
@@ -173,11 +173,11 @@ class Proxy:
                 self.metrics.retries.labels("connection").inc()
                 continue
             except BaseException:  # cancelled (the client went away) while connecting
-                self.endpoints.release(choice.endpoint)
+                self.queue.release(choice.endpoint, tenant)
                 raise
             if upstream.status == 503 and attempt + 1 < self.config.max_tries:
                 upstream.release()
-                self.endpoints.release(choice.endpoint)
+                self.queue.release(choice.endpoint, tenant)
                 self.endpoints.mark_unready(choice.endpoint, "answered 503")
                 log.info("request %s: %s answered 503; trying another endpoint", request_id, choice.endpoint)
                 tried.append(choice.endpoint)
@@ -189,7 +189,7 @@ class Proxy:
                 return await self._relay(request, upstream, request_id, start, tenant)
             finally:
                 upstream.close()  # no-op once released; else the pod sees the connection go and aborts
-                self.endpoints.release(choice.endpoint)
+                self.queue.release(choice.endpoint, tenant)
         return self._reject(502, "upstream_failed", request_id,
                             f"No model server answered after {self.config.max_tries} tries (last: {last_error}); "
                             "retry the request.")

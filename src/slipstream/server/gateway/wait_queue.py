@@ -17,10 +17,19 @@ to its deadline. The queue hears of freed capacity from the :class:`~.endpoints.
 
 When the queue is full a critical request takes the place of the newest standard one (which is
 refused, 429), so a critical request is never refused while a standard one waits.
+
+Shares of the in-flight limit (``fair``): while every endpoint is at its limit, a tenant holding
+fewer requests in flight than its share of the endpoints' slots (``slots × its weight ÷ the
+weights' sum`` of the tenants in flight or waiting) is not held here: its request goes to a pod
+past that pod's limit (to at most ``BORROW`` times it), where the engine's fair policy seats it
+at the next step. So a tenant sending a few requests beside a flood waits for no flood request to
+finish; with one tenant, or every tenant at its share, nothing changes. Sheddable requests never
+borrow.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Mapping
@@ -28,13 +37,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
 from slipstream.api_types.tenancy import CRITICALITIES, DEFAULT_CRITICALITY, DEFAULT_TENANT
-from slipstream.server.virtual_token_counter import TokenCounters
+from slipstream.server.virtual_token_counter import TokenCounters, count_for_tenant
 
 from .endpoints import EndpointSet
 from .routing import Choice, EndpointLoad
 
 Pick = Callable[[Sequence[EndpointLoad]], "Choice | None"]
 CRITICAL, STANDARD, SHEDDABLE = CRITICALITIES
+# A pod takes at most this many times its in-flight limit when tenants below their share borrow:
+# the extra requests wait in its engine (its own --max-waiting still applies).
+BORROW = 2
 
 
 class QueueFull(Exception):
@@ -73,6 +85,8 @@ class WaitQueue:
         self.max_queue = endpoints.config.max_queue if max_queue is None else max_queue
         self.service = TokenCounters(tenant_weights, active=self.waiting_by_tenant)
         self._queues: dict[tuple[int, str], deque[_Waiter]] = {}  # (band, tenant) → arrival order
+        self._in_flight: dict[str, int] = {}  # tenant → slots granted and not released
+        self._rejected: dict[str, int] = {}  # tenant → requests refused (429; bounded: count_for_tenant)
         self._count = 0
         self._seq = itertools.count()
         endpoints.add_capacity_listener(self.dispatch)
@@ -89,18 +103,54 @@ class WaitQueue:
             counts[tenant] = counts.get(tenant, 0) + len(queue)
         return {t: n for t, n in counts.items() if n}
 
+    def in_flight_by_tenant(self) -> dict[str, int]:
+        """Requests in flight (granted a slot, not yet released) per tenant."""
+        return dict(self._in_flight)
+
+    def rejected_by_tenant(self) -> dict[str, int]:
+        """Requests refused (shed, queue full) per tenant; bounded, the oldest tenants forgotten."""
+        return dict(self._rejected)
+
+    def _refuse(self, tenant: str, error: QueueFull) -> QueueFull:
+        count_for_tenant(self._rejected, tenant)
+        return error
+
+    def release(self, endpoint: str, tenant: str) -> None:
+        """Give back the slot on ``endpoint`` that :meth:`acquire` granted to ``tenant``."""
+        held = self._in_flight.get(tenant, 0) - 1
+        if held > 0:
+            self._in_flight[tenant] = held
+        else:
+            self._in_flight.pop(tenant, None)
+        self.endpoints.release(endpoint)  # tells the queue (dispatch) of the freed slot
+
     def charge_output(self, tenant: str, output_tokens: int) -> None:
         """Count the output tokens a finished response of ``tenant`` carried."""
         self.service.charge(tenant, 0, output_tokens)
 
-    def _try(self, pick: Pick, exclude: Collection[str]) -> Choice | None:
+    def _try(self, pick: Pick, exclude: Collection[str], tenant: str, *, free: bool = True,
+             borrow: bool = True) -> Choice | None:
+        """A slot for ``tenant`` now, taken: a free one (``free``), else, while every endpoint is
+        at its limit, a borrowed one if the tenant is below its share (``borrow``; module
+        docstring); or None."""
         loads = self.endpoints.loads()
         if exclude:  # excluded ones only when no other is routable (one pod that came back)
             loads = [e for e in loads if e.name not in exclude] or loads
-        choice = pick(loads)
+        choice = pick(loads) if free else None
+        if choice is None and borrow and self.fair and loads and all(e.full for e in loads) \
+                and self._below_share(tenant, loads):
+            choice = pick([dataclasses.replace(e, capacity=BORROW * e.capacity) for e in loads])
         if choice is not None:
             self.endpoints.take(choice.endpoint)
+            self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
         return choice
+
+    def _below_share(self, tenant: str, loads: Sequence[EndpointLoad]) -> bool:
+        """One more request of ``tenant`` in flight stays within its share of the slots of
+        ``loads`` (all full, so all limited)."""
+        tenants = {tenant, *self._in_flight, *(t for _, t in self._queues)}
+        share = self.service.shares(sum(e.capacity for e in loads), tenants)[tenant]
+        return self._in_flight.get(tenant, 0) + 1 <= share
 
     async def acquire(self, pick: Pick, deadline: float, exclude: Collection[str] = (), *,
                       tenant: str = DEFAULT_TENANT, criticality: str = DEFAULT_CRITICALITY,
@@ -121,15 +171,15 @@ class WaitQueue:
         """
         if criticality not in CRITICALITIES:
             raise ValueError(f"criticality must be one of {', '.join(CRITICALITIES)}, got {criticality!r}")
-        if not self._count:
-            choice = self._try(pick, exclude)
-            if choice is not None:
-                self.service.charge(tenant, prompt_tokens, 0)
-                return choice
+        # With others waiting a free slot is theirs: only a borrowed one may be taken at once.
+        choice = self._try(pick, exclude, tenant, free=not self._count, borrow=criticality != SHEDDABLE)
+        if choice is not None:
+            self.service.charge(tenant, prompt_tokens, 0)
+            return choice
         if criticality == SHEDDABLE:
-            raise Shed
+            raise self._refuse(tenant, Shed())
         if self._count >= self.max_queue and not (criticality == CRITICAL and self._evict_standard()):
-            raise QueueFull
+            raise self._refuse(tenant, QueueFull())
         if not any(t == tenant for _, t in self._queues):
             self.service.lift(tenant, self.waiting_by_tenant())
         waiter = _Waiter(pick, frozenset(exclude), asyncio.get_running_loop().create_future(), tenant,
@@ -158,7 +208,7 @@ class WaitQueue:
 
     def _abandon(self, waiter: _Waiter) -> None:
         if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-            self.endpoints.release(waiter.future.result().endpoint)  # handed a slot just as it gave up
+            self.release(waiter.future.result().endpoint, waiter.tenant)  # handed a slot just as it gave up
             return
         waiter.future.cancel()
         self._remove(waiter)
@@ -171,13 +221,16 @@ class WaitQueue:
             return False
         self._remove(newest)
         if not newest.future.done():
-            newest.future.set_exception(QueueFull())
+            newest.future.set_exception(self._refuse(newest.tenant, QueueFull()))
         return True
 
-    def _next(self, skipped: set[int]) -> _Waiter | None:
-        """The waiter to serve next (module docstring), passing over those in ``skipped``."""
+    def _next(self, skipped: set[int], passed: set[str]) -> _Waiter | None:
+        """The waiter to serve next (module docstring), passing over the waiters in ``skipped``
+        and the tenants in ``passed``."""
         best, best_key = None, None
         for (band, tenant), queue in self._queues.items():
+            if tenant in passed:
+                continue
             head = next((w for w in queue if w.seq not in skipped), None)
             if head is None:
                 continue
@@ -188,19 +241,24 @@ class WaitQueue:
         return best
 
     def dispatch(self) -> None:
-        """Hand free slots to waiters in the module's order. Stops at the first waiter without
-        exclusions that gets none: every endpoint is full or unroutable, so no later one would."""
+        """Hand slots to waiters in the module's order. A waiter without exclusions that gets none
+        finds every endpoint full or unroutable: first-come stops there; ``fair`` goes on with the
+        other tenants, one of which may be below its share and borrow."""
         skipped: set[int] = set()
-        while (waiter := self._next(skipped)) is not None:
+        passed: set[str] = set()
+        while (waiter := self._next(skipped, passed)) is not None:
             if waiter.future.done():
                 self._remove(waiter)
                 continue
-            choice = self._try(waiter.pick, waiter.exclude)
+            choice = self._try(waiter.pick, waiter.exclude, waiter.tenant)
             if choice is not None:
                 self._remove(waiter)
                 self.service.charge(waiter.tenant, waiter.prompt_tokens, 0)
                 waiter.future.set_result(choice)
                 continue
-            if not waiter.exclude:
+            if waiter.exclude:
+                skipped.add(waiter.seq)
+            elif not self.fair:
                 return
-            skipped.add(waiter.seq)
+            else:
+                passed.add(waiter.tenant)
