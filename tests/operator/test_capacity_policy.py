@@ -127,6 +127,14 @@ def test_capacity_learns_down_on_a_miss_and_up_when_pods_did_more_and_met_it():
     assert learn_capacity(1000.0, window(90_000, 1, 10), PRIOR) == 1000.0
 
 
+def test_a_window_with_pods_starting_only_raises_the_capacity():
+    window = lambda prompt, met, total: [(60.0, 60.0, prompt, 0.0, met, total, 0.0)]  # noqa: E731
+    # a miss while pods start may be the start's backlog: no move down
+    assert learn_capacity(1000.0, window(36_000, 50, 100), PRIOR, down=False) == 1000.0
+    # met at 1,500 tokens/s while pods start: the pods did that, up halfway
+    assert learn_capacity(1000.0, window(90_000, 100, 100), PRIOR, down=False) == pytest.approx(1250.0)
+
+
 def test_ttft_within_the_objective_reads_the_largest_bucket_below_it():
     buckets = ((0.5, 10.0), (1.0, 30.0), (2.5, 38.0), (math.inf, 40.0))
     assert met_within(buckets, 1.0) == (30.0, 40.0)

@@ -157,7 +157,8 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     return Demand(requests, requests * prompt, requests * generated, requests * per_request, per_request)
 
 
-def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: CapacityPrior) -> float:
+def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: CapacityPrior,
+                   down: bool = True) -> float:
     """A new estimate of one pod's capacity at the objective (tokens/s) from a window of pod
     work ``(end, pod_seconds, prompt, generated, met, total)``.
 
@@ -166,8 +167,9 @@ def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: Ca
     the estimate, the pods showed more, so the estimate moves up to it. Either move is
     :data:`LEARN_RATE` of the way (an exponentially weighted average, so one odd window does
     not swing it); a window with fewer than :data:`LEARN_MIN_REQUESTS` observations, or
-    whose evidence agrees with the estimate, leaves it. The result stays within
-    :data:`CAPACITY_BOUNDS` × the prior.
+    whose evidence agrees with the estimate, leaves it. ``down`` False (pods were starting in
+    the window, so a miss may be the start's backlog rather than the pods) allows only the
+    upward move. The result stays within :data:`CAPACITY_BOUNDS` × the prior.
     """
     pod_seconds = sum(w[1] for w in work)
     total = sum(w[5] for w in work)
@@ -176,7 +178,9 @@ def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: Ca
     throughput = (sum(w[2] for w in work) + prior.generation_weight * sum(w[3] for w in work)) / pod_seconds
     met = sum(w[4] for w in work) / total
     missed = met < OBJECTIVE_QUANTILE
-    if (missed and throughput < capacity) or (not missed and throughput > capacity):
+    if missed and throughput < capacity and down:
+        capacity += LEARN_RATE * (throughput - capacity)
+    elif not missed and throughput > capacity:
         capacity += LEARN_RATE * (throughput - capacity)
     low, high = CAPACITY_BOUNDS
     return min(max(capacity, low * prior.tokens_per_second), high * prior.tokens_per_second)
@@ -250,8 +254,10 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     1. Demand (:func:`estimate_demand`): arrivals = finished + Δ held, from the gateway's
        counters, else the pods' own (:mod:`.demand`).
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
-       pods' counters and TTFT histograms (:func:`learn_capacity`), from windows in which no
-       pod was starting (a backlog built while pods start says nothing about the pods).
+       pods' counters and TTFT histograms (:func:`learn_capacity`); a window in which a pod
+       was starting only raises it (a backlog built while pods start says nothing about the
+       pods, but a met window shows what they did: without that, a fleet sized above need
+       never shows more than the prior and the count at a step up stays the prior's).
     3. Need = ceil(work rate × (1 + :data:`HEADROOM`) / capacity).
     4. Backlog (waiting requests × work per request) drained on a plan
        (:func:`plan_backlog`): pods already starting count as capacity from their expected
@@ -298,8 +304,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
         learned_at = now
     elif now - learned_at >= LEARN_SECONDS:
         window = [w for w in work if w[0] > learned_at]
-        if all(w[6] for w in window):  # a window with pods starting measures the start, not the pods
-            capacity = learn_capacity(capacity, window, prior)
+        # with pods starting a miss may be the start's backlog, but a met window still shows what a pod did
+        capacity = learn_capacity(capacity, window, prior, down=all(w[6] for w in window))
         learned_at = now
     total = sum(w[5] for w in work)
     attainment = sum(w[4] for w in work) / total if total > 0 else None
