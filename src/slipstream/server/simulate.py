@@ -16,8 +16,9 @@ prints static vs continuous batching on the textbook case instead.
 requests longer than the model's context are capped to it (the count is printed).
 ``--ttft-p90-objective`` sets the capacity policy's objective and the attainment reported;
 ``--json`` writes the run's numbers; ``--compare`` plays the same arrivals under the capacity
-policy, the queue policy, the Kubernetes HPA algorithm on queue length, every fixed count up to
-``--max-replicas`` and the clairvoyant per-minute bound, and prints one row each.
+policy, the queue policy, the Kubernetes HPA algorithm on queue length, fixed counts up to the
+first that meets the objective and the clairvoyant per-minute bound, prints one row each (per
+``--routing`` policy) and plots the capacity policy beside the cheapest fixed count.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from .sim.clairvoyant import minute_counts
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
+from .sim.plots import compare_plot, plot
 from .sim.scalers import HPAScaler, PolicyScaler, Scaler, ScheduleScaler, profile_prior
 from .sim.trace import (Arrival, assign_tenants, cap_lengths, parse_length, parse_rate_schedule, parse_tenant_shares,
                         poisson_arrivals, read_trace, scale_times)
@@ -157,8 +159,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--json", type=Path, help="write the run's numbers (with --compare: every row's) as JSON")
     out.add_argument("--compare", action="store_true",
                      help="play the arrivals under the capacity policy, the queue policy, the Kubernetes HPA "
-                          "algorithm on queue length, every fixed count up to --max-replicas and the "
-                          "clairvoyant per-minute bound; one row each")
+                          "algorithm on queue length, fixed counts up to the first that meets the objective "
+                          "(at most --max-replicas) and the clairvoyant per-minute bound; one row each, one "
+                          "table per --routing policy; --plot draws capacity beside the cheapest fixed count")
     return p
 
 
@@ -268,24 +271,66 @@ def numbers(result: SimResult, objective: float) -> dict[str, Any]:
     }
 
 
-def compare_runs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """``--compare``: the same arrivals under each scaler, by row name (see :func:`numbers`)."""
+def compare_results(args: argparse.Namespace, routing: str | None = None,
+                    ) -> tuple[dict[str, SimResult], list[int], float]:
+    """``--compare``: the same arrivals (with ``--tenants``) under each scaler, routed by
+    ``routing`` (default: the first of ``--routing``): (results by row name, the clairvoyant
+    per-minute counts, the TTFT p90 objective in seconds).
+
+    Fixed counts go up from ``minReplicas`` to the first that meets the objective (a fixed
+    count's replica-hours grow with it, so that one is the cheapest that does), at most
+    ``--max-replicas``.
+    """
     played, duration, _ = capped_arrivals(args)
     spec = autoscaling_spec(args).model_copy(update={"enabled": True})
     objective = spec.objectives.ttft_p90_seconds
     rows: dict[str, SimResult] = {}
     for policy in SCALING_POLICIES:
-        rows[policy] = cluster(args, spec.model_copy(update={"policy": policy})).run(played, duration)
-    rows["hpa-queue"] = cluster(args, spec, scaler=HPAScaler(spec)).run(played, duration)
+        rows[policy] = cluster(args, spec.model_copy(update={"policy": policy}),
+                               routing=routing).run(played, duration)
+    rows["hpa-queue"] = cluster(args, spec, scaler=HPAScaler(spec), routing=routing).run(played, duration)
     fixed_spec = spec.model_copy(update={"enabled": False})
     for n in range(max(1, spec.min_replicas), spec.max_replicas + 1):
-        rows[f"fixed-{n}"] = cluster(args, fixed_spec, initial=n).run(played, duration)
-    counts = minute_counts(played, lambda n: cluster(args, fixed_spec, initial=n), objective,
+        rows[f"fixed-{n}"] = cluster(args, fixed_spec, initial=n, routing=routing).run(played, duration)
+        if _met(rows[f"fixed-{n}"], objective):
+            break
+    counts = minute_counts(played, lambda n: cluster(args, fixed_spec, initial=n, routing=routing), objective,
                            spec.max_replicas, max(1, spec.min_replicas))
     schedule = ScheduleScaler(counts, args.startup_delay)
-    rows["clairvoyant"] = cluster(args, spec, scaler=schedule, initial=schedule.wanted(0.0)).run(played, duration)
-    return {name: {**numbers(result, objective), **({"minute_counts": counts} if name == "clairvoyant" else {})}
-            for name, result in rows.items()}
+    rows["clairvoyant"] = cluster(args, spec, scaler=schedule, initial=schedule.wanted(0.0),
+                                  routing=routing).run(played, duration)
+    return rows, counts, objective
+
+
+def _met(result: SimResult, objective: float) -> bool:
+    p90 = result.ttft_percentiles(quantiles=(0.9,))[0]
+    return p90 is not None and p90 <= objective
+
+
+def compare_rows(results: dict[str, SimResult], counts: list[int], objective: float) -> dict[str, dict[str, Any]]:
+    """:func:`compare_results`' runs as numbers by row name (see :func:`numbers`), each with its
+    tenants' (:func:`tenant_numbers`) when the arrivals have several."""
+    rows = {}
+    for name, result in results.items():
+        row = numbers(result, objective)
+        tenants = tenant_numbers(result)
+        if len(tenants) > 1:
+            row["tenants"] = tenants
+        if name == "clairvoyant":
+            row["minute_counts"] = counts
+        rows[name] = row
+    return rows
+
+
+def compare_runs(args: argparse.Namespace, routing: str | None = None) -> dict[str, dict[str, Any]]:
+    """``--compare``'s rows by name (see :func:`compare_results` and :func:`numbers`)."""
+    return compare_rows(*compare_results(args, routing))
+
+
+def best_fixed(rows: dict[str, dict[str, Any]]) -> str | None:
+    """The name of the cheapest ``fixed-N`` row that met the objective (None: none did)."""
+    met = [name for name, row in rows.items() if name.startswith("fixed-") and row["objective_met"]]
+    return min(met, key=lambda name: rows[name]["replica_hours"]) if met else None
 
 
 def compare_table(rows: dict[str, dict[str, Any]]) -> str:
@@ -299,6 +344,11 @@ def compare_table(rows: dict[str, dict[str, Any]]) -> str:
                      f"{_ms(row['ttft_p50_s']):>11} {_ms(row['ttft_p90_s']):>11} {_ms(row['ttft_p99_s']):>11} "
                      f"{row['replica_hours']:9.2f} {row['peak_replicas']:4d} {row['scale_events']:8d} "
                      f"{'yes' if row['objective_met'] else 'no':>3}")
+    tenants = sorted({t for row in rows.values() for t in row.get("tenants", {})})
+    if tenants:
+        lines.append(f"{'tenant p90 ms':<12} " + " ".join(f"{t:>11}" for t in tenants))
+        lines += [f"{name:<12} " + " ".join(f"{_ms(row['tenants'][t]['ttft_p90_s']):>11}" for t in tenants)
+                  for name, row in rows.items()]
     return "\n".join(lines)
 
 
@@ -368,40 +418,46 @@ def comparison(results: dict[str, SimResult]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: SimResult, path: Path, title: str) -> None:
-    """Four panels over time: replicas and arrival rate, queue depth, KV use, TTFT p50/p99."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def check_args(args: argparse.Namespace) -> None:
+    """Flag combinations that cannot mean anything. Raises ValueError saying what to change."""
+    if args.compare and args.no_autoscaling:
+        raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
+                         "(one fixed count) contradicts it: drop one of them")
+    spec = autoscaling_spec(args)
+    if args.initial_replicas is not None and spec.enabled and not spec.min_replicas <= args.initial_replicas \
+            <= spec.max_replicas:
+        raise ValueError(f"--initial-replicas {args.initial_replicas} is outside --min-replicas "
+                         f"{spec.min_replicas} .. --max-replicas {spec.max_replicas}: change one of them "
+                         f"(or add --no-autoscaling for a fixed count)")
 
-    t = [k.time for k in result.ticks]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
-    axes[0].step(t, [k.desired for k in result.ticks], where="post", label="desired")
-    axes[0].step(t, [k.ready for k in result.ticks], where="post", label="ready")
-    axes[0].set_ylabel("replicas")
-    rate = axes[0].twinx()
-    window = max(1, round(10 / (t[1] - t[0]))) if len(t) > 1 else 1
-    arrivals = [k.arrivals for k in result.ticks]
-    smoothed = [sum(arrivals[max(0, i - window + 1):i + 1]) / (t[i] - t[max(0, i - window)] or 1)
-                for i in range(len(t))]
-    rate.plot(t, smoothed, color="grey", alpha=0.6, label="arrivals/s")
-    rate.set_ylabel("arrivals/s")
-    axes[0].legend(loc="upper left")
-    axes[1].plot(t, [k.queue_depth for k in result.ticks])
-    axes[1].set_ylabel("queue depth")
-    axes[2].plot(t, [100 * k.kv_cache_utilization for k in result.ticks])
-    axes[2].set_ylabel("KV cache % (mean)")
-    for q, label in ((0.5, "p50"), (0.99, "p99")):
-        values = [result.ttft_percentiles(a, b, (q,))[0] for a, b in zip([0.0] + t, t)]
-        axes[3].plot(t, [v if v is not None else float("nan") for v in values], label=label)
-    axes[3].set_ylabel("TTFT (s)")
-    axes[3].set_yscale("log")
-    axes[3].legend(loc="upper left")
-    axes[3].set_xlabel("time (s)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+
+def main_compare(args: argparse.Namespace) -> int:
+    """``--compare``: the table (one per ``--routing`` policy), ``--json`` (rows by name, or by
+    routing policy then name when several) and ``--plot`` (the capacity policy beside the
+    cheapest fixed count that met the objective and the clairvoyant schedule; one file per
+    routing policy when several, named ``STEM-POLICY.png``)."""
+    _, _, capped = capped_arrivals(args)
+    if capped:
+        print(f"{capped} requests capped to max_model_len")
+    every: dict[str, dict[str, dict[str, Any]]] = {}
+    for routing in args.routing:
+        results, counts, objective = compare_results(args, routing)
+        rows = every[routing] = compare_rows(results, counts, objective)
+        if len(args.routing) > 1:
+            print(f"routing {routing}:")
+        print(compare_table(rows))
+        if not args.no_plot:
+            path = args.plot if len(args.routing) == 1 else args.plot.with_name(
+                f"{args.plot.stem}-{routing}{args.plot.suffix}")
+            fixed = best_fixed(rows)
+            names = ["capacity"] + ([fixed] if fixed else []) + ["clairvoyant"]
+            compare_plot(results, names, path, f"{args.profile}: {args.rate or (args.trace or DEFAULT_RATE)}, "
+                         f"{routing} routing", objective)
+            print(f"plot: {path}")
+    if args.json is not None:
+        data = every[args.routing[0]] if len(args.routing) == 1 else every
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,18 +470,13 @@ def main(argv: list[str] | None = None) -> int:
         print(head_of_line_report())
         return 0
     try:
+        check_args(args)
+        if args.compare:
+            return main_compare(args)
         if len(args.routing) > 1:
             print(comparison({policy: run(args, policy) for policy in args.routing}))
             return 0
         _, _, capped = capped_arrivals(args)
-        if args.compare:
-            rows = compare_runs(args)
-            if capped:
-                print(f"{capped} requests capped to max_model_len")
-            print(compare_table(rows))
-            if args.json is not None:
-                args.json.write_text(json.dumps(rows, indent=2) + "\n")
-            return 0
         result = run(args)
         objective = autoscaling_spec(args).objectives.ttft_p90_seconds
     except (ValueError, OSError) as exc:
