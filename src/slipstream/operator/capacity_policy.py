@@ -28,15 +28,6 @@ from .autoscaler import Decision
 from .demand import Interval, PodWork, Totals, demand_totals, interval, pod_readings, \
     pod_work, totals_from
 from .fleet import Fleet
-from .forecast import binned_rate, holt
-
-# Experiment (issue 33), off: demand from Holt's forecast one start time ahead, 1: the larger of
-# it and the measured rate, 2: the forecast alone; over FORECAST_SPAN s in FORECAST_BIN s bins.
-FORECAST = 0
-FORECAST_SPAN = 300.0
-FORECAST_BIN = 10.0
-FORECAST_ALPHA = 0.3
-FORECAST_BETA = 0.1
 
 OBJECTIVE_QUANTILE = 0.9         # the objective is a p90: met while ≥ 90% of requests meet it
 DEMAND_SECONDS = 60.0            # demand: the arrival rate over this window
@@ -146,7 +137,9 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     seconds)``: the arrival rate over the last :data:`DEMAND_SECONDS` (a shorter window, tried
     on the Azure code trace, chased second-long bursts that are over before a pod starts);
     token rates are the arrival rate × the mean lengths of the requests that finished in the
-    window (the prior's ``request_tokens`` when none did)."""
+    window (the prior's ``request_tokens`` when none did). Holt's forecast one start time ahead,
+    in place of this rate or above it, was tried (issue 33, commit 07c8553) and cost more
+    replica-hours in every run measured (benchmarks/README.md, autoscaling)."""
     def window(seconds: float) -> list[tuple[float, ...]]:
         return [i for i in intervals if i[0] > now - seconds - _EPS]
 
@@ -299,13 +292,6 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
         intervals.append((now, step.arrivals, step.finished, step.prompt_tokens, step.generation_tokens,
                           step.seconds))
     demand = estimate_demand(intervals, now, prior)
-    if FORECAST:
-        series = binned_rate(intervals, now, FORECAST_SPAN, FORECAST_BIN)
-        ahead = holt(series, FORECAST_ALPHA, FORECAST_BETA, _measured_start(state, fleet, prior) / FORECAST_BIN)
-        if demand.requests > 0 and (FORECAST == 2 or ahead > demand.requests):
-            f = ahead / demand.requests
-            demand = Demand(ahead, demand.prompt_tokens * f, demand.generation_tokens * f, demand.work * f,
-                            demand.request_tokens)
 
     # 2. capacity
     readings = pod_readings(samples, objective)
