@@ -336,6 +336,18 @@ def test_compare_runs_every_scaler_on_the_same_arrivals_and_fixed_counts_up_to_t
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_clairvoyant_schedule_that_misses_gets_pods_added_to_every_minute_until_it_meets(monkeypatch):
+    monkeypatch.setattr(simulate, "minute_counts", lambda *a, **k: [1])  # too few: it misses
+    args = simulate.parser().parse_args(["--profile", "tiny", "--rate", "60rps for 20s",
+                                         "--prompt-tokens", "256", "--output-tokens", "16", "--startup-delay",
+                                         "10", "--max-replicas", "6", "--ttft-p90-objective", "0.3"])
+    rows = simulate.compare_runs(args)
+    added = [name for name in rows if name.startswith("clairvoyant")]
+    assert added[0] == "clairvoyant" and len(added) >= 2
+    assert [rows[name]["objective_met"] for name in added] == [False] * (len(added) - 1) + [True]
+    assert added[-1] == f"clairvoyant+{len(added) - 1}"
+
+
 def test_compare_runs_once_per_routing_policy_and_reports_tenants(tmp_path, capsys):
     out = tmp_path / "compare.json"
     code = simulate.main(["--profile", "tiny", "--rate", "20rps for 30s", "--prompt-tokens", "64",

@@ -69,7 +69,7 @@ def compare_plot(results: Mapping[str, SimResult], names: Sequence[str], path: P
     dashed) and each run's TTFT p90 per ``window`` (log scale) against the ``objective``
     (seconds)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(13, 7.5), sharex=True)
     first = results[names[0]]
     axes[0].plot(*arrival_rate(first, window), color="grey")
     axes[0].set_ylabel(f"arrivals/s ({window:g} s)")
@@ -84,11 +84,11 @@ def compare_plot(results: Mapping[str, SimResult], names: Sequence[str], path: P
         axes[2].plot(*ttft_by_window(result, window, 0.9), color=color, marker=".",
                      label=f"{name}: run p90 {p90:.2f} s, {hours:.2f} replica-h")
     axes[1].set_ylabel("replicas")
-    axes[1].legend(loc="upper left", fontsize=8, ncol=2)
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     axes[2].axhline(objective, color="black", linestyle=":", label=f"objective {objective:g} s")
     axes[2].set_yscale("log")
     axes[2].set_ylabel(f"TTFT p90 per {window:g} s (s)")
-    axes[2].legend(loc="upper left", fontsize=8)
+    axes[2].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     axes[2].set_xlabel("time (s)")
     fig.suptitle(title)
     fig.tight_layout()
