@@ -104,6 +104,15 @@ def test_scale_down_waits_hold_starts_of_the_measured_start_time():
     assert now <= 64 + cp.DEMAND_SECONDS + cp.HOLD_STARTS * 20 + 2
 
 
+def test_a_fresh_state_keeps_the_replicas_it_finds_for_the_hold_before_scaling_down():
+    # no demand measured at the first tick (one reading) is not a reason to give 3 pods back
+    first = decide(spec(), CapacityState(), [], 0.0, 3, Fleet(3), gateway(0.0), PRIOR)
+    assert first.desired_replicas == 3
+    still = run_rate(0.0, cp.HOLD_STARTS * 60 - 2, Fleet(3), 3)
+    assert still.desired_replicas == 3
+    assert run_rate(0.0, cp.HOLD_STARTS * 60 + 2, Fleet(3), 3).desired_replicas == 1
+
+
 def test_queue_and_kv_guard_scale_down_but_queue_never_sizes_up():
     idle = run_rate(0.0, 700, Fleet(3), 3)
     assert idle.desired_replicas == 1

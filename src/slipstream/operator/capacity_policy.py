@@ -270,7 +270,9 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        ``targetQueueDepth``, blocks any scale-down. Neither sizes the count otherwise.
     6. Scale-down weighs the start time: to the highest need of the last
        :data:`HOLD_STARTS` start times (a pod removed now takes a start time to come back,
-       so it stays while the load is likely back within that).
+       so it stays while the load is likely back within that). A fresh state counts the
+       replicas it finds as needed at its first tick (its demand reads 0 until a second
+       reading), so a service started above its need comes down only after that hold.
     7. [minReplicas, maxReplicas]; zero as the queue policy does it (``minReplicas: 0``: up
        from 0 on a request held in the gateway, down to 0 after ``scaleToZeroAfterSeconds``
        with no request held or arriving, every pod and gateway having answered).
@@ -342,7 +344,9 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     # 6. scale-down weighs the start time
     need = spec.clamp(max(need, 1))
     hold = HOLD_STARTS * start
-    needs = tuple(n for n in state.needs if n[0] > now - hold - _EPS) + ((now, need),)
+    # a fresh state has measured no demand yet (it reads 0): the pods running count as needed now
+    before = state.needs if state.time is not None else ((now, current_replicas),)
+    needs = tuple(n for n in before if n[0] > now - hold - _EPS) + ((now, need),)
     desired = need
     if need < current_replicas:
         held = max(n for _, n in needs)
