@@ -12,6 +12,7 @@ import yaml
 from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec
 from slipstream.operator.spec import SpecError, parse_spec
 from slipstream.server import cli, simulate
+from slipstream.server.sim import compare as sim_compare
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig, SimRequest, VirtualReplica
 from slipstream.server.sim.cost_model import PROFILES, batch_shape, step_time
 from slipstream.server.sim.head_of_line import continuous_batching, static_batching
@@ -337,7 +338,7 @@ def test_compare_runs_every_scaler_on_the_same_arrivals_and_fixed_counts_up_to_t
 
 
 def test_a_clairvoyant_schedule_that_misses_gets_pods_added_to_every_minute_until_it_meets(monkeypatch):
-    monkeypatch.setattr(simulate, "minute_counts", lambda *a, **k: [1])  # too few: it misses
+    monkeypatch.setattr(sim_compare, "minute_counts", lambda *a, **k: [1])  # too few: it misses
     args = simulate.parser().parse_args(["--profile", "tiny", "--rate", "60rps for 20s",
                                          "--prompt-tokens", "256", "--output-tokens", "16", "--startup-delay",
                                          "10", "--max-replicas", "6", "--ttft-p90-objective", "0.3"])

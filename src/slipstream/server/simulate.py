@@ -38,12 +38,12 @@ from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_P
 from .cli import HelpFormatter
 from .cli_types import tenant_weights
 from .gateway.routing.weights import add_weight_flags, weights_from_args
-from .sim.clairvoyant import minute_counts
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
+from .sim.compare import best_fixed, compare_results, compare_rows, compare_table, ms, numbers, tenant_numbers
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
 from .sim.plots import compare_plot, plot
-from .sim.scalers import HPAScaler, PolicyScaler, Scaler, ScheduleScaler, profile_prior
+from .sim.scalers import PolicyScaler, Scaler, profile_prior
 from .sim.trace import (Arrival, assign_tenants, cap_lengths, parse_length, parse_rate_schedule, parse_tenant_shares,
                         poisson_arrivals, read_trace, scale_times)
 from .sim.workloads import PrefixGroups
@@ -250,123 +250,6 @@ def run(args: argparse.Namespace, routing: str | None = None) -> SimResult:
     return cluster(args, autoscaling_spec(args), routing=routing).run(played, duration)
 
 
-def numbers(result: SimResult, objective: float) -> dict[str, Any]:
-    """The run's numbers (``--json``): requests, finished, TTFT p50/p90/p99 (seconds),
-    replica_hours (pods paid for, starting included), peak_replicas (ready and starting pods at
-    once), objective_attainment (share of requests whose TTFT ≤ ``objective``; the p90 objective
-    holds at ≥ 0.9), objective_met, scale_events."""
-    p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
-    ttfts = [r.ttft for r in result.requests if r.ttft is not None]
-    return {
-        "requests": len(result.requests),
-        "finished": sum(r.finished is not None for r in result.requests),
-        "ttft_p50_s": p50, "ttft_p90_s": p90, "ttft_p99_s": p99,
-        "replica_hours": round(result.replica_seconds / 3600, 4),
-        "peak_replicas": max((max(k.ready + k.starting, k.desired) for k in result.ticks), default=0),
-        "objective_ttft_p90_s": objective,
-        "objective_attainment": (sum(t <= objective for t in ttfts) / len(result.requests)
-                                 if result.requests else None),
-        "objective_met": p90 is not None and p90 <= objective,
-        "scale_events": len(result.scalings),
-    }
-
-
-def compare_results(args: argparse.Namespace, routing: str | None = None,
-                    ) -> tuple[dict[str, SimResult], list[int], float]:
-    """``--compare``: the same arrivals (with ``--tenants``) under each scaler, routed by
-    ``routing`` (default: the first of ``--routing``): (results by row name, the clairvoyant
-    per-minute counts, the TTFT p90 objective in seconds).
-
-    Fixed counts go up from ``minReplicas`` to the first that meets the objective (a fixed
-    count's replica-hours grow with it, so that one is the cheapest that does), at most
-    ``--max-replicas``. When the clairvoyant schedule misses the objective over the whole run
-    (backlogs carried between minutes), ``clairvoyant+K`` rows add K pods to every minute, K =
-    1, 2, … until one meets it.
-    """
-    played, duration, _ = capped_arrivals(args)
-    spec = autoscaling_spec(args).model_copy(update={"enabled": True})
-    objective = spec.objectives.ttft_p90_seconds
-    rows: dict[str, SimResult] = {}
-    for policy in SCALING_POLICIES:
-        rows[policy] = cluster(args, spec.model_copy(update={"policy": policy}),
-                               routing=routing).run(played, duration)
-    rows["hpa-queue"] = cluster(args, spec, scaler=HPAScaler(spec), routing=routing).run(played, duration)
-    fixed_spec = spec.model_copy(update={"enabled": False})
-    for n in range(max(1, spec.min_replicas), spec.max_replicas + 1):
-        rows[f"fixed-{n}"] = cluster(args, fixed_spec, initial=n, routing=routing).run(played, duration)
-        if _met(rows[f"fixed-{n}"], objective):
-            break
-    counts = minute_counts(played, lambda n: cluster(args, fixed_spec, initial=n, routing=routing), objective,
-                           spec.max_replicas, max(1, spec.min_replicas))
-    schedule = ScheduleScaler(counts, args.startup_delay)
-    rows["clairvoyant"] = cluster(args, spec, scaler=schedule, initial=schedule.wanted(0.0),
-                                  routing=routing).run(played, duration)
-    # backlogs carried between minutes can make the schedule miss overall: then the fewest pods
-    # added to every minute that make it meet (a schedule that does meet, to price the targets)
-    last = rows["clairvoyant"]
-    for more in range(1, spec.max_replicas - min(counts, default=spec.max_replicas) + 1):
-        if _met(last, objective):
-            break
-        schedule = ScheduleScaler([min(spec.max_replicas, c + more) for c in counts], args.startup_delay)
-        last = rows[f"clairvoyant+{more}"] = cluster(args, spec, scaler=schedule, initial=schedule.wanted(0.0),
-                                                     routing=routing).run(played, duration)
-    return rows, counts, objective
-
-
-def _met(result: SimResult, objective: float) -> bool:
-    p90 = result.ttft_percentiles(quantiles=(0.9,))[0]
-    return p90 is not None and p90 <= objective
-
-
-def compare_rows(results: dict[str, SimResult], counts: list[int], objective: float) -> dict[str, dict[str, Any]]:
-    """:func:`compare_results`' runs as numbers by row name (see :func:`numbers`), each with its
-    tenants' (:func:`tenant_numbers`) when the arrivals have several."""
-    rows = {}
-    for name, result in results.items():
-        row = numbers(result, objective)
-        tenants = tenant_numbers(result)
-        if len(tenants) > 1:
-            row["tenants"] = tenants
-        if name == "clairvoyant":
-            row["minute_counts"] = counts
-        rows[name] = row
-    return rows
-
-
-def compare_runs(args: argparse.Namespace, routing: str | None = None) -> dict[str, dict[str, Any]]:
-    """``--compare``'s rows by name (see :func:`compare_results` and :func:`numbers`)."""
-    return compare_rows(*compare_results(args, routing))
-
-
-def best_fixed(rows: dict[str, dict[str, Any]]) -> str | None:
-    """The name of the cheapest ``fixed-N`` row that met the objective (None: none did)."""
-    met = [name for name, row in rows.items() if name.startswith("fixed-") and row["objective_met"]]
-    return min(met, key=lambda name: rows[name]["replica_hours"]) if met else None
-
-
-def compare_table(rows: dict[str, dict[str, Any]]) -> str:
-    """One line per row of :func:`compare_runs`: attainment, TTFT p50/p90/p99, replica-hours,
-    peak, scale events, and whether the objective was met."""
-    lines = [f"{'scaler':<12} {'attain%':>7} {'ttft_p50_ms':>11} {'ttft_p90_ms':>11} {'ttft_p99_ms':>11} "
-             f"{'replica_h':>9} {'peak':>4} {'scalings':>8} {'met':>3}"]
-    for name, row in rows.items():
-        attained = row["objective_attainment"]
-        lines.append(f"{name:<12} {'-' if attained is None else f'{100 * attained:.1f}':>7} "
-                     f"{_ms(row['ttft_p50_s']):>11} {_ms(row['ttft_p90_s']):>11} {_ms(row['ttft_p99_s']):>11} "
-                     f"{row['replica_hours']:9.2f} {row['peak_replicas']:4d} {row['scale_events']:8d} "
-                     f"{'yes' if row['objective_met'] else 'no':>3}")
-    tenants = sorted({t for row in rows.values() for t in row.get("tenants", {})})
-    if tenants:
-        lines.append(f"{'tenant p90 ms':<12} " + " ".join(f"{t:>11}" for t in tenants))
-        lines += [f"{name:<12} " + " ".join(f"{_ms(row['tenants'][t]['ttft_p90_s']):>11}" for t in tenants)
-                  for name, row in rows.items()]
-    return "\n".join(lines)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
 def table(result: SimResult, every: float) -> str:
     """One row per ``every`` seconds: the last tick's counts, arrival rate and TTFT over the row."""
     lines = [f"{'time_s':>7} {'rps':>6} {'desired':>7} {'ready':>5} {'start':>5} {'queue':>6} {'running':>7} "
@@ -379,7 +262,7 @@ def table(result: SimResult, every: float) -> str:
         p50, p99 = result.ttft_percentiles(start, tick.time)
         lines.append(f"{tick.time:7.0f} {arrivals / max(tick.time - start, 1e-9):6.1f} {tick.desired:7d} "
                      f"{tick.ready:5d} {tick.starting:5d} {tick.queue_depth:6d} {tick.running:7d} "
-                     f"{100 * tick.kv_cache_utilization:5.1f} {_ms(p50):>11} {_ms(p99):>11}")
+                     f"{100 * tick.kv_cache_utilization:5.1f} {ms(p50):>11} {ms(p99):>11}")
         start, arrivals = tick.time, 0
     return "\n".join(lines)
 
@@ -388,7 +271,7 @@ def summary(result: SimResult) -> str:
     done = [r for r in result.requests if r.finished is not None]
     p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
     lines = [f"{len(result.requests)} requests, {len(done)} finished by t={result.end_time:.0f}s; "
-             f"TTFT p50 {_ms(p50)} ms, p90 {_ms(p90)} ms, p99 {_ms(p99)} ms; "
+             f"TTFT p50 {ms(p50)} ms, p90 {ms(p90)} ms, p99 {ms(p99)} ms; "
              f"prefix cache hit {100 * result.prefix_hit_ratio:.1f}% of prompt tokens; "
              f"{result.replica_seconds / 3600:.2f} replica-hours",
              "scaling:"]
@@ -398,23 +281,26 @@ def summary(result: SimResult) -> str:
     tenants = tenant_numbers(result)
     if len(tenants) > 1:
         lines.append("tenants:")
-        lines += [f"  {name:12} {row['requests']:6d} requests, TTFT p50 {_ms(row['ttft_p50_s'])} ms, "
-                  f"p90 {_ms(row['ttft_p90_s'])} ms; {row['tokens_served']} tokens served"
+        lines += [f"  {name:12} {row['requests']:6d} requests, TTFT p50 {ms(row['ttft_p50_s'])} ms, "
+                  f"p90 {ms(row['ttft_p90_s'])} ms; {row['tokens_served']} tokens served"
                   for name, row in tenants.items()]
     return "\n".join(lines)
 
 
-def tenant_numbers(result: SimResult) -> dict[str, dict[str, Any]]:
-    """Per tenant: requests, TTFT p50/p90 (seconds) and tokens served (prompt + output of its
-    finished requests)."""
-    rows: dict[str, dict[str, Any]] = {}
-    for name in sorted({r.tenant for r in result.requests}):
-        mine = [r for r in result.requests if r.tenant == name]
-        ttfts = sorted(r.ttft for r in mine if r.ttft is not None)
-        pick = (lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None)
-        rows[name] = {"requests": len(mine), "ttft_p50_s": pick(0.5), "ttft_p90_s": pick(0.9),
-                      "tokens_served": sum(r.prompt_tokens + r.output_tokens for r in mine if r.finished is not None)}
-    return rows
+def compare_runs(args: argparse.Namespace, routing: str | None = None) -> dict[str, dict[str, Any]]:
+    """``--compare``'s rows by name for ``args``, routed by ``routing`` (default: the first of
+    ``--routing``; see :func:`~.sim.compare.compare_results`)."""
+    return compare_rows(*compare(args, routing))
+
+
+def compare(args: argparse.Namespace, routing: str | None = None) -> tuple[dict[str, SimResult], list[int], float]:
+    """:func:`~.sim.compare.compare_results` of ``args``' arrivals (with ``--tenants``), spec and
+    replicas, routed by ``routing`` (default: the first of ``--routing``)."""
+    played, duration, _ = capped_arrivals(args)
+    return compare_results(played, duration, autoscaling_spec(args),
+                           lambda spec, scaler, initial: cluster(args, spec, routing=routing, scaler=scaler,
+                                                                 initial=initial),
+                           args.startup_delay)
 
 
 def comparison(results: dict[str, SimResult]) -> str:
@@ -424,8 +310,8 @@ def comparison(results: dict[str, SimResult]) -> str:
     for policy, result in results.items():
         p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
         done = sum(r.finished is not None for r in result.requests)
-        lines.append(f"{policy:<13} {len(result.requests):8d} {done:8d} {_ms(p50):>11} {_ms(p90):>11} "
-                     f"{_ms(p99):>11} {100 * result.prefix_hit_ratio:11.1f} {result.replica_seconds / 3600:9.2f}")
+        lines.append(f"{policy:<13} {len(result.requests):8d} {done:8d} {ms(p50):>11} {ms(p90):>11} "
+                     f"{ms(p99):>11} {100 * result.prefix_hit_ratio:11.1f} {result.replica_seconds / 3600:9.2f}")
     return "\n".join(lines)
 
 
@@ -452,7 +338,7 @@ def main_compare(args: argparse.Namespace) -> int:
         print(f"{capped} requests capped to max_model_len")
     every: dict[str, dict[str, dict[str, Any]]] = {}
     for routing in args.routing:
-        results, counts, objective = compare_results(args, routing)
+        results, counts, objective = compare(args, routing)
         rows = every[routing] = compare_rows(results, counts, objective)
         if len(args.routing) > 1:
             print(f"routing {routing}:")
