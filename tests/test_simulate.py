@@ -12,6 +12,7 @@ import yaml
 from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec
 from slipstream.operator.spec import SpecError, parse_spec
 from slipstream.server import cli, simulate
+from slipstream.server.sim import compare as sim_compare
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig, SimRequest, VirtualReplica
 from slipstream.server.sim.cost_model import PROFILES, batch_shape, step_time
 from slipstream.server.sim.head_of_line import continuous_batching, static_batching
@@ -314,21 +315,60 @@ def test_simulate_writes_its_numbers_as_json_and_says_how_many_were_capped(tmp_p
     assert "2 requests capped to max_model_len 4096" in capsys.readouterr().out
 
 
-def test_compare_runs_every_scaler_on_the_same_arrivals(tmp_path, capsys):
-    out = tmp_path / "compare.json"
+def test_compare_runs_every_scaler_on_the_same_arrivals_and_fixed_counts_up_to_the_first_that_meets(
+        tmp_path, capsys):
+    out, png = tmp_path / "compare.json", tmp_path / "compare.png"
     code = cli.main(["simulate", "--profile", "tiny", "--rate", "2rps for 60s, 30rps for 60s, 2rps for 60s",
                      "--prompt-tokens", "64", "--output-tokens", "16", "--startup-delay", "10",
-                     "--max-replicas", "3", "--ttft-p90-objective", "0.5", "--compare", "--json", str(out)])
+                     "--max-replicas", "3", "--ttft-p90-objective", "0.2", "--compare", "--json", str(out),
+                     "--plot", str(png)])
     assert code == 0
     rows = json.loads(out.read_text())
-    assert list(rows) == ["capacity", "queue", "hpa-queue", "fixed-1", "fixed-2", "fixed-3", "clairvoyant"]
+    # fixed 1 misses, fixed 2 meets: fixed 3 would only cost more
+    assert list(rows) == ["capacity", "queue", "hpa-queue", "fixed-1", "fixed-2", "clairvoyant"]
+    assert [rows[f"fixed-{n}"]["objective_met"] for n in (1, 2)] == [False, True]
+    assert simulate.best_fixed(rows) == "fixed-2"
     assert len({r["requests"] for r in rows.values()}) == 1
-    assert [rows[f"fixed-{n}"]["peak_replicas"] for n in (1, 2, 3)] == [1, 2, 3]
-    assert rows["fixed-3"]["replica_hours"] > rows["fixed-1"]["replica_hours"]
+    assert [rows[f"fixed-{n}"]["peak_replicas"] for n in (1, 2)] == [1, 2]
     counts = rows["clairvoyant"]["minute_counts"]
     assert len(counts) == 3 and counts[1] >= counts[0] and counts[1] >= counts[2]
     table = capsys.readouterr().out
     assert table.splitlines()[0].split()[:3] == ["scaler", "attain%", "ttft_p50_ms"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_clairvoyant_schedule_that_misses_gets_pods_added_to_every_minute_until_it_meets(monkeypatch):
+    monkeypatch.setattr(sim_compare, "minute_counts", lambda *a, **k: [1])  # too few: it misses
+    args = simulate.parser().parse_args(["--profile", "tiny", "--rate", "60rps for 20s",
+                                         "--prompt-tokens", "256", "--output-tokens", "16", "--startup-delay",
+                                         "10", "--max-replicas", "6", "--ttft-p90-objective", "0.3"])
+    rows = simulate.compare_runs(args)
+    added = [name for name in rows if name.startswith("clairvoyant")]
+    assert added[0] == "clairvoyant" and len(added) >= 2
+    assert [rows[name]["objective_met"] for name in added] == [False] * (len(added) - 1) + [True]
+    assert added[-1] == f"clairvoyant+{len(added) - 1}"
+
+
+def test_compare_runs_once_per_routing_policy_and_reports_tenants(tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    code = simulate.main(["--profile", "tiny", "--rate", "20rps for 30s", "--prompt-tokens", "64",
+                          "--output-tokens", "16", "--max-replicas", "2", "--routing", "round-robin,least-loaded",
+                          "--tenants", "a=1,b=1", "--compare", "--no-plot", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["round-robin", "least-loaded"]
+    assert set(rows["least-loaded"]["capacity"]["tenants"]) == {"a", "b"}
+    printed = capsys.readouterr().out
+    assert "routing least-loaded:" in printed and "tenant p90 ms" in printed
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--compare", "--no-autoscaling"], "--no-autoscaling"),
+    (["--initial-replicas", "9", "--max-replicas", "8"], "--initial-replicas 9"),
+])
+def test_contradicting_flags_are_usage_errors(flags, says, capsys):
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot", *flags]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_the_hpa_baseline_scales_by_the_ratio_outside_the_tolerance_and_holds_down_for_five_minutes():

@@ -104,6 +104,15 @@ def test_scale_down_waits_hold_starts_of_the_measured_start_time():
     assert now <= 64 + cp.DEMAND_SECONDS + cp.HOLD_STARTS * 20 + 2
 
 
+def test_a_fresh_state_keeps_the_replicas_it_finds_for_the_hold_before_scaling_down():
+    # no demand measured at the first tick (one reading) is not a reason to give 3 pods back
+    first = decide(spec(), CapacityState(), [], 0.0, 3, Fleet(3), gateway(0.0), PRIOR)
+    assert first.desired_replicas == 3
+    still = run_rate(0.0, cp.HOLD_STARTS * 60 - 2, Fleet(3), 3)
+    assert still.desired_replicas == 3
+    assert run_rate(0.0, cp.HOLD_STARTS * 60 + 2, Fleet(3), 3).desired_replicas == 1
+
+
 def test_queue_and_kv_guard_scale_down_but_queue_never_sizes_up():
     idle = run_rate(0.0, 700, Fleet(3), 3)
     assert idle.desired_replicas == 1
@@ -125,6 +134,14 @@ def test_capacity_learns_down_on_a_miss_and_up_when_pods_did_more_and_met_it():
     # evidence that agrees, or too few requests: unchanged
     assert learn_capacity(1000.0, window(36_000, 100, 100), PRIOR) == 1000.0
     assert learn_capacity(1000.0, window(90_000, 1, 10), PRIOR) == 1000.0
+
+
+def test_a_window_with_pods_starting_only_raises_the_capacity():
+    window = lambda prompt, met, total: [(60.0, 60.0, prompt, 0.0, met, total, 0.0)]  # noqa: E731
+    # a miss while pods start may be the start's backlog: no move down
+    assert learn_capacity(1000.0, window(36_000, 50, 100), PRIOR, down=False) == 1000.0
+    # met at 1,500 tokens/s while pods start: the pods did that, up halfway
+    assert learn_capacity(1000.0, window(90_000, 100, 100), PRIOR, down=False) == pytest.approx(1250.0)
 
 
 def test_ttft_within_the_objective_reads_the_largest_bucket_below_it():

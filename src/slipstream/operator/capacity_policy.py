@@ -137,7 +137,9 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     seconds)``: the arrival rate over the last :data:`DEMAND_SECONDS` (a shorter window, tried
     on the Azure code trace, chased second-long bursts that are over before a pod starts);
     token rates are the arrival rate × the mean lengths of the requests that finished in the
-    window (the prior's ``request_tokens`` when none did)."""
+    window (the prior's ``request_tokens`` when none did). Holt's forecast one start time ahead,
+    in place of this rate or above it, was tried (issue 33, commit 07c8553) and cost more
+    replica-hours in every run measured (benchmarks/README.md, autoscaling)."""
     def window(seconds: float) -> list[tuple[float, ...]]:
         return [i for i in intervals if i[0] > now - seconds - _EPS]
 
@@ -157,7 +159,8 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     return Demand(requests, requests * prompt, requests * generated, requests * per_request, per_request)
 
 
-def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: CapacityPrior) -> float:
+def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: CapacityPrior,
+                   down: bool = True) -> float:
     """A new estimate of one pod's capacity at the objective (tokens/s) from a window of pod
     work ``(end, pod_seconds, prompt, generated, met, total)``.
 
@@ -166,8 +169,9 @@ def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: Ca
     the estimate, the pods showed more, so the estimate moves up to it. Either move is
     :data:`LEARN_RATE` of the way (an exponentially weighted average, so one odd window does
     not swing it); a window with fewer than :data:`LEARN_MIN_REQUESTS` observations, or
-    whose evidence agrees with the estimate, leaves it. The result stays within
-    :data:`CAPACITY_BOUNDS` × the prior.
+    whose evidence agrees with the estimate, leaves it. ``down`` False (pods were starting in
+    the window, so a miss may be the start's backlog rather than the pods) allows only the
+    upward move. The result stays within :data:`CAPACITY_BOUNDS` × the prior.
     """
     pod_seconds = sum(w[1] for w in work)
     total = sum(w[5] for w in work)
@@ -176,7 +180,9 @@ def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: Ca
     throughput = (sum(w[2] for w in work) + prior.generation_weight * sum(w[3] for w in work)) / pod_seconds
     met = sum(w[4] for w in work) / total
     missed = met < OBJECTIVE_QUANTILE
-    if (missed and throughput < capacity) or (not missed and throughput > capacity):
+    if missed and throughput < capacity and down:
+        capacity += LEARN_RATE * (throughput - capacity)
+    elif not missed and throughput > capacity:
         capacity += LEARN_RATE * (throughput - capacity)
     low, high = CAPACITY_BOUNDS
     return min(max(capacity, low * prior.tokens_per_second), high * prior.tokens_per_second)
@@ -250,8 +256,10 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     1. Demand (:func:`estimate_demand`): arrivals = finished + Δ held, from the gateway's
        counters, else the pods' own (:mod:`.demand`).
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
-       pods' counters and TTFT histograms (:func:`learn_capacity`), from windows in which no
-       pod was starting (a backlog built while pods start says nothing about the pods).
+       pods' counters and TTFT histograms (:func:`learn_capacity`); a window in which a pod
+       was starting only raises it (a backlog built while pods start says nothing about the
+       pods, but a met window shows what they did: without that, a fleet sized above need
+       never shows more than the prior and the count at a step up stays the prior's).
     3. Need = ceil(work rate × (1 + :data:`HEADROOM`) / capacity).
     4. Backlog (waiting requests × work per request) drained on a plan
        (:func:`plan_backlog`): pods already starting count as capacity from their expected
@@ -262,7 +270,9 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        ``targetQueueDepth``, blocks any scale-down. Neither sizes the count otherwise.
     6. Scale-down weighs the start time: to the highest need of the last
        :data:`HOLD_STARTS` start times (a pod removed now takes a start time to come back,
-       so it stays while the load is likely back within that).
+       so it stays while the load is likely back within that). A fresh state counts the
+       replicas it finds as needed at its first tick (its demand reads 0 until a second
+       reading), so a service started above its need comes down only after that hold.
     7. [minReplicas, maxReplicas]; zero as the queue policy does it (``minReplicas: 0``: up
        from 0 on a request held in the gateway, down to 0 after ``scaleToZeroAfterSeconds``
        with no request held or arriving, every pod and gateway having answered).
@@ -298,8 +308,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
         learned_at = now
     elif now - learned_at >= LEARN_SECONDS:
         window = [w for w in work if w[0] > learned_at]
-        if all(w[6] for w in window):  # a window with pods starting measures the start, not the pods
-            capacity = learn_capacity(capacity, window, prior)
+        # with pods starting a miss may be the start's backlog, but a met window still shows what a pod did
+        capacity = learn_capacity(capacity, window, prior, down=all(w[6] for w in window))
         learned_at = now
     total = sum(w[5] for w in work)
     attainment = sum(w[4] for w in work) / total if total > 0 else None
@@ -334,7 +344,9 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     # 6. scale-down weighs the start time
     need = spec.clamp(max(need, 1))
     hold = HOLD_STARTS * start
-    needs = tuple(n for n in state.needs if n[0] > now - hold - _EPS) + ((now, need),)
+    # a fresh state has measured no demand yet (it reads 0): the pods running count as needed now
+    before = state.needs if state.time is not None else ((now, current_replicas),)
+    needs = tuple(n for n in before if n[0] > now - hold - _EPS) + ((now, need),)
     desired = need
     if need < current_replicas:
         held = max(n for _, n in needs)

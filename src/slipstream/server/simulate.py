@@ -16,8 +16,9 @@ prints static vs continuous batching on the textbook case instead.
 requests longer than the model's context are capped to it (the count is printed).
 ``--ttft-p90-objective`` sets the capacity policy's objective and the attainment reported;
 ``--json`` writes the run's numbers; ``--compare`` plays the same arrivals under the capacity
-policy, the queue policy, the Kubernetes HPA algorithm on queue length, every fixed count up to
-``--max-replicas`` and the clairvoyant per-minute bound, and prints one row each.
+policy, the queue policy, the Kubernetes HPA algorithm on queue length, fixed counts up to the
+first that meets the objective and the clairvoyant per-minute bound, prints one row each (per
+``--routing`` policy) and plots the capacity policy beside the cheapest fixed count.
 """
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_P
 from .cli import HelpFormatter
 from .cli_types import tenant_weights
 from .gateway.routing.weights import add_weight_flags, weights_from_args
-from .sim.clairvoyant import minute_counts
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
+from .sim.compare import best_fixed, compare_results, compare_rows, compare_table, ms, numbers, tenant_numbers
 from .sim.cost_model import PROFILES, get_profile
 from .sim.head_of_line import report as head_of_line_report
-from .sim.scalers import HPAScaler, PolicyScaler, Scaler, ScheduleScaler, profile_prior
+from .sim.plots import compare_plot, plot
+from .sim.scalers import PolicyScaler, Scaler, profile_prior
 from .sim.trace import (Arrival, assign_tenants, cap_lengths, parse_length, parse_rate_schedule, parse_tenant_shares,
                         poisson_arrivals, read_trace, scale_times)
 from .sim.workloads import PrefixGroups
@@ -157,8 +159,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--json", type=Path, help="write the run's numbers (with --compare: every row's) as JSON")
     out.add_argument("--compare", action="store_true",
                      help="play the arrivals under the capacity policy, the queue policy, the Kubernetes HPA "
-                          "algorithm on queue length, every fixed count up to --max-replicas and the "
-                          "clairvoyant per-minute bound; one row each")
+                          "algorithm on queue length, fixed counts up to the first that meets the objective "
+                          "(at most --max-replicas) and the clairvoyant per-minute bound; one row each, one "
+                          "table per --routing policy; --plot draws capacity beside the cheapest fixed count")
     return p
 
 
@@ -247,65 +250,6 @@ def run(args: argparse.Namespace, routing: str | None = None) -> SimResult:
     return cluster(args, autoscaling_spec(args), routing=routing).run(played, duration)
 
 
-def numbers(result: SimResult, objective: float) -> dict[str, Any]:
-    """The run's numbers (``--json``): requests, finished, TTFT p50/p90/p99 (seconds),
-    replica_hours (pods paid for, starting included), peak_replicas (ready and starting pods at
-    once), objective_attainment (share of requests whose TTFT ≤ ``objective``; the p90 objective
-    holds at ≥ 0.9), objective_met, scale_events."""
-    p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
-    ttfts = [r.ttft for r in result.requests if r.ttft is not None]
-    return {
-        "requests": len(result.requests),
-        "finished": sum(r.finished is not None for r in result.requests),
-        "ttft_p50_s": p50, "ttft_p90_s": p90, "ttft_p99_s": p99,
-        "replica_hours": round(result.replica_seconds / 3600, 4),
-        "peak_replicas": max((max(k.ready + k.starting, k.desired) for k in result.ticks), default=0),
-        "objective_ttft_p90_s": objective,
-        "objective_attainment": (sum(t <= objective for t in ttfts) / len(result.requests)
-                                 if result.requests else None),
-        "objective_met": p90 is not None and p90 <= objective,
-        "scale_events": len(result.scalings),
-    }
-
-
-def compare_runs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """``--compare``: the same arrivals under each scaler, by row name (see :func:`numbers`)."""
-    played, duration, _ = capped_arrivals(args)
-    spec = autoscaling_spec(args).model_copy(update={"enabled": True})
-    objective = spec.objectives.ttft_p90_seconds
-    rows: dict[str, SimResult] = {}
-    for policy in SCALING_POLICIES:
-        rows[policy] = cluster(args, spec.model_copy(update={"policy": policy})).run(played, duration)
-    rows["hpa-queue"] = cluster(args, spec, scaler=HPAScaler(spec)).run(played, duration)
-    fixed_spec = spec.model_copy(update={"enabled": False})
-    for n in range(max(1, spec.min_replicas), spec.max_replicas + 1):
-        rows[f"fixed-{n}"] = cluster(args, fixed_spec, initial=n).run(played, duration)
-    counts = minute_counts(played, lambda n: cluster(args, fixed_spec, initial=n), objective,
-                           spec.max_replicas, max(1, spec.min_replicas))
-    schedule = ScheduleScaler(counts, args.startup_delay)
-    rows["clairvoyant"] = cluster(args, spec, scaler=schedule, initial=schedule.wanted(0.0)).run(played, duration)
-    return {name: {**numbers(result, objective), **({"minute_counts": counts} if name == "clairvoyant" else {})}
-            for name, result in rows.items()}
-
-
-def compare_table(rows: dict[str, dict[str, Any]]) -> str:
-    """One line per row of :func:`compare_runs`: attainment, TTFT p50/p90/p99, replica-hours,
-    peak, scale events, and whether the objective was met."""
-    lines = [f"{'scaler':<12} {'attain%':>7} {'ttft_p50_ms':>11} {'ttft_p90_ms':>11} {'ttft_p99_ms':>11} "
-             f"{'replica_h':>9} {'peak':>4} {'scalings':>8} {'met':>3}"]
-    for name, row in rows.items():
-        attained = row["objective_attainment"]
-        lines.append(f"{name:<12} {'-' if attained is None else f'{100 * attained:.1f}':>7} "
-                     f"{_ms(row['ttft_p50_s']):>11} {_ms(row['ttft_p90_s']):>11} {_ms(row['ttft_p99_s']):>11} "
-                     f"{row['replica_hours']:9.2f} {row['peak_replicas']:4d} {row['scale_events']:8d} "
-                     f"{'yes' if row['objective_met'] else 'no':>3}")
-    return "\n".join(lines)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
 def table(result: SimResult, every: float) -> str:
     """One row per ``every`` seconds: the last tick's counts, arrival rate and TTFT over the row."""
     lines = [f"{'time_s':>7} {'rps':>6} {'desired':>7} {'ready':>5} {'start':>5} {'queue':>6} {'running':>7} "
@@ -318,7 +262,7 @@ def table(result: SimResult, every: float) -> str:
         p50, p99 = result.ttft_percentiles(start, tick.time)
         lines.append(f"{tick.time:7.0f} {arrivals / max(tick.time - start, 1e-9):6.1f} {tick.desired:7d} "
                      f"{tick.ready:5d} {tick.starting:5d} {tick.queue_depth:6d} {tick.running:7d} "
-                     f"{100 * tick.kv_cache_utilization:5.1f} {_ms(p50):>11} {_ms(p99):>11}")
+                     f"{100 * tick.kv_cache_utilization:5.1f} {ms(p50):>11} {ms(p99):>11}")
         start, arrivals = tick.time, 0
     return "\n".join(lines)
 
@@ -327,7 +271,7 @@ def summary(result: SimResult) -> str:
     done = [r for r in result.requests if r.finished is not None]
     p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
     lines = [f"{len(result.requests)} requests, {len(done)} finished by t={result.end_time:.0f}s; "
-             f"TTFT p50 {_ms(p50)} ms, p90 {_ms(p90)} ms, p99 {_ms(p99)} ms; "
+             f"TTFT p50 {ms(p50)} ms, p90 {ms(p90)} ms, p99 {ms(p99)} ms; "
              f"prefix cache hit {100 * result.prefix_hit_ratio:.1f}% of prompt tokens; "
              f"{result.replica_seconds / 3600:.2f} replica-hours",
              "scaling:"]
@@ -337,23 +281,26 @@ def summary(result: SimResult) -> str:
     tenants = tenant_numbers(result)
     if len(tenants) > 1:
         lines.append("tenants:")
-        lines += [f"  {name:12} {row['requests']:6d} requests, TTFT p50 {_ms(row['ttft_p50_s'])} ms, "
-                  f"p90 {_ms(row['ttft_p90_s'])} ms; {row['tokens_served']} tokens served"
+        lines += [f"  {name:12} {row['requests']:6d} requests, TTFT p50 {ms(row['ttft_p50_s'])} ms, "
+                  f"p90 {ms(row['ttft_p90_s'])} ms; {row['tokens_served']} tokens served"
                   for name, row in tenants.items()]
     return "\n".join(lines)
 
 
-def tenant_numbers(result: SimResult) -> dict[str, dict[str, Any]]:
-    """Per tenant: requests, TTFT p50/p90 (seconds) and tokens served (prompt + output of its
-    finished requests)."""
-    rows: dict[str, dict[str, Any]] = {}
-    for name in sorted({r.tenant for r in result.requests}):
-        mine = [r for r in result.requests if r.tenant == name]
-        ttfts = sorted(r.ttft for r in mine if r.ttft is not None)
-        pick = (lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else None)
-        rows[name] = {"requests": len(mine), "ttft_p50_s": pick(0.5), "ttft_p90_s": pick(0.9),
-                      "tokens_served": sum(r.prompt_tokens + r.output_tokens for r in mine if r.finished is not None)}
-    return rows
+def compare_runs(args: argparse.Namespace, routing: str | None = None) -> dict[str, dict[str, Any]]:
+    """``--compare``'s rows by name for ``args``, routed by ``routing`` (default: the first of
+    ``--routing``; see :func:`~.sim.compare.compare_results`)."""
+    return compare_rows(*compare(args, routing))
+
+
+def compare(args: argparse.Namespace, routing: str | None = None) -> tuple[dict[str, SimResult], list[int], float]:
+    """:func:`~.sim.compare.compare_results` of ``args``' arrivals (with ``--tenants``), spec and
+    replicas, routed by ``routing`` (default: the first of ``--routing``)."""
+    played, duration, _ = capped_arrivals(args)
+    return compare_results(played, duration, autoscaling_spec(args),
+                           lambda spec, scaler, initial: cluster(args, spec, routing=routing, scaler=scaler,
+                                                                 initial=initial),
+                           args.startup_delay)
 
 
 def comparison(results: dict[str, SimResult]) -> str:
@@ -363,45 +310,51 @@ def comparison(results: dict[str, SimResult]) -> str:
     for policy, result in results.items():
         p50, p90, p99 = result.ttft_percentiles(quantiles=(0.5, 0.9, 0.99))
         done = sum(r.finished is not None for r in result.requests)
-        lines.append(f"{policy:<13} {len(result.requests):8d} {done:8d} {_ms(p50):>11} {_ms(p90):>11} "
-                     f"{_ms(p99):>11} {100 * result.prefix_hit_ratio:11.1f} {result.replica_seconds / 3600:9.2f}")
+        lines.append(f"{policy:<13} {len(result.requests):8d} {done:8d} {ms(p50):>11} {ms(p90):>11} "
+                     f"{ms(p99):>11} {100 * result.prefix_hit_ratio:11.1f} {result.replica_seconds / 3600:9.2f}")
     return "\n".join(lines)
 
 
-def plot(result: SimResult, path: Path, title: str) -> None:
-    """Four panels over time: replicas and arrival rate, queue depth, KV use, TTFT p50/p99."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def check_args(args: argparse.Namespace) -> None:
+    """Flag combinations that cannot mean anything. Raises ValueError saying what to change."""
+    if args.compare and args.no_autoscaling:
+        raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
+                         "(one fixed count) contradicts it: drop one of them")
+    spec = autoscaling_spec(args)
+    if args.initial_replicas is not None and spec.enabled and not spec.min_replicas <= args.initial_replicas \
+            <= spec.max_replicas:
+        raise ValueError(f"--initial-replicas {args.initial_replicas} is outside --min-replicas "
+                         f"{spec.min_replicas} .. --max-replicas {spec.max_replicas}: change one of them "
+                         f"(or add --no-autoscaling for a fixed count)")
 
-    t = [k.time for k in result.ticks]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
-    axes[0].step(t, [k.desired for k in result.ticks], where="post", label="desired")
-    axes[0].step(t, [k.ready for k in result.ticks], where="post", label="ready")
-    axes[0].set_ylabel("replicas")
-    rate = axes[0].twinx()
-    window = max(1, round(10 / (t[1] - t[0]))) if len(t) > 1 else 1
-    arrivals = [k.arrivals for k in result.ticks]
-    smoothed = [sum(arrivals[max(0, i - window + 1):i + 1]) / (t[i] - t[max(0, i - window)] or 1)
-                for i in range(len(t))]
-    rate.plot(t, smoothed, color="grey", alpha=0.6, label="arrivals/s")
-    rate.set_ylabel("arrivals/s")
-    axes[0].legend(loc="upper left")
-    axes[1].plot(t, [k.queue_depth for k in result.ticks])
-    axes[1].set_ylabel("queue depth")
-    axes[2].plot(t, [100 * k.kv_cache_utilization for k in result.ticks])
-    axes[2].set_ylabel("KV cache % (mean)")
-    for q, label in ((0.5, "p50"), (0.99, "p99")):
-        values = [result.ttft_percentiles(a, b, (q,))[0] for a, b in zip([0.0] + t, t)]
-        axes[3].plot(t, [v if v is not None else float("nan") for v in values], label=label)
-    axes[3].set_ylabel("TTFT (s)")
-    axes[3].set_yscale("log")
-    axes[3].legend(loc="upper left")
-    axes[3].set_xlabel("time (s)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+
+def main_compare(args: argparse.Namespace) -> int:
+    """``--compare``: the table (one per ``--routing`` policy), ``--json`` (rows by name, or by
+    routing policy then name when several) and ``--plot`` (the capacity policy beside the
+    cheapest fixed count that met the objective and the clairvoyant schedule; one file per
+    routing policy when several, named ``STEM-POLICY.png``)."""
+    _, _, capped = capped_arrivals(args)
+    if capped:
+        print(f"{capped} requests capped to max_model_len")
+    every: dict[str, dict[str, dict[str, Any]]] = {}
+    for routing in args.routing:
+        results, counts, objective = compare(args, routing)
+        rows = every[routing] = compare_rows(results, counts, objective)
+        if len(args.routing) > 1:
+            print(f"routing {routing}:")
+        print(compare_table(rows))
+        if not args.no_plot:
+            path = args.plot if len(args.routing) == 1 else args.plot.with_name(
+                f"{args.plot.stem}-{routing}{args.plot.suffix}")
+            fixed = best_fixed(rows)
+            names = ["capacity"] + ([fixed] if fixed else []) + ["clairvoyant"]
+            compare_plot(results, names, path, f"{args.profile}: {args.rate or (args.trace or DEFAULT_RATE)}, "
+                         f"{routing} routing", objective)
+            print(f"plot: {path}")
+    if args.json is not None:
+        data = every[args.routing[0]] if len(args.routing) == 1 else every
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,18 +367,13 @@ def main(argv: list[str] | None = None) -> int:
         print(head_of_line_report())
         return 0
     try:
+        check_args(args)
+        if args.compare:
+            return main_compare(args)
         if len(args.routing) > 1:
             print(comparison({policy: run(args, policy) for policy in args.routing}))
             return 0
         _, _, capped = capped_arrivals(args)
-        if args.compare:
-            rows = compare_runs(args)
-            if capped:
-                print(f"{capped} requests capped to max_model_len")
-            print(compare_table(rows))
-            if args.json is not None:
-                args.json.write_text(json.dumps(rows, indent=2) + "\n")
-            return 0
         result = run(args)
         objective = autoscaling_spec(args).objectives.ttft_p90_seconds
     except (ValueError, OSError) as exc:
