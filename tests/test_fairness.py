@@ -209,6 +209,20 @@ def test_a_seat_comes_with_the_budget_for_its_prefill_and_the_victim_has_least_t
     assert dict(zip(batch.requests, batch.num_new_tokens)) == {long: 16, light: 48}
 
 
+def test_a_tenant_below_its_share_of_seats_gets_one_even_when_served_more_so_far():
+    s = scheduler("fair", seats=4)
+    flood = [request("a", max_tokens=50) for _ in range(6)]
+    for r in flood:
+        s.add(r)
+    for _ in range(3):
+        step(s)
+    s.waiting.service.charge("b", 10_000, 0)  # b was served much more, earlier (its counter stays)
+    s.add(light := request("b", max_tokens=50))
+    assert light in step(s)  # b's target is 2 seats, a keeps 3 ≥ its 2: a move nothing undoes
+    seats = collections.Counter(r.tenant for r in s.running)
+    assert seats == {"a": 3, "b": 1} and sum(r.num_preemptions for r in flood) == 1
+
+
 def test_seats_move_toward_an_even_split_by_weight_and_stop_there():
     s = scheduler("fair", seats=4, weights={"a": 3})
     for _ in range(6):

@@ -102,11 +102,7 @@ class WaitingQueue:
     def head(self) -> Request | None:
         """The request to admit next (not removed: :meth:`pop` it once admitted); None when empty."""
         heap = self._next_heap()
-        if heap is None:
-            return None
-        if self.policy != "fair" or self.cached_blocks is None or len(heap) == 1:
-            return heap[0][2]
-        return self._prefer_cached(heap)
+        return None if heap is None else self._first(heap)
 
     def pop(self, req: Request) -> None:
         """Take ``req`` (the :meth:`head` just admitted) out of the queue. On its first admission
@@ -154,26 +150,38 @@ class WaitingQueue:
         if self.policy == "fair":
             self.service.charge(req.tenant, prompt_tokens, output_tokens)
 
-    def seat_victim(self, running: list[Request], max_num_seqs: int) -> Request | None:
-        """``fair`` with every seat taken: the running request to preempt so that the next waiting
-        request's tenant gets a seat now, or None. Each tenant running or next in line has a
-        target of ``max_num_seqs × its weight ÷ their weights' sum`` seats; one moves when the
-        waiting tenant holds fewer than its target and the tenant furthest above its own target
-        (and served at least as much) holds more than its: seats move toward the split by
-        weight, a step at a time, and never back and forth. The victim is that tenant's request
-        with the fewest computed tokens (the least to recompute; the newest among equals)."""
+    def seat_victim(self, running: list[Request], max_num_seqs: int) -> tuple[Request, Request] | None:
+        """``fair`` with every seat taken: ``(victim, newcomer)``, the running request to preempt
+        and the waiting one that takes its seat now, or None.
+
+        Each tenant running or waiting has a target of ``max_num_seqs × its weight ÷ their
+        weights' sum`` seats. A seat moves from the tenant furthest above its target (the giver)
+        to the waiting tenant furthest below its own (the newcomer) when the newcomer holds fewer
+        than its target, the giver more than its, and either both stay on their side of their
+        targets after the move (newcomer + 1 ≤ its target, giver − 1 ≥ its: no move can undo it)
+        or, for a target under one seat, the giver has been served at least as much (VTC's
+        order). So seats move toward the split by weight, a step at a time, never back and forth,
+        and a tenant below its share is not held behind a flood's requests, whatever the counters.
+        The victim is the giver's request with the fewest computed tokens (the least to
+        recompute; the newest among equals); the newcomer, its tenant's next request."""
         if self.policy != "fair" or len(running) < max_num_seqs or not self._len:
             return None
-        head = self.head()
-        seats: dict[str, int] = {head.tenant: 0}
+        seats = dict.fromkeys(self._heaps, 0)
         for r in running:
             seats[r.tenant] = seats.get(r.tenant, 0) + 1
         target = self.service.shares(max_num_seqs, seats)
-        rich = max(seats, key=lambda t: (seats[t] - target[t], self.service.served(t)))
-        if rich == head.tenant or seats[head.tenant] >= target[head.tenant] or seats[rich] <= target[rich] \
-                or self.service.served(rich) < self.service.served(head.tenant):
+        served = self.service.served
+        giver = max(seats, key=lambda t: (seats[t] - target[t], served(t)))
+        if seats[giver] <= target[giver]:
             return None
-        return min(reversed(running), key=lambda r: (r.tenant != rich, r.num_computed_tokens))
+        settled = seats[giver] - 1 >= target[giver]
+        takers = [t for t in self._heaps if t != giver and seats[t] < target[t]
+                  and ((settled and seats[t] + 1 <= target[t]) or served(giver) >= served(t))]
+        if not takers:
+            return None
+        newcomer = min(takers, key=lambda t: (seats[t] - target[t], served(t)))
+        victim = min(reversed(running), key=lambda r: (r.tenant != giver, r.num_computed_tokens))
+        return victim, self._first(self._heaps[newcomer])
 
     def protect_order(self, running: list[Request]) -> list[Request]:
         """``running`` reordered (stably) so that the request to preempt first is last."""
@@ -204,6 +212,13 @@ class WaitingQueue:
     def _lift(self, tenant: str) -> None:
         if self.policy == "fair" and not self._active.get(tenant):
             self.service.lift(tenant, self._active)
+
+    def _first(self, heap: list[tuple]) -> Request:
+        """The request of ``heap`` to admit next: its top, or under ``fair`` the most cached of
+        the first few of equal rank."""
+        if self.policy != "fair" or self.cached_blocks is None or len(heap) == 1:
+            return heap[0][2]
+        return self._prefer_cached(heap)
 
     def _prefer_cached(self, heap: list[tuple]) -> Request:
         candidates = [e for e in heapq.nsmallest(PREFIX_LOOKAHEAD, heap) if e[0] == heap[0][0]]

@@ -88,15 +88,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.running = self.waiting.protect_order(self.running)
         seat = self.waiting.seat_victim(self.running, self.max_num_seqs)
+        victim = seated = None
         reserved = 0
         if seat is not None:  # before anything is scheduled: the freed seat goes to the waiting tenant
-            self.running.remove(seat)
-            self._preempt(seat)
-            out.preempted.append(seat)
+            victim, seated = seat
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
             # and the budget for its prefill, ahead of the running requests' prefill chunks
             # (their decodes still fit): the seat is for this step, not for when a chunk leaves room
-            head = self.waiting.head()
-            reserved = max(0, min(head.num_tokens - head.num_computed_tokens, budget - len(self.running)))
+            reserved = max(0, min(seated.num_tokens - seated.num_computed_tokens, budget - len(self.running)))
             budget -= reserved
         i = 0
         while i < len(self.running) and budget > 0:
@@ -115,14 +116,14 @@ class Scheduler:
                 budget -= n
                 i += 1
         budget += reserved
-        if out.preempted and out.preempted != [seat]:
+        if out.preempted and out.preempted != [victim]:
             if not self.running:
                 # A lone request preempted itself: blocks that waiting choices hold (a fork's,
                 # possibly past a sliding window its parent cannot find again) are all that is left.
                 self._release_waiting()
             return out  # blocks are short: admitting now would only preempt again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting.head()
+            req, seated = seated or self.waiting.head(), None
             fresh = not req.block_table  # a forked choice arrives holding its parent's blocks
             hit = self.kv.match_prefix(req) if fresh else 0
             n = min(req.num_tokens - req.num_computed_tokens, budget)
