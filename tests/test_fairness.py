@@ -193,7 +193,7 @@ def test_a_tenant_that_waits_while_another_holds_every_seat_gets_one_at_the_next
     assert light in s.running and sum(r.num_preemptions for r in flood) == 1  # no back and forth
 
 
-def test_a_seat_comes_with_the_budget_for_its_prefill_and_the_victim_has_least_to_recompute():
+def test_a_seated_request_prefills_in_a_step_of_its_own_and_the_victim_has_least_to_recompute():
     s = scheduler("fair", seats=2, budget=64, blocks=512)
     short, long = request("a", prompt=range(40), max_tokens=50), request("a", prompt=range(100, 300), max_tokens=50)
     for r in (short, long):
@@ -204,9 +204,11 @@ def test_a_seat_comes_with_the_budget_for_its_prefill_and_the_victim_has_least_t
     s.add(light := request("b", prompt=range(500, 548), max_tokens=5))
     batch = s.schedule()
     # short is the victim (older, but less computed); b's 48-token prompt goes whole into this
-    # step, and long's prefill chunk gets what is left of the 64-token budget
+    # step, alone: long's prefill chunk waits a step, and then goes on
     assert short.num_preemptions == 1 and long.num_preemptions == 0
-    assert dict(zip(batch.requests, batch.num_new_tokens)) == {long: 16, light: 48}
+    assert dict(zip(batch.requests, batch.num_new_tokens)) == {light: 48}
+    s.update_from_output(batch, {light: 7})
+    assert dict(zip((after := s.schedule()).requests, after.num_new_tokens)) == {long: 63, light: 1}
 
 
 def test_a_tenant_below_its_share_of_seats_gets_one_even_when_served_more_so_far():

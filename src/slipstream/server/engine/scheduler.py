@@ -95,14 +95,18 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
-            # and the budget for its prefill, ahead of the running requests' prefill chunks
-            # (their decodes still fit): the seat is for this step, not for when a chunk leaves room
+            # and the budget for its prefill; the running requests only decode in this step (their
+            # prefill chunks wait one): the seated request's first token comes at this step, and
+            # no sooner than its own prefill allows, not after a flood's chunks
             reserved = max(0, min(seated.num_tokens - seated.num_computed_tokens, budget - len(self.running)))
             budget -= reserved
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if seated is not None and n > 1:
+                i += 1
+                continue
             self.kv.free_out_of_window(req)
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()
