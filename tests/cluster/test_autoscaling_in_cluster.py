@@ -237,24 +237,71 @@ async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_dela
         assert sorted(found) == names, kind
 
 
-def test_another_scaler_writing_replicas_is_detected_and_left_alone(operator):
+def events_of(cluster, name: str, reason: str) -> list[dict]:
+    return get(cluster, "events", "-n", NAMESPACE, "--field-selector",
+               f"involvedObject.name={name},reason={reason}")["items"]
+
+
+def test_an_hpa_on_the_deployment_stops_replica_writes_until_it_is_deleted(operator):
+    """The real HPA controller holds the Deployment at its minReplicas (2; it needs no metrics
+    for that) while the autoscaler, idle, wants 1: the autoscaler stands back for as long as
+    the HPA exists, and takes over on the first ticks after it is deleted (no quiet timer)."""
     cluster = operator
-    apply(cluster, service(name="fought", autoscaling={**SCALING, "maxReplicas": 2}))
+    apply(cluster, service(name="fought", autoscaling={**SCALING, "maxReplicas": 2,
+                                                        "scaleDownDelaySeconds": 4}))
     wait_for(lambda: get(cluster, "deploy", "fought", "-n", NAMESPACE), 60, "the Deployment")
-    # An HPA, KEDA or GitOps tool writes the same field under its own field manager.
-    for _ in range(3):
-        cluster.kubectl("scale", "deploy", "fought", "-n", NAMESPACE, "--replicas", "2")
-        time.sleep(2 * TICK)
+    apply(cluster, {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                    "metadata": {"name": "fought", "namespace": NAMESPACE},
+                    "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                "name": "fought"},
+                             "minReplicas": 2, "maxReplicas": 2, "metrics": [{
+                                 "type": "Resource", "resource": {"name": "cpu", "target": {
+                                     "type": "Utilization", "averageUtilization": 50}}}]}})
     cond = wait_for(lambda: (c := condition(get(cluster, "infsvc", "fought", "-n", NAMESPACE),
-                                            "ScalingActive")) and c["status"] == "False" and c,
-                    30, "ScalingActive=False")
-    assert cond["reason"] == "ForeignScaler", cond
-    time.sleep(4 * TICK)
-    assert deployment_replicas(cluster, "fought") == 2  # left as the other scaler set it
-    events = get(cluster, "events", "-n", NAMESPACE, "--field-selector",
-                 "involvedObject.name=fought,reason=ForeignScaler")["items"]
-    assert len(events) == 1 and events[0]["type"] == "Warning", events
-    assert events[0].get("count", 1) == 1 and (events[0].get("series") or {}).get("count", 1) == 1
+                                            "ScalingActive")) and c["reason"] == "ForeignScaler" and c,
+                    30, "ScalingActive=False ForeignScaler")
+    assert cond["status"] == "False" and "HorizontalPodAutoscaler fought" in cond["message"], cond
+    wait_for(lambda: deployment_replicas(cluster, "fought") == 2, 30, "the HPA's 2 replicas")
+    time.sleep(6 * TICK)
+    assert deployment_replicas(cluster, "fought") == 2  # left as the HPA set it
+    [warning] = events_of(cluster, "fought", "ForeignScaler")
+    assert warning["type"] == "Warning" and warning.get("count", 1) == 1, warning
+
+    cluster.kubectl("delete", "hpa", "fought", "-n", NAMESPACE)
+    deleted = time.monotonic()
+    [resumed] = wait_for(lambda: events_of(cluster, "fought", "ScalingResumed"), 20,
+                         "a ScalingResumed Event")
+    assert resumed["type"] == "Normal", resumed
+    took = time.monotonic() - deleted
+    wait_for(lambda: deployment_replicas(cluster, "fought") == 1, 60,
+             "the autoscaler's own count (1) after its scale-down delay")
+    print(f"resumed {took:.1f} s after the HPA was deleted")
+    assert took < 4 * TICK + 2, took  # a few ticks, not a quiet period
+
+
+def test_kubectl_scale_of_the_deployment_gets_a_warning_and_the_autoscaler_keeps_control(operator):
+    """The documented choice: a hand scale of the Deployment while autoscaling is on is set
+    back by the autoscaler, with one Warning Event and a note in ScalingActive's message."""
+    cluster = operator
+    apply(cluster, service(name="handscaled", autoscaling={**SCALING, "maxReplicas": 2}))
+    wait_for(lambda: get(cluster, "deploy", "handscaled", "-n", NAMESPACE), 60, "the Deployment")
+    wait_for(lambda: (c := condition(get(cluster, "infsvc", "handscaled", "-n", NAMESPACE),
+                                     "ScalingActive")) and c, 60, "the autoscaler's first tick")
+    cluster.kubectl("scale", "deploy", "handscaled", "-n", NAMESPACE, "--replicas", "2")
+    [warning] = wait_for(lambda: events_of(cluster, "handscaled", "ReplicasOverridden"), 20,
+                         "a ReplicasOverridden Event")
+    assert warning["type"] == "Warning", warning
+    # kubectl names itself the field manager (kubectl, or kubectl-scale in newer releases).
+    assert warning["message"].startswith("kubectl"), warning
+    assert "set spec.replicas of Deployment handscaled to 2; the autoscaler keeps control" \
+        in warning["message"], warning
+    wait_for(lambda: "set spec.replicas of Deployment handscaled to 2" in condition(
+        get(cluster, "infsvc", "handscaled", "-n", NAMESPACE), "ScalingActive")["message"], 20,
+        "the note in ScalingActive's message")
+    wait_for(lambda: deployment_replicas(cluster, "handscaled") == 1, 20, "set back to 1")
+    time.sleep(3 * TICK)
+    assert len(events_of(cluster, "handscaled", "ReplicasOverridden")) == 1
+    assert events_of(cluster, "handscaled", "ForeignScaler") == []
 
 
 def status_writes(cluster, user: str, name: str) -> int:
