@@ -229,19 +229,19 @@ class Autoscaler:
         return None, "resumed" if was_held else None
 
     def _override(self, key: Key, deployment: Mapping[str, Any], status: Mapping[str, Any],
-                  scaling: Any, now: float) -> tuple[ReplicasWriter | None, bool]:
+                  scaling: Any, now: float) -> tuple[ReplicasWriter | None, bool, int | None]:
         """(the manager that set the replicas by hand, or None; whether it is a new override
-        to warn about)."""
+        to warn about; the count the autoscaler last set)."""
         expected = self.written.get(key, status.get("desiredReplicas"))
         if expected is not None:  # the reconcile loop may have pulled it into new bounds
             expected = scaling.clamp(int(expected))
         writer = foreign_writer(deployment, expected)
         if writer is None:
-            return None, False
+            return None, False, expected
         live = int((deployment.get("spec") or {}).get("replicas", 1))
         seen = self.overridden.get(key)
         return writer, seen is None or seen[0] != (writer.manager, live) \
-            or now - seen[1] >= OVERRIDE_NOTE_SECONDS
+            or now - seen[1] >= OVERRIDE_NOTE_SECONDS, expected
 
     async def tick(self, kube: Kube, namespace: str, name: str, body: Mapping[str, Any]) -> TickResult | None:
         """One autoscaling tick for ``namespace/name`` (``body``: its latest known object).
@@ -282,24 +282,27 @@ class Autoscaler:
         state = self.states.get(key) or load_state(policy, status.get("autoscaler"))
         now = self.clock()
         fleet = fleet_from_pods(pods, now, [t.name for t in targets])
-        decision = decide(policy, state, Tick(now, current, fleet, scrape.samples, gateway.sample),
-                          prior_from_state(state))
-        self.states[key] = decision.state
         resource, kind = workload_resource(spec)
         scalers = await find_scalers(kube, namespace, kind,
                                      f"{resource.group}/{resource.version}", name)
         writer, change = self._other_scaler(key, scalers, status)
+        if change == "resumed":
+            self.written[key] = current  # the other scaler's count is where we start again
+        # Resuming from the other scaler's count is no override.
+        override, new_override, expected = (None, False, None) if writer is not None or change \
+            else self._override(key, deployment, status, policy, now)
+        # A hand override does not move the policy: it decides from the count it set.
+        decided_from = expected if override is not None and expected is not None else current
+        decision = decide(policy, state, Tick(now, decided_from, fleet, scrape.samples,
+                                              gateway.sample), prior_from_state(state))
+        self.states[key] = decision.state
         if change == "entered":
             await post_event(kube, body, "Warning", st.FOREIGN_SCALER, foreign_condition(
                 kind, name, writer, current, decision.desired_replicas)[2])
         elif change == "resumed":
-            self.written[key] = current  # the other scaler's count is where we start again
             await post_event(kube, body, "Normal", "ScalingResumed",
                              f"no HorizontalPodAutoscaler or ScaledObject scales {kind} {name} "
                              f"any more: the autoscaler writes replicas again, from {current}")
-        # Resuming from the other scaler's count is no override.
-        override, new_override = (None, False) if writer is not None or change else \
-            self._override(key, deployment, status, policy, now)
         if new_override:
             note = override_note(kind, name, override, current, policy.clamp(
                 decision.desired_replicas))
