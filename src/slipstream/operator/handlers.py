@@ -165,15 +165,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 await holder.close()
 
     async def retry_later(memo: Any, namespace: str, name: str, logger: kopf.Logger) -> None:
-        """Reconcile again after retry_delay(1), (2) … seconds until it succeeds or fails
-        for good."""
+        """Reconcile again after retry_delay(0), (1) … seconds (1, 2, 4 … 60, kopf's own
+        schedule) until it succeeds or fails for good."""
         for retry in itertools.count(1):
-            await asyncio.sleep(retry_delay(retry))
+            await asyncio.sleep(retry_delay(retry - 1))
             try:
                 await run(memo, namespace, name, logger, retry)
                 return
             except kopf.TemporaryError as exc:
-                logger.warning(f"{exc}; retrying in {retry_delay(retry + 1):.0f}s or at the next change")
+                logger.warning(f"{exc}; retrying in {retry_delay(retry):.0f}s or at the next change")
             except kopf.PermanentError:
                 return
 
@@ -192,7 +192,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         try:
             await run(memo, namespace, name, logger)
         except kopf.TemporaryError as exc:
-            logger.warning(f"{exc}; retrying in {retry_delay(1):.0f}s or at the next change")
+            logger.warning(f"{exc}; retrying in {retry_delay(0):.0f}s or at the next change")
             retries[key] = asyncio.create_task(retry_later(memo, namespace, name, logger))
 
     @kopf.timer(**resource, id="resync", interval=config.resync_seconds,
