@@ -650,3 +650,20 @@ async def test_the_default_policy_sizes_from_the_pods_counters_and_reports_its_n
     assert status["lastDecision"]["desiredReplicas"] == 4
     assert status["objectiveAttainment"] == 0.9
     assert status["autoscaler"]["policy"] == "capacity"
+
+
+def test_a_sim_model_gets_its_cost_models_prior_divided_by_its_time_scale():
+    from slipstream.operator.autoscaling_loop import spec_prior
+    from slipstream.operator.capacity_policy import CapacityPrior
+    from slipstream.operator.spec import parse_spec
+    from slipstream.server.sim.cost_model import PROFILES
+    from slipstream.server.sim.scalers import profile_prior
+
+    engine = {"maxNumSeqs": 4, "maxNumBatchedTokens": 512}
+    slow = spec_prior(parse_spec({"model": {"source": "sim", "profile": "tiny,time_scale=6"},
+                                  "engine": engine}, name="x"))
+    raw = profile_prior(PROFILES["tiny"], 4, 512)
+    assert slow.tokens_per_second == pytest.approx(raw.tokens_per_second / 6)
+    assert slow.drain_rate == pytest.approx(raw.drain_rate / 6)
+    assert slow.generation_weight == raw.generation_weight
+    assert spec_prior(parse_spec({"model": {"source": "builtin"}}, name="x")) == CapacityPrior()

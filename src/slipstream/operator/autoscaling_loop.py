@@ -40,6 +40,7 @@ the mirrored state means the same to whichever operator replica reads it next.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import time
@@ -54,6 +55,10 @@ from slipstream.api_types.load import GatewayLoad
 from slipstream.operator.autoscaler import Decision, append_scaling_history
 from slipstream.operator.fleet import fleet_from_pods
 from slipstream.operator.policy import State, Tick, decide, load_state, prior_from_state
+from slipstream.operator.capacity_policy import CapacityPrior
+from slipstream.operator.model_spec import model_location
+from slipstream.server.sim.backend import parse_sim_model
+from slipstream.server.sim.scalers import profile_prior
 from slipstream.operator.events import post_event
 from slipstream.operator.foreign import ReplicasWriter, ScalerObject, find_scalers, \
     foreign_writer
@@ -65,7 +70,7 @@ from slipstream.operator.resources import GROUP, PLURAL, VERSION, gateway_select
 from slipstream.operator.scaling import MEMORY_SECONDS, apply_scale, status_write_due
 from slipstream.operator.scraper import DEFAULT_TIMEOUT, GatewayScrape, ScrapeResult, pod_targets, \
     scrape_gateways, scrape_pods
-from slipstream.operator.spec import SpecError, parse_spec
+from slipstream.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +156,20 @@ def override_note(kind: str, name: str, writer: ReplicasWriter, live: int, wante
 
 
 Key = tuple[str, str]
+
+
+def spec_prior(spec: InferenceServiceSpec) -> CapacityPrior:
+    """The capacity policy's prior for ``spec`` (pure): for a simulated model (``sim:PROFILE``)
+    the cost model's pod capacity (tokens/s, divided by its ``time_scale``), as ``slipstream
+    simulate`` uses it; for real weights the generic default until a capacity is learned."""
+    location = model_location(spec.model)
+    if location.kind != "sim":
+        return CapacityPrior()
+    options = parse_sim_model(location.uri)
+    prior = profile_prior(options.profile, spec.engine.max_num_seqs,
+                          spec.engine.max_num_batched_tokens)
+    return dataclasses.replace(prior, tokens_per_second=prior.tokens_per_second / options.time_scale,
+                               drain_tokens_per_second=prior.drain_rate / options.time_scale)
 
 
 def decision_status(decision: Decision) -> dict[str, Any]:
@@ -294,7 +313,8 @@ class Autoscaler:
         # A hand override does not move the policy: it decides from the count it set.
         decided_from = expected if override is not None and expected is not None else current
         decision = decide(policy, state, Tick(now, decided_from, fleet, scrape.samples,
-                                              gateway.sample), prior_from_state(state))
+                                              gateway.sample),
+                          prior_from_state(state, spec_prior(spec)))
         self.states[key] = decision.state
         if change == "entered":
             await post_event(kube, body, "Warning", st.FOREIGN_SCALER, foreign_condition(
