@@ -78,3 +78,13 @@ async def test_a_fenced_client_sends_no_write_while_another_replica_holds_the_le
         assert await fenced.get(DEPLOYMENTS, "default", "x") is None  # reads are not fenced
     finally:
         await fenced.close()
+
+
+async def test_a_released_lease_is_taken_at_once(kube: Kube):
+    a = WriteFence(kube, "default", "slipstream-operator", "a")
+    b = WriteFence(kube, "default", "slipstream-operator", "b")
+    await a.check()
+    await a.release()  # a shutting down
+    await b.check()  # no wait for the duration
+    stored = await kube.get(LEASES, "default", "slipstream-operator")
+    assert stored["spec"]["holderIdentity"] == "b"

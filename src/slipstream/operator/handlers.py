@@ -160,6 +160,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: Any, **_: Any) -> None:
+        for task in retries.values():
+            task.cancel()
+        fence = getattr(memo, "fence", None)
+        if fence is not None:
+            await fence.release()
         for holder in (getattr(memo, "kube", None), getattr(getattr(memo, "fence", None), "kube", None)):
             if holder is not None:
                 await holder.close()

@@ -110,3 +110,18 @@ class WriteFence:
             body["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
             await self.kube.replace(LEASES, body)
         self._held_at = started  # the hold counts from before the read, never later
+
+    async def release(self) -> None:
+        """Give the Lease up (an operator shutting down: its successor, e.g. the next pod of a
+        Recreate rollout, need not wait out the duration). Best effort: errors are swallowed."""
+        if self._held_at is None:
+            return
+        self._held_at = None
+        try:
+            lease = await self.kube.get(LEASES, self.namespace, self.name)
+            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+                return
+            lease["spec"]["holderIdentity"] = ""
+            await self.kube.replace(LEASES, lease)
+        except ApiError:
+            pass
