@@ -442,6 +442,18 @@ async def test_a_burst_through_the_gateway_peaks_at_the_replicas_needed_plus_one
     assert needed >= 2, needed  # a burst one pod cannot take, or the test shows nothing
     assert 2 <= peak <= needed + 1, report
 
+    # The cold start by part, and the policy's start time is the measured one.
+    pods = [p for p in get(cluster, "pods", "-n", NAMESPACE, "-l",
+                           f"slipstream.dev/inferenceservice={name},"
+                           "app.kubernetes.io/component=model-server")["items"]
+            if (condition(p, "Ready") or {}).get("status") == "True"]
+    parts = [start_parts(cluster, p) for p in pods]
+    for part in parts:
+        print("cold start: " + ", ".join(f"{k} {v:.1f} s" for k, v in part.items()))
+    starts = [part["created → Ready"] for part in parts]
+    memory = (get(cluster, "infsvc", name, "-n", NAMESPACE).get("status") or {}).get("autoscaler") or {}
+    assert min(starts) <= memory.get("startSeconds", -1) <= max(starts), (memory.get("startSeconds"), starts)
+
 
 async def watch_replicas(cluster, name: str, load: SliceLoad) -> None:
     """Records the Deployment's replicas as they change (in ``load.replicas_seen``)."""
@@ -450,3 +462,29 @@ async def watch_replicas(cluster, name: str, load: SliceLoad) -> None:
         if replicas and (not load.replicas_seen or load.replicas_seen[-1][1] != replicas):
             load.replicas_seen.append((time.monotonic(), replicas))
         await asyncio.sleep(0.5)
+
+
+def start_parts(cluster, pod: dict) -> dict[str, float]:
+    """One model pod's start by part, seconds: from the Pod's timestamps (whole seconds)
+    created → scheduled → container started → Ready, and from its server's log the process
+    start and imports, the engine build (weights or the sim's load_seconds, kernels) and the
+    warm-up step, and how long the kubelet's probes took to see /ready answer."""
+    from slipstream.operator.fleet import epoch_seconds
+    import re
+    meta, status = pod["metadata"], pod["status"]
+    created = epoch_seconds(meta["creationTimestamp"])
+    scheduled = epoch_seconds((condition(pod, "PodScheduled") or {}).get("lastTransitionTime"))
+    started = epoch_seconds(status["containerStatuses"][0]["state"]["running"]["startedAt"])
+    ready = epoch_seconds(condition(pod, "Ready")["lastTransitionTime"])
+    parts = {"created → scheduled": scheduled - created, "scheduled → started": started - scheduled,
+             "started → Ready": ready - started, "created → Ready": ready - created}
+    logs = list((cluster.plane.run_dir / "kubelet" / "pods").glob(
+        f"{meta['namespace']}_{meta['name']}_*/*/0.log"))
+    text = logs[0].read_text(errors="replace") if logs else ""
+    found = re.search(r"^(\S+ \S+),(\d+) .*engine build ([0-9.]+) s .*warm-up ([0-9.]+) s", text, re.M)
+    if found:  # the log's times are local
+        served = time.mktime(time.strptime(found[1], "%Y-%m-%d %H:%M:%S")) + int(found[2]) / 1000
+        build, warm = float(found[3]), float(found[4])
+        parts.update({"process start, imports": served - build - warm - started,
+                      "engine build": build, "warm-up": warm, "/ready → Ready (probes)": ready - served})
+    return parts
