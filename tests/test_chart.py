@@ -333,6 +333,13 @@ def rbac_problems(objects: list[dict[str, Any]], account: str, *, watched: list[
     """(missing, extra): calls the grants do not cover, grants no call needs."""
     needed = api.required(clusterwide=not watched, peering=peering)
     grants = effective_grants(objects, account, NAMESPACE)
+    # The Lease: exactly in the operator's own namespace (not in watched ones, not cluster-wide).
+    lease = api.lease_required(peering=peering)
+    leased = {(scope, p) for scope, p in grants if (p.group, p.resource) == api.LEASE}
+    grants -= leased
+    lease_missing = [f"{p} in {NAMESPACE}" for p in sorted(lease) if (NAMESPACE, p) not in leased]
+    lease_extra = [f"{p} in {scope}" for scope, p in sorted(leased, key=str)
+                   if scope != NAMESPACE or p not in lease]
     scopes = watched or ["*"]
     missing = [f"{p} in {scope}" for p in sorted(needed)
                for scope in (["*"] if p.cluster_scoped else scopes)
@@ -340,7 +347,7 @@ def rbac_problems(objects: list[dict[str, Any]], account: str, *, watched: list[
     extra = [f"{p} in {scope}" for scope, p in sorted(grants, key=str)
              if p not in needed or (scope != "*" if p.cluster_scoped or not watched
                                      else scope not in watched)]
-    return missing, extra
+    return missing + lease_missing, extra + lease_extra
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -352,7 +359,8 @@ def test_rbac_covers_every_operator_call_and_nothing_more(case):
     missing, extra = rbac_problems(objects, account, watched=values["watchNamespaces"],
                                    peering=values["peering"]["enabled"])
     assert missing == [] and extra == []
-    namespaced = [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
+    namespaced = [o for o in objects if o["kind"] in ("Role", "RoleBinding")
+                  and not o["metadata"]["name"].endswith("-operator-lease")]
     assert sorted({o["metadata"]["namespace"] for o in namespaced}) == \
         sorted(values["watchNamespaces"])
 

@@ -88,11 +88,19 @@ def test_sim_model_string_parses_options():
     ("sim:tiny,time_scale=0", "must be > 0"),
     ("sim:tiny,output_len=9-5", "1 <= A <= B"),
     ("sim:tiny,output_len", "key=value"),
+    ("sim:tiny,load_seconds=-1", "0..3600"),
     ("builtin", "not a simulated model"),
 ])
 def test_bad_sim_model_strings_say_what_is_wrong(model, message):
     with pytest.raises(ValueError, match=message):
         parse_sim_model(model)
+
+
+def test_load_seconds_makes_the_engine_take_that_long_to_build():
+    slept: list[float] = []
+    build_engine(EngineConfig(model="sim:tiny,load_seconds=7.5"), sleep=slept.append)
+    assert slept == [7.5]
+    assert parse_sim_model("sim:tiny").load_seconds == 0
 
 
 # --- the runner inside the real engine -----------------------------------------------------------

@@ -56,13 +56,16 @@ METHOD_VERBS = {"get": "get", "list": "list", "create": "create", "replace": "up
 # system:public-info-viewer opens to everyone.
 # image_volumes_admitted's one call is a self.create(DEPLOYMENTS, ...) dry run in kube.py, collected
 # there as the create it is checked as.
-NO_CALL_METHODS = {"close", "request", "from_environment", "server_version", "image_volumes_admitted"}
+NO_CALL_METHODS = {"close", "request", "from_environment", "server_version", "image_volumes_admitted",
+                   "identify"}
 
 # Resources without a namespace: only a ClusterRole bound cluster-wide can grant them.
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"),
                   ("kopf.dev", "clusterkopfpeerings")}
 # kopf's peering object, by the operator's scope (handlers.ensure_peering, kopf's peering.py).
 PEERING = {True: ("kopf.dev", "clusterkopfpeerings"), False: ("kopf.dev", "kopfpeerings")}
+# The write fence's Lease (operator/lease.py): with peering only, in the operator's own namespace.
+LEASE = ("coordination.k8s.io", "leases")
 
 # kopf/_core/reactor/processing.py: handled objects get finalizers and progress annotations
 # (merge/JSON patches, kopf/_cogs/clients/patching.py); every served resource is listed and
@@ -318,7 +321,7 @@ def required(*, clusterwide: bool, peering: bool) -> set[Permission]:
     needed |= {Permission(*KOPF_CRDS, verb) for verb in ("list", "watch")}
     if not clusterwide:
         needed |= {Permission(*KOPF_NAMESPACES, verb) for verb in ("list", "watch")}
-    peering_resources = set(PEERING.values())
+    peering_resources = set(PEERING.values()) | {LEASE}
     needed = {p for p in needed if (p.group, p.resource) not in peering_resources}
     if peering:
         group, plural = PEERING[clusterwide]
@@ -326,3 +329,8 @@ def required(*, clusterwide: bool, peering: bool) -> set[Permission]:
                 if (p.group, p.resource) == (group, plural)}
         needed |= {Permission(group, plural, v) for v in ours | set(KOPF_PEERING_VERBS)}
     return needed
+
+
+def lease_required(*, peering: bool) -> set[Permission]:
+    """What the write fence needs in the operator's own namespace (none without peering)."""
+    return {p for _, p in client_calls() if (p.group, p.resource) == LEASE} if peering else set()

@@ -237,24 +237,71 @@ async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_dela
         assert sorted(found) == names, kind
 
 
-def test_another_scaler_writing_replicas_is_detected_and_left_alone(operator):
+def events_of(cluster, name: str, reason: str) -> list[dict]:
+    return get(cluster, "events", "-n", NAMESPACE, "--field-selector",
+               f"involvedObject.name={name},reason={reason}")["items"]
+
+
+def test_an_hpa_on_the_deployment_stops_replica_writes_until_it_is_deleted(operator):
+    """The real HPA controller holds the Deployment at its minReplicas (2; it needs no metrics
+    for that) while the autoscaler, idle, wants 1: the autoscaler stands back for as long as
+    the HPA exists, and takes over on the first ticks after it is deleted (no quiet timer)."""
     cluster = operator
-    apply(cluster, service(name="fought", autoscaling={**SCALING, "maxReplicas": 2}))
+    apply(cluster, service(name="fought", autoscaling={**SCALING, "maxReplicas": 2,
+                                                        "scaleDownDelaySeconds": 4}))
     wait_for(lambda: get(cluster, "deploy", "fought", "-n", NAMESPACE), 60, "the Deployment")
-    # An HPA, KEDA or GitOps tool writes the same field under its own field manager.
-    for _ in range(3):
-        cluster.kubectl("scale", "deploy", "fought", "-n", NAMESPACE, "--replicas", "2")
-        time.sleep(2 * TICK)
+    apply(cluster, {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                    "metadata": {"name": "fought", "namespace": NAMESPACE},
+                    "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                "name": "fought"},
+                             "minReplicas": 2, "maxReplicas": 2, "metrics": [{
+                                 "type": "Resource", "resource": {"name": "cpu", "target": {
+                                     "type": "Utilization", "averageUtilization": 50}}}]}})
     cond = wait_for(lambda: (c := condition(get(cluster, "infsvc", "fought", "-n", NAMESPACE),
-                                            "ScalingActive")) and c["status"] == "False" and c,
-                    30, "ScalingActive=False")
-    assert cond["reason"] == "ForeignScaler", cond
-    time.sleep(4 * TICK)
-    assert deployment_replicas(cluster, "fought") == 2  # left as the other scaler set it
-    events = get(cluster, "events", "-n", NAMESPACE, "--field-selector",
-                 "involvedObject.name=fought,reason=ForeignScaler")["items"]
-    assert len(events) == 1 and events[0]["type"] == "Warning", events
-    assert events[0].get("count", 1) == 1 and (events[0].get("series") or {}).get("count", 1) == 1
+                                            "ScalingActive")) and c["reason"] == "ForeignScaler" and c,
+                    30, "ScalingActive=False ForeignScaler")
+    assert cond["status"] == "False" and "HorizontalPodAutoscaler fought" in cond["message"], cond
+    wait_for(lambda: deployment_replicas(cluster, "fought") == 2, 30, "the HPA's 2 replicas")
+    time.sleep(6 * TICK)
+    assert deployment_replicas(cluster, "fought") == 2  # left as the HPA set it
+    [warning] = events_of(cluster, "fought", "ForeignScaler")
+    assert warning["type"] == "Warning" and warning.get("count", 1) == 1, warning
+
+    cluster.kubectl("delete", "hpa", "fought", "-n", NAMESPACE)
+    deleted = time.monotonic()
+    [resumed] = wait_for(lambda: events_of(cluster, "fought", "ScalingResumed"), 20,
+                         "a ScalingResumed Event")
+    assert resumed["type"] == "Normal", resumed
+    took = time.monotonic() - deleted
+    wait_for(lambda: deployment_replicas(cluster, "fought") == 1, 60,
+             "the autoscaler's own count (1) after its scale-down delay")
+    print(f"resumed {took:.1f} s after the HPA was deleted")
+    assert took < 4 * TICK + 2, took  # a few ticks, not a quiet period
+
+
+def test_kubectl_scale_of_the_deployment_gets_a_warning_and_the_autoscaler_keeps_control(operator):
+    """The documented choice: a hand scale of the Deployment while autoscaling is on is set
+    back by the autoscaler, with one Warning Event and a note in ScalingActive's message."""
+    cluster = operator
+    apply(cluster, service(name="handscaled", autoscaling={**SCALING, "maxReplicas": 2}))
+    wait_for(lambda: get(cluster, "deploy", "handscaled", "-n", NAMESPACE), 60, "the Deployment")
+    wait_for(lambda: (c := condition(get(cluster, "infsvc", "handscaled", "-n", NAMESPACE),
+                                     "ScalingActive")) and c, 60, "the autoscaler's first tick")
+    cluster.kubectl("scale", "deploy", "handscaled", "-n", NAMESPACE, "--replicas", "2")
+    [warning] = wait_for(lambda: events_of(cluster, "handscaled", "ReplicasOverridden"), 20,
+                         "a ReplicasOverridden Event")
+    assert warning["type"] == "Warning", warning
+    # kubectl names itself the field manager (kubectl, or kubectl-scale in newer releases).
+    assert warning["message"].startswith("kubectl"), warning
+    assert "set spec.replicas of Deployment handscaled to 2; the autoscaler keeps control" \
+        in warning["message"], warning
+    wait_for(lambda: "set spec.replicas of Deployment handscaled to 2" in condition(
+        get(cluster, "infsvc", "handscaled", "-n", NAMESPACE), "ScalingActive")["message"], 20,
+        "the note in ScalingActive's message")
+    wait_for(lambda: deployment_replicas(cluster, "handscaled") == 1, 20, "set back to 1")
+    time.sleep(3 * TICK)
+    assert len(events_of(cluster, "handscaled", "ReplicasOverridden")) == 1
+    assert events_of(cluster, "handscaled", "ForeignScaler") == []
 
 
 def status_writes(cluster, user: str, name: str) -> int:
@@ -331,3 +378,113 @@ async def test_helm_upgrade_with_services_serving_fails_no_request_and_restarts_
     assert load.results and not load.failed(), load.failed()[:3]
     await asyncio.sleep(4 * TICK)
     assert model_pods(cluster, selector) == before
+
+
+BURST_LOAD_SECONDS = 10  # the sim's model load: each new pod turns Ready this much later
+BURST = (8.0, 40.0)  # requests/s, seconds: one pod serves ~4.4
+
+
+def burst_needed(rate: float, spec: dict) -> int:
+    """Replicas the default (capacity) policy holds for ``rate`` requests/s of the load
+    generator's requests (20 prompt tokens, OUTPUT_TOKENS generated) once no backlog is
+    left and no pod is starting: ceil(work × (1 + headroom) / one pod's capacity), with the
+    prior the operator takes from the sim profile (its cost model, the same for any pod)."""
+    import math
+
+    from slipstream.operator.autoscaling_loop import spec_prior
+    from slipstream.operator.capacity_policy import HEADROOM
+    from slipstream.operator.spec import parse_spec
+    prior = spec_prior(parse_spec(spec, name="burst"))
+    work = rate * (20 + prior.generation_weight * OUTPUT_TOKENS)
+    return math.ceil(work * (1 + HEADROOM) / prior.tokens_per_second)
+
+
+async def test_a_burst_through_the_gateway_peaks_at_the_replicas_needed_plus_one_and_loses_nothing(
+        operator):
+    """The default policy (capacity) on the real control plane: model pods that take
+    BURST_LOAD_SECONDS (plus their ~6 s of start on this machine) to turn Ready, a burst of
+    BURST requests through the gateway. The backlog that grows while pods start must not add
+    pods for the same work again and again: the Deployment's replicas never exceed the
+    replicas needed for the burst + 1, and every request is answered in full."""
+    cluster = operator
+    name = "burst"
+    obj = service(name=name, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 8})
+    obj["spec"]["model"]["profile"] = f"tiny,time_scale=6,load_seconds={BURST_LOAD_SECONDS}"
+    obj["spec"]["routing"] = {"enabled": True, "replicas": 1}
+    needed = burst_needed(BURST[0], obj["spec"])
+    apply(cluster, obj)
+
+    def ready_gateways() -> list[str]:
+        pods = get(cluster, "pods", "-n", NAMESPACE, "-l",
+                   f"slipstream.dev/inferenceservice={name},app.kubernetes.io/component=gateway")
+        return [p["status"]["podIP"] for p in pods["items"] if not p["metadata"].get("deletionTimestamp")
+                and (condition(p, "Ready") or {}).get("status") == "True"]
+
+    await asyncio.to_thread(wait_for, lambda: (c := condition(get(cluster, "infsvc", name, "-n", NAMESPACE),
+                                                              "Ready")) and c["status"] == "True",
+                            240, "the service Ready (one model pod, the gateway)")
+    load = SliceLoad(name, 8000, OUTPUT_TOKENS, api=cluster.api_client())
+    load.endpoints = ready_gateways()
+    watcher = asyncio.create_task(watch_replicas(cluster, name, load))
+    try:
+        spans = await load.play([("burst", *BURST)])
+        await asyncio.sleep(4 * TICK)  # what it decided from the burst's last seconds
+    finally:
+        watcher.cancel()
+    zero = spans["burst"][0]
+    seen = [(round(t - zero, 1), n) for t, n in load.replicas_seen]
+    report = (f"{len(load.results)} requests, needed {needed}; replicas {seen}; "
+              f"history {scaling_history(cluster, name)}")
+    print(report)
+    failed = load.failed()
+    assert not failed, f"{len(failed)} requests failed, e.g. {failed[:3]}; {report}"
+    peak = max(n for _, n in load.replicas_seen)
+    assert needed >= 2, needed  # a burst one pod cannot take, or the test shows nothing
+    assert 2 <= peak <= needed + 1, report
+
+    # The cold start by part, and the policy's start time is the measured one.
+    pods = [p for p in get(cluster, "pods", "-n", NAMESPACE, "-l",
+                           f"slipstream.dev/inferenceservice={name},"
+                           "app.kubernetes.io/component=model-server")["items"]
+            if (condition(p, "Ready") or {}).get("status") == "True"]
+    parts = [start_parts(cluster, p) for p in pods]
+    for part in parts:
+        print("cold start: " + ", ".join(f"{k} {v:.1f} s" for k, v in part.items()))
+    starts = [part["created → Ready"] for part in parts]
+    memory = (get(cluster, "infsvc", name, "-n", NAMESPACE).get("status") or {}).get("autoscaler") or {}
+    assert min(starts) <= memory.get("startSeconds", -1) <= max(starts), (memory.get("startSeconds"), starts)
+
+
+async def watch_replicas(cluster, name: str, load: SliceLoad) -> None:
+    """Records the Deployment's replicas as they change (in ``load.replicas_seen``)."""
+    while True:
+        replicas = await asyncio.to_thread(deployment_replicas, cluster, name)
+        if replicas and (not load.replicas_seen or load.replicas_seen[-1][1] != replicas):
+            load.replicas_seen.append((time.monotonic(), replicas))
+        await asyncio.sleep(0.5)
+
+
+def start_parts(cluster, pod: dict) -> dict[str, float]:
+    """One model pod's start by part, seconds: from the Pod's timestamps (whole seconds)
+    created → scheduled → container started → Ready, and from its server's log the process
+    start and imports, the engine build (weights or the sim's load_seconds, kernels) and the
+    warm-up step, and how long the kubelet's probes took to see /ready answer."""
+    from slipstream.operator.fleet import epoch_seconds
+    import re
+    meta, status = pod["metadata"], pod["status"]
+    created = epoch_seconds(meta["creationTimestamp"])
+    scheduled = epoch_seconds((condition(pod, "PodScheduled") or {}).get("lastTransitionTime"))
+    started = epoch_seconds(status["containerStatuses"][0]["state"]["running"]["startedAt"])
+    ready = epoch_seconds(condition(pod, "Ready")["lastTransitionTime"])
+    parts = {"created → scheduled": scheduled - created, "scheduled → started": started - scheduled,
+             "started → Ready": ready - started, "created → Ready": ready - created}
+    logs = list((cluster.plane.run_dir / "kubelet" / "pods").glob(
+        f"{meta['namespace']}_{meta['name']}_*/*/0.log"))
+    text = logs[0].read_text(errors="replace") if logs else ""
+    found = re.search(r"^(\S+ \S+),(\d+) .*engine build ([0-9.]+) s .*warm-up ([0-9.]+) s", text, re.M)
+    if found:  # the log's times are local
+        served = time.mktime(time.strptime(found[1], "%Y-%m-%d %H:%M:%S")) + int(found[2]) / 1000
+        build, warm = float(found[3]), float(found[4])
+        parts.update({"process start, imports": served - build - warm - started,
+                      "engine build": build, "warm-up": warm, "/ready → Ready (probes)": ready - served})
+    return parts

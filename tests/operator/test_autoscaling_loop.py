@@ -17,11 +17,12 @@ from aiohttp import web
 from kube_emulator import ApiServer
 from operator_helpers import NAMESPACE, eventually, running_operator
 from slipstream.operator.autoscaling_loop import Autoscaler, autoscaling_enabled
-from slipstream.operator.foreign import QUIET_SECONDS, foreign_writer, replicas_writers, \
-    still_writing
+from slipstream.operator.foreign import ScalerObject, foreign_writer, replicas_writers, \
+    scalers_of, targets
 from slipstream.operator.gateway_resources import gateway_labels
 from slipstream.operator.handlers import OperatorConfig, register
-from slipstream.operator.kube import DEPLOYMENTS, FIELD_MANAGER, INFERENCESERVICES, PODS, Kube
+from slipstream.operator.kube import DEPLOYMENTS, FIELD_MANAGER, HORIZONTAL_POD_AUTOSCALERS, \
+    INFERENCESERVICES, PODS, Kube
 from slipstream.operator.reconcile import reconcile
 from slipstream.operator.resources import labels
 from slipstream.operator.scaling import status_write_due
@@ -368,30 +369,39 @@ def replicas_owner(deployment: dict[str, Any]) -> list[str]:
     return [w.manager for w in replicas_writers(deployment)]
 
 
-async def test_a_foreign_scaler_is_named_once_left_alone_and_taken_over_when_quiet(
+def hpa(name: str = "chat-hpa", target: str = "chat") -> dict[str, Any]:
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target},
+                     "minReplicas": 1, "maxReplicas": 6,
+                     "metrics": [{"type": "Resource", "resource": {
+                         "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 50}}}]}}
+
+
+async def test_an_hpa_on_the_deployment_stops_replica_writes_until_it_is_deleted(
         api, service, make_autoscaler):
     kube, fakes = service
     await publish(kube, fakes[0])
     fakes[0].waiting = 20  # the policy wants maxReplicas (4) throughout
-    clock = Clock(time.time())  # compared with managedFields times
+    clock = Clock(time.time())
     autoscaler = make_autoscaler(clock=clock)
     assert (await tick(autoscaler, kube)).replicas == 4
-    assert replicas_owner(await kube.get(DEPLOYMENTS, NAMESPACE, "chat")) == [FIELD_MANAGER]
+    await kube.create(HORIZONTAL_POD_AUTOSCALERS, hpa("other", target="not-chat"))  # not ours
+    await kube.create(HORIZONTAL_POD_AUTOSCALERS, hpa())
 
-    for count in (3, 2):  # an HPA writes, and writes again 15 s later
+    for count in (3, 2):  # the HPA writes, and writes again 15 s later
         await scale_as(api, "kube-controller-manager", count)
         for _ in range(4):
             clock.now += 2
             result = await tick(autoscaler, kube)
-            assert result.foreign.manager == "kube-controller-manager"
+            assert result.foreign == ScalerObject("HorizontalPodAutoscaler", "chat-hpa")
             assert await replicas(kube) == count  # not written back
-        clock.now += 7
-    status = await status_of(kube)
-    cond = scaling_condition(status)
+        clock.now += 1000  # no quiet timer: however long it holds still, the HPA is there
+    cond = scaling_condition(await status_of(kube))
     assert (cond["status"], cond["reason"]) == ("False", "ForeignScaler")
-    assert "kube-controller-manager writes spec.replicas of Deployment chat" in cond["message"]
+    assert "HorizontalPodAutoscaler chat-hpa scales Deployment chat" in cond["message"]
     [warning] = events(api, "ForeignScaler")
-    assert warning["type"] == "Warning" and "kube-controller-manager" in warning["message"]
+    assert warning["type"] == "Warning" and "chat-hpa" in warning["message"]
     assert [e["message"][:14] for e in events(api, "Scaled")] == ["replicas 1 → 4"]
 
     # The reconcile loop does not pull the other scaler's count into [min, max] either.
@@ -399,15 +409,14 @@ async def test_a_foreign_scaler_is_named_once_left_alone_and_taken_over_when_qui
     await reconcile(kube, NAMESPACE, "chat")
     assert await replicas(kube) == 6
 
-    clock.now += QUIET_SECONDS + 1  # the other scaler is gone (or holds still): take over
-    result = await tick(autoscaler, kube)
+    await kube.delete(HORIZONTAL_POD_AUTOSCALERS, NAMESPACE, "chat-hpa")
+    clock.now += 2
+    result = await tick(autoscaler, kube)  # the first tick after the delete takes over
     assert result.foreign is None and result.replicas == 4
-    deployment = await kube.get(DEPLOYMENTS, NAMESPACE, "chat")
-    assert replicas_owner(deployment) == [FIELD_MANAGER]
     assert scaling_condition(await status_of(kube))["reason"] == "MetricsAvailable"
     [resumed] = events(api, "ScalingResumed")
-    assert resumed["type"] == "Normal"
-    assert len(events(api, "ForeignScaler")) == 1
+    assert resumed["type"] == "Normal" and "from 6" in resumed["message"]
+    assert len(events(api, "ForeignScaler")) == 1 and not events(api, "ReplicasOverridden")
 
 
 async def test_a_restarted_operator_keeps_standing_back(api, service, make_autoscaler):
@@ -415,13 +424,51 @@ async def test_a_restarted_operator_keeps_standing_back(api, service, make_autos
     await publish(kube, fakes[0])
     clock = Clock(time.time())
     await tick(make_autoscaler(clock=clock), kube)
-    await scale_as(api, "keda-operator", 3)
+    await kube.create(HORIZONTAL_POD_AUTOSCALERS, hpa())
+    await scale_as(api, "kube-controller-manager", 3)
     clock.now += 2
     await tick(make_autoscaler(clock=clock), kube)  # a new process, from the status alone
     clock.now += 2
     result = await tick(make_autoscaler(clock=clock), kube)  # and another
-    assert result.foreign.manager == "keda-operator" and await replicas(kube) == 3
+    assert result.foreign.name == "chat-hpa" and await replicas(kube) == 3
     assert len(events(api, "ForeignScaler")) == 1
+    await kube.delete(HORIZONTAL_POD_AUTOSCALERS, NAMESPACE, "chat-hpa")
+    clock.now += 2
+    assert (await tick(make_autoscaler(clock=clock), kube)).foreign is None
+    assert len(events(api, "ScalingResumed")) == 1
+
+
+async def test_kubectl_scale_of_the_deployment_is_warned_about_once_and_set_back(
+        api, service, make_autoscaler):
+    kube, fakes = service
+    await publish(kube, fakes[0])
+    fakes[0].waiting = 20  # the policy wants maxReplicas (4)
+    clock = Clock(time.time())
+    autoscaler = make_autoscaler(clock=clock)
+    assert (await tick(autoscaler, kube)).replicas == 4
+    await scale_as(api, "kubectl", 2)
+    for _ in range(3):
+        clock.now += 2
+        result = await tick(autoscaler, kube)
+        assert result.foreign is None and result.replicas == 4  # set back on the same tick
+    [warning] = events(api, "ReplicasOverridden")
+    assert warning["type"] == "Warning"
+    assert warning["message"].startswith("kubectl set spec.replicas of Deployment chat to 2; "
+                                         "the autoscaler keeps control")
+    cond = scaling_condition(await status_of(kube))
+    assert cond["status"] == "True" and "kubectl set spec.replicas" in cond["message"]
+
+
+def test_scalers_of_finds_hpas_and_scaled_objects_that_target_the_workload():
+    keda = {"metadata": {"name": "so"}, "spec": {"scaleTargetRef": {"name": "chat"}}}  # KEDA's defaults
+    gone = {**hpa("old"), "metadata": {"name": "old", "deletionTimestamp": "2026-12-01T00:00:00Z"}}
+    found = scalers_of([hpa("x", "other"), hpa(), gone], [keda], "Deployment", "apps/v1", "chat")
+    assert found == [ScalerObject("HorizontalPodAutoscaler", "chat-hpa"), ScalerObject("ScaledObject", "so")]
+    lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": "chat"}
+    assert targets(lws, "LeaderWorkerSet", "leaderworkerset.x-k8s.io/v1", "chat")
+    assert not targets(lws, "Deployment", "apps/v1", "chat")
+    assert not targets({"kind": "StatefulSet", "name": "chat"}, "Deployment", "apps/v1", "chat")
+    assert not targets(None, "Deployment", "apps/v1", "chat")
 
 
 def test_foreign_writer_needs_another_manager_and_a_count_the_operator_did_not_set():
@@ -433,17 +480,12 @@ def test_foreign_writer_needs_another_manager_and_a_count_the_operator_did_not_s
 
     assert foreign_writer(deployment(3, (FIELD_MANAGER, None)), 3) is None
     assert foreign_writer(deployment(3, (FIELD_MANAGER, None)), 2) is None  # ours: the reconcile
-    hpa = foreign_writer(deployment(5, ("kube-controller-manager", "scale")), 3)
-    assert hpa.describe() == "kube-controller-manager through the scale subresource"
+    scaled = foreign_writer(deployment(5, ("kubectl", "scale")), 3)
+    assert scaled.describe() == "kubectl through the scale subresource"
     assert foreign_writer(deployment(3, ("Python", None)), 3) is None  # same count: no fight
     assert foreign_writer(deployment(5, ("kubectl", None)), None) is None  # nothing known yet
     assert foreign_writer({"spec": {"replicas": 5}, "metadata": {}}, 3).manager == \
         "an unknown writer"
-    stamp = hpa.time
-    assert still_writing(deployment(5, ("kube-controller-manager", "scale")), hpa, stamp + 60)
-    assert not still_writing(deployment(5, ("kube-controller-manager", "scale")), hpa,
-                             stamp + QUIET_SECONDS)
-    assert not still_writing(deployment(5, (FIELD_MANAGER, None)), hpa, stamp + 1)
 
 
 # --- scale to zero and from zero ----------------------------------------------------------------
@@ -608,3 +650,20 @@ async def test_the_default_policy_sizes_from_the_pods_counters_and_reports_its_n
     assert status["lastDecision"]["desiredReplicas"] == 4
     assert status["objectiveAttainment"] == 0.9
     assert status["autoscaler"]["policy"] == "capacity"
+
+
+def test_a_sim_model_gets_its_cost_models_prior_divided_by_its_time_scale():
+    from slipstream.operator.autoscaling_loop import spec_prior
+    from slipstream.operator.capacity_policy import CapacityPrior
+    from slipstream.operator.spec import parse_spec
+    from slipstream.server.sim.cost_model import PROFILES
+    from slipstream.server.sim.scalers import profile_prior
+
+    engine = {"maxNumSeqs": 4, "maxNumBatchedTokens": 512}
+    slow = spec_prior(parse_spec({"model": {"source": "sim", "profile": "tiny,time_scale=6"},
+                                  "engine": engine}, name="x"))
+    raw = profile_prior(PROFILES["tiny"], 4, 512)
+    assert slow.tokens_per_second == pytest.approx(raw.tokens_per_second / 6)
+    assert slow.drain_rate == pytest.approx(raw.drain_rate / 6)
+    assert slow.generation_weight == raw.generation_weight
+    assert spec_prior(parse_spec({"model": {"source": "builtin"}}, name="x")) == CapacityPrior()

@@ -68,7 +68,14 @@ class AutoscalingSpec(SpecModel):
                 "panicWindowSeconds must be ≤ stableWindowSeconds"),
     )
 
-    enabled: bool = spec_field(False)
+    enabled: bool = spec_field(
+        False,
+        description="The operator sets the workload's replicas from load. While a "
+                    "HorizontalPodAutoscaler or KEDA ScaledObject targets the workload it writes "
+                    "none (ScalingActive=False ForeignScaler) and takes over when that object is "
+                    "deleted. A hand scale of the Deployment (kubectl scale deployment) is not a "
+                    "floor: it gets a ReplicasOverridden Warning Event and is set back; set "
+                    "minReplicas to raise the floor, or false to scale by hand.")
     policy: Literal[POLICIES] = spec_field(  # type: ignore[valid-type]
         DEFAULT_POLICY,
         description="capacity (default): replicas = demand (requests and tokens per second) over one "

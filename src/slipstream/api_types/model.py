@@ -124,7 +124,9 @@ class ModelSpec(SpecModel):
         description="With source sim: the simulated model and GPU, as slipstream serve --model "
                     "sim:PROFILE takes it: tiny, llama3-8b-h100, llama3-8b-h200 or llama3-8b-l4, "
                     "optionally followed by ,time_scale=S (wall seconds per modelled second) "
-                    ",output_len=N or A-B ,seed=N; e.g. 'tiny,time_scale=4,output_len=20-200'.")
+                    ",output_len=N or A-B ,seed=N ,load_seconds=S (the pod's simulated model "
+                    "load, so it turns Ready S seconds later); e.g. "
+                    "'tiny,time_scale=4,output_len=20-200'.")
     served_model_name: str | None = spec_field(
         None, min_length=1, max_length=256,
         description="The model name clients send in requests (default metadata.name).")

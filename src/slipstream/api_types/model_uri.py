@@ -45,7 +45,7 @@ FORMS = {
 }
 
 # A simulator profile's name, optionally followed by its options (server/sim/backend.py reads them).
-SIM_PROFILE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(,(time_scale|output_len|seed)=[-+.0-9eE]+)*$")
+SIM_PROFILE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?(,(time_scale|output_len|seed|load_seconds)=[-+.0-9eE]+)*$")
 # A Hub repository id: letters, digits, '-', '_', '.', each part starting with a letter or digit;
 # huggingface_hub checks the finer rules.
 HF_REPO = re.compile(r"^[A-Za-z0-9][-_.A-Za-z0-9]{0,95}/[A-Za-z0-9][-_.A-Za-z0-9]{0,95}$")
@@ -137,7 +137,7 @@ def parse_model_uri(text: str, *, local_paths: bool = False) -> ModelURI:
         profile = text[4:]
         if not SIM_PROFILE.match(profile):
             raise ModelURIError(text, "the profile must be a name such as tiny or llama3-8b-h100, optionally "
-                                      "followed by ,time_scale=S ,output_len=N|A-B ,seed=N")
+                                      "followed by ,time_scale=S ,output_len=N|A-B ,seed=N ,load_seconds=S")
         return ModelURI("sim", text, profile=profile)
     scheme, sep, rest = text.partition("://")
     if sep:

@@ -16,10 +16,13 @@ default) a kopf timer calls :meth:`Autoscaler.tick`:
    and the state kept for this InferenceService (in memory; after an operator restart or a
    leader change, the copy mirrored in ``status.autoscaler``, whose learned capacity and start
    time are then the prior);
-4. another scaler? (:mod:`foreign`): while a foreign field manager writes the Deployment's
-   ``spec.replicas``, the autoscaler stands back: ``ScalingActive=False``, reason
-   ``ForeignScaler``, one Warning Event; it takes over again, with one Normal
-   ``ScalingResumed`` Event, once that writer has been quiet for ``foreign.QUIET_SECONDS``;
+4. another scaler? (:mod:`foreign`): while a HorizontalPodAutoscaler or KEDA ScaledObject
+   targets the Deployment (or LeaderWorkerSet), the autoscaler writes no replicas:
+   ``ScalingActive=False``, reason ``ForeignScaler``, one Warning Event; it takes over again,
+   with one Normal ``ScalingResumed`` Event, on the first tick after that object is deleted.
+   A one-off write by another field manager (``kubectl scale deployment``) gets one Warning
+   ``ReplicasOverridden`` Event and a note in the condition's message; the autoscaler keeps
+   control and sets its own count on the same tick;
 5. :func:`scaling.apply_scale`: the Deployment's (or LeaderWorkerSet's) ``spec.replicas``, a ``Scaled`` Event with the
    reason when the count changes, and the status (desiredReplicas, queueDepth,
    kvCacheUtilization, lastScaleTime, ScalingActive, autoscaler, scalingHistory,
@@ -37,6 +40,7 @@ the mirrored state means the same to whichever operator replica reads it next.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import time
@@ -51,9 +55,13 @@ from slipstream.api_types.load import GatewayLoad
 from slipstream.operator.autoscaler import Decision, append_scaling_history
 from slipstream.operator.fleet import fleet_from_pods
 from slipstream.operator.policy import State, Tick, decide, load_state, prior_from_state
+from slipstream.operator.capacity_policy import CapacityPrior
+from slipstream.operator.model_spec import model_location
+from slipstream.server.sim.backend import parse_sim_model
+from slipstream.server.sim.scalers import profile_prior
 from slipstream.operator.events import post_event
-from slipstream.operator.foreign import QUIET_SECONDS, ReplicasWriter, foreign_writer, \
-    still_writing
+from slipstream.operator.foreign import ReplicasWriter, ScalerObject, find_scalers, \
+    foreign_writer
 from slipstream.operator.gateway_resources import GATEWAY_PORT, gateway_selector
 from slipstream.operator.group_resources import workload_resource
 from slipstream.operator.kube import PODS, ApiError, Kube
@@ -62,12 +70,15 @@ from slipstream.operator.resources import GROUP, PLURAL, VERSION, gateway_select
 from slipstream.operator.scaling import MEMORY_SECONDS, apply_scale, status_write_due
 from slipstream.operator.scraper import DEFAULT_TIMEOUT, GatewayScrape, ScrapeResult, pod_targets, \
     scrape_gateways, scrape_pods
-from slipstream.operator.spec import SpecError, parse_spec
+from slipstream.operator.spec import InferenceServiceSpec, SpecError, parse_spec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 2.0
 SCALED_TO_ZERO = "ScaledToZero"  # ScalingActive's reason while the autoscaler keeps 0 replicas
+# How long a hand override's note stays in ScalingActive's message (and a repeat of the same
+# override is not warned about again), seconds.
+OVERRIDE_NOTE_SECONDS = 60.0
 NO_GATEWAY_NOTE = ("; minReplicas 0 needs spec.routing.enabled (the gateway holds requests at zero "
                    "replicas and reports them), so at least 1 replica is kept")
 
@@ -83,7 +94,7 @@ class TickResult:
     starting: int
     failures: tuple[str, ...]
     replicas: int | None
-    foreign: ReplicasWriter | None = None
+    foreign: ScalerObject | None = None
     gateway: GatewayLoad | None = None
 
 
@@ -123,19 +134,42 @@ def condition(scrape: ScrapeResult, ready: int, starting: int, decision: Decisio
     return False, "NoReadyPods", f"no ready pod to read ({starting} starting); {decision.reason}{gateway_note}"
 
 
-def foreign_condition(name: str, writer: ReplicasWriter, live: int, wanted: int,
+def foreign_condition(kind: str, name: str, scaler: ScalerObject, live: int, wanted: int,
                       ) -> tuple[bool, str, str]:
-    """(active, reason, message) of ``ScalingActive`` while ``writer`` scales Deployment
-    ``name`` (pure); the message holds no per-tick numbers but the counts."""
+    """(active, reason, message) of ``ScalingActive`` while ``scaler`` scales workload
+    ``kind``/``name`` (pure); the message holds no per-tick numbers but the counts."""
     return False, st.FOREIGN_SCALER, (
-        f"{writer.describe()} writes spec.replicas of Deployment {name} (now {live}; the "
-        f"autoscaler would set {wanted}), so the autoscaler stopped writing replicas; it takes "
-        f"over again once that writer has been quiet for {QUIET_SECONDS:.0f}s. Remove the other "
-        f"scaler (e.g. its HorizontalPodAutoscaler), or set spec.autoscaling.enabled to false "
-        f"to leave the replicas to it")
+        f"{scaler.describe()} scales {kind} {name} (now {live} replicas; the autoscaler would "
+        f"set {wanted}), so the autoscaler writes no replicas while it exists and takes over "
+        f"again when it is deleted. Delete the {scaler.kind}, or set "
+        f"spec.autoscaling.enabled to false to leave the replicas to it")
+
+
+def override_note(kind: str, name: str, writer: ReplicasWriter, live: int, wanted: int) -> str:
+    """The Warning Event's text, and the condition message's note, when ``writer`` set
+    ``kind``/``name``'s replicas to ``live`` by hand while the autoscaler wants ``wanted``
+    (pure)."""
+    return (f"{writer.describe()} set spec.replicas of {kind} {name} to {live}; the autoscaler "
+            f"keeps control while spec.autoscaling.enabled is true and sets {wanted}. Raise "
+            f"the floor with spec.autoscaling.minReplicas, or set spec.autoscaling.enabled to "
+            f"false to scale by hand")
 
 
 Key = tuple[str, str]
+
+
+def spec_prior(spec: InferenceServiceSpec) -> CapacityPrior:
+    """The capacity policy's prior for ``spec`` (pure): for a simulated model (``sim:PROFILE``)
+    the cost model's pod capacity (tokens/s, divided by its ``time_scale``), as ``slipstream
+    simulate`` uses it; for real weights the generic default until a capacity is learned."""
+    location = model_location(spec.model)
+    if location.kind != "sim":
+        return CapacityPrior()
+    options = parse_sim_model(location.uri)
+    prior = profile_prior(options.profile, spec.engine.max_num_seqs,
+                          spec.engine.max_num_batched_tokens)
+    return dataclasses.replace(prior, tokens_per_second=prior.tokens_per_second / options.time_scale,
+                               drain_tokens_per_second=prior.drain_rate / options.time_scale)
 
 
 def decision_status(decision: Decision) -> dict[str, Any]:
@@ -153,10 +187,9 @@ def decision_status(decision: Decision) -> dict[str, Any]:
 class Autoscaler:
     """The operator's autoscaling memory and its scrape session; one per operator process.
 
-    scrape_timeout: seconds each pod has to answer. clock: the policy's clock (epoch seconds,
-    also compared with the API server's ``managedFields`` times). memory_seconds: how often the
-    policy's memory is persisted in the status when nothing else changed. gateway_port: where
-    the gateway pods serve ``/metrics``.
+    scrape_timeout: seconds each pod has to answer. clock: the policy's clock (epoch seconds).
+    memory_seconds: how often the policy's memory is persisted in the status when nothing else
+    changed. gateway_port: where the gateway pods serve ``/metrics``.
     """
 
     scrape_timeout: float = DEFAULT_TIMEOUT
@@ -166,8 +199,10 @@ class Autoscaler:
     states: dict[Key, State] = field(default_factory=dict)
     histories: dict[Key, list[dict[str, Any]]] = field(default_factory=dict)
     written: dict[Key, int] = field(default_factory=dict)  # replicas this operator last set
-    foreign: dict[Key, ReplicasWriter] = field(default_factory=dict)  # the scaler we stand back for
-    seen: dict[Key, tuple[int, float]] = field(default_factory=dict)  # (count, since when)
+    foreign: dict[Key, ScalerObject] = field(default_factory=dict)  # the scaler we stand back for
+    # The last hand override warned about, (manager, count), and when (clock): the note stays
+    # in the condition's message for OVERRIDE_NOTE_SECONDS.
+    overridden: dict[Key, tuple[tuple[str, int], float, str]] = field(default_factory=dict)
     status_written: dict[Key, float] = field(default_factory=dict)  # clock of the last write
     _session: aiohttp.ClientSession | None = None
 
@@ -183,8 +218,8 @@ class Autoscaler:
             self._session = None
 
     def forget(self, namespace: str, name: str) -> None:
-        for memory in (self.states, self.histories, self.written, self.foreign, self.seen,
-                       self.status_written):
+        for memory in (self.states, self.histories, self.written, self.foreign,
+                       self.overridden, self.status_written):
             memory.pop((namespace, name), None)
 
     def _write_due(self, key: Key) -> Callable[[Mapping[str, Any], Mapping[str, Any]], bool]:
@@ -197,33 +232,35 @@ class Autoscaler:
             return True
         return due
 
-    def _other_scaler(self, key: Key, deployment: Mapping[str, Any], status: Mapping[str, Any],
-                      scaling: Any, now: float) -> tuple[ReplicasWriter | None, str | None]:
-        """(the foreign scaler to stand back for or None, the Event to post: "entered",
+    def _other_scaler(self, key: Key, scalers: list[ScalerObject], status: Mapping[str, Any],
+                      ) -> tuple[ScalerObject | None, str | None]:
+        """(the scaler object to stand back for or None, the Event to post: "entered",
         "resumed" or None). Updates this object's memory of it."""
-        current = int((deployment.get("spec") or {}).get("replicas", 1))
-        seen = self.seen.get(key)
-        if seen is None or seen[0] != current:
-            self.seen[key] = seen = (current, now)
         previous = st.find_condition(status.get("conditions"), st.SCALING_ACTIVE) or {}
         # Standing back already: in this process, or (fresh after a restart: no memory of the
         # service yet; the status may lag this process's own writes) as the condition says.
         was_held = key in self.foreign or (
             key not in self.written and previous.get("reason") == st.FOREIGN_SCALER)
-        writer = self.foreign.get(key)
-        if writer is None:
-            expected = self.written.get(key, status.get("desiredReplicas"))
-            if expected is not None:  # the reconcile loop may have pulled it into new bounds
-                expected = scaling.clamp(int(expected))
-            writer = foreign_writer(deployment, expected, owner_only=was_held)
-        if writer is not None and still_writing(deployment, writer, now, seen[1]):
-            self.foreign[key] = writer
-            return writer, None if was_held else "entered"
+        if scalers:
+            self.foreign[key] = scalers[0]
+            return scalers[0], None if was_held else "entered"
         self.foreign.pop(key, None)
-        if was_held:
-            self.written[key] = current  # the other scaler's count is where we start again
-            return None, "resumed"
-        return None, None
+        return None, "resumed" if was_held else None
+
+    def _override(self, key: Key, deployment: Mapping[str, Any], status: Mapping[str, Any],
+                  scaling: Any, now: float) -> tuple[ReplicasWriter | None, bool, int | None]:
+        """(the manager that set the replicas by hand, or None; whether it is a new override
+        to warn about; the count the autoscaler last set)."""
+        expected = self.written.get(key, status.get("desiredReplicas"))
+        if expected is not None:  # the reconcile loop may have pulled it into new bounds
+            expected = scaling.clamp(int(expected))
+        writer = foreign_writer(deployment, expected)
+        if writer is None:
+            return None, False, expected
+        live = int((deployment.get("spec") or {}).get("replicas", 1))
+        seen = self.overridden.get(key)
+        return writer, seen is None or seen[0] != (writer.manager, live) \
+            or now - seen[1] >= OVERRIDE_NOTE_SECONDS, expected
 
     async def tick(self, kube: Kube, namespace: str, name: str, body: Mapping[str, Any]) -> TickResult | None:
         """One autoscaling tick for ``namespace/name`` (``body``: its latest known object).
@@ -264,36 +301,55 @@ class Autoscaler:
         state = self.states.get(key) or load_state(policy, status.get("autoscaler"))
         now = self.clock()
         fleet = fleet_from_pods(pods, now, [t.name for t in targets])
-        decision = decide(policy, state, Tick(now, current, fleet, scrape.samples, gateway.sample),
-                          prior_from_state(state))
+        resource, kind = workload_resource(spec)
+        scalers = await find_scalers(kube, namespace, kind,
+                                     f"{resource.group}/{resource.version}", name)
+        writer, change = self._other_scaler(key, scalers, status)
+        if change == "resumed":
+            self.written[key] = current  # the other scaler's count is where we start again
+        # Resuming from the other scaler's count is no override.
+        override, new_override, expected = (None, False, None) if writer is not None or change \
+            else self._override(key, deployment, status, policy, now)
+        # A hand override does not move the policy: it decides from the count it set.
+        decided_from = expected if override is not None and expected is not None else current
+        decision = decide(policy, state, Tick(now, decided_from, fleet, scrape.samples,
+                                              gateway.sample),
+                          prior_from_state(state, spec_prior(spec)))
         self.states[key] = decision.state
-        writer, change = self._other_scaler(key, deployment, status, policy, now)
         if change == "entered":
             await post_event(kube, body, "Warning", st.FOREIGN_SCALER, foreign_condition(
-                name, writer, current, decision.desired_replicas)[2])
+                kind, name, writer, current, decision.desired_replicas)[2])
         elif change == "resumed":
             await post_event(kube, body, "Normal", "ScalingResumed",
-                             f"no other writer of spec.replicas for {QUIET_SECONDS:.0f}s: the "
-                             f"autoscaler writes replicas again, from {current}")
+                             f"no HorizontalPodAutoscaler or ScaledObject scales {kind} {name} "
+                             f"any more: the autoscaler writes replicas again, from {current}")
+        if new_override:
+            note = override_note(kind, name, override, current, policy.clamp(
+                decision.desired_replicas))
+            self.overridden[key] = ((override.manager, current), now, note)
+            await post_event(kube, body, "Warning", st.REPLICAS_OVERRIDDEN, note)
         history = self.histories.get(key, status.get("scalingHistory") or [])
         if decision.scaled and writer is None:
             history = append_scaling_history(history, decision, st.timestamp(_utcnow()))
         self.histories[key] = history
         if writer is not None:
-            active, reason, message = foreign_condition(name, writer, current,
+            active, reason, message = foreign_condition(kind, name, writer, current,
                                                         decision.desired_replicas)
         else:
             active, reason, message = condition(scrape, len(targets), starting, decision,
                                                 gateway if spec.routing.enabled else None)
             if policy is not spec.autoscaling:
                 message += NO_GATEWAY_NOTE
+            recent = self.overridden.get(key)
+            if recent is not None and now - recent[1] < OVERRIDE_NOTE_SECONDS:
+                message += f"; {recent[2]}"
         written = await apply_scale(
             kube, namespace, name, replicas=decision.desired_replicas, queue_depth=decision.queue_depth,
             kv_cache_utilization=decision.kv_cache_utilization, active=active, reason=reason,
             message=message, extra_status={"autoscaler": decision.state.to_dict(), "scalingHistory": history,
                                            "scrapeFailures": len(scrape.failures),
                                            **decision_status(decision)},
-            hold=writer is not None, write_due=self._write_due(key))
+            hold=writer is not None, write_due=None if new_override else self._write_due(key))
         if writer is None and written is not None:
             self.written[key] = written
         return TickResult(decision, len(targets), starting, tuple(scrape.failed_pods), written, writer,

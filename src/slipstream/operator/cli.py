@@ -2,7 +2,9 @@
 
     slipstream operator [run] [--namespace NS ... | --all-namespaces] [--liveness URL]
                               [--peering NAME | --standalone] [--priority N]
-                              [--resync-seconds S] [--cluster-domain D] [--verbose]
+                              [--lease-namespace NS] [--lease-seconds S]
+                              [--peering-lifetime S] [--resync-seconds S]
+                              [--cluster-domain D] [--verbose]
     slipstream operator render -f FILE [-n NAMESPACE] [--kube-version MAJOR.MINOR]
 
 ``main(argv)`` returns the exit status; ``slipstream`` (server/cli.py) dispatches to it.
@@ -21,6 +23,7 @@ import kopf
 import yaml
 
 from slipstream.operator.handlers import OperatorConfig, register
+from slipstream.operator.lease import DEFAULT_LEASE_SECONDS
 from slipstream.operator.render import render_children
 from slipstream.operator.resources import API_VERSION, KIND
 from slipstream.operator.spec import SpecError
@@ -75,6 +78,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=int, default=None,
                         help="peering priority; the highest live one acts, the others wait "
                              "(default: random, so two replicas never tie)")
+    parser.add_argument("--lease-namespace", default=None, metavar="NS",
+                        help="namespace of the write fence's Lease (named like the peering "
+                             "object; default: $POD_NAMESPACE, else the first --namespace, "
+                             "else default); only the replica holding it writes")
+    parser.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS,
+                        help="the Lease's duration: how long a replica that stopped renewing "
+                             f"keeps others from writing (default: {DEFAULT_LEASE_SECONDS})")
+    parser.add_argument("--peering-lifetime", type=int, default=60,
+                        help="seconds a silent peer counts as alive in kopf peering "
+                             "(default: 60)")
     parser.add_argument("--resync-seconds", type=float, default=60.0,
                         help="period of the level-based check of every InferenceService")
     parser.add_argument("--cluster-domain", default="cluster.local",
@@ -131,9 +144,15 @@ def operator_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of ``kopf.operator`` for parsed ``run`` arguments: a registry
     with our handlers, the namespaces (none: cluster-wide), peering and liveness."""
     registry = kopf.OperatorRegistry()
+    literal = [ns for ns in args.namespaces if not any(c in ns for c in "*?[!")]
+    lease_namespace = None if args.standalone else (
+        args.lease_namespace or os.environ.get("POD_NAMESPACE") or (literal or ["default"])[0])
     register(registry, OperatorConfig(resync_seconds=args.resync_seconds,
                                       cluster_domain=args.cluster_domain,
-                                      namespaces=tuple(args.namespaces)))
+                                      namespaces=tuple(args.namespaces),
+                                      lease_namespace=lease_namespace,
+                                      lease_seconds=args.lease_seconds,
+                                      peering_lifetime=args.peering_lifetime))
     clusterwide = args.all_namespaces or not args.namespaces
     return {
         "registry": registry,

@@ -1,45 +1,93 @@
-"""Another scaler on the same Deployment (an HPA, KEDA, a GitOps tool, ``kubectl scale
-deployment``): how the autoscaler tells, so that it stops writing replicas instead of fighting.
+"""Other scalers of the same workload, and how the autoscaler tells them apart (issue 33).
 
-Pure functions of the live Deployment. The API server records which field manager last set each
-field (``metadata.managedFields``, Update operations: whoever changes a field takes it over);
-every write of the operator names :data:`kube.FIELD_MANAGER`. A foreign scaler is a manager
-other than ours that owns ``spec.replicas`` while the count differs from the one the operator
-last set. The value test matters: a manager that owns the field with our count (the operator's
-own writes before it named a field manager, a one-off ``kubectl scale`` to the same number) is
-no fight. Without ``managedFields`` (an old or an emulated server), a count the operator did not
-set is all there is to go on.
+Two kinds, handled differently:
 
-The writer counts as gone once it has not written for :data:`QUIET_SECONDS`: ``managedFields``
-keeps a manager's entry after the manager itself is deleted, so absence cannot be seen directly.
-An HPA that still runs and disagrees writes again, and the autoscaler stands back again.
+* **A scaler object** (a HorizontalPodAutoscaler, ``autoscaling/v2``, or a KEDA ScaledObject,
+  ``keda.sh/v1alpha1``) whose ``scaleTargetRef`` names the InferenceService's Deployment (or
+  LeaderWorkerSet). While one exists the autoscaler writes no replicas; it takes over again
+  when the object is deleted. Its existence is the signal, read from the API on every tick:
+  no timer guesses when it has gone. A cluster that does not serve ScaledObjects (KEDA not
+  installed) has none.
+* **A one-off write by another field manager** (``kubectl scale deployment``, a script): the
+  API server records the writer in ``metadata.managedFields``; every write of the operator
+  names :data:`kube.FIELD_MANAGER`. The autoscaler keeps control (it sets its own count again
+  on the same tick) and says so: one Warning Event per override and a note in the
+  ``ScalingActive`` message. Scaling by hand is ``spec.autoscaling.enabled: false``; raising
+  the floor is ``spec.autoscaling.minReplicas``.
+
+The functions here are pure, but :func:`find_scalers`, which lists the scaler objects.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-from slipstream.operator.fleet import epoch_seconds
-from slipstream.operator.kube import FIELD_MANAGER
+from slipstream.operator.kube import FIELD_MANAGER, HORIZONTAL_POD_AUTOSCALERS, SCALED_OBJECTS, \
+    ApiError, Kube
 
-# Longer than an HPA's 15 s sync and KEDA's 30 s polling, and than the HPA's default 300 s
-# scale-down stabilization, during which it may hold still.
-QUIET_SECONDS = 330.0
+
+@dataclass(frozen=True, slots=True)
+class ScalerObject:
+    """An object that scales a workload: ``kind`` (``HorizontalPodAutoscaler`` or
+    ``ScaledObject``) and ``name``, in the workload's namespace."""
+
+    kind: str
+    name: str
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.name}"
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicasWriter:
     """A field manager that owns a Deployment's ``spec.replicas``: ``manager`` (its name, e.g.
-    ``kube-controller-manager`` for an HPA), ``subresource`` (``scale`` when it wrote through
-    ``/scale``), ``time`` (its last write, epoch seconds; None when not recorded)."""
+    ``kubectl``), ``subresource`` (``scale`` when it wrote through ``/scale``)."""
 
     manager: str
     subresource: str | None = None
-    time: float | None = None
 
     def describe(self) -> str:
         via = " through the scale subresource" if self.subresource == "scale" else ""
         return f"{self.manager}{via}"
+
+
+def targets(ref: Mapping[str, Any] | None, kind: str, api_version: str, name: str) -> bool:
+    """Whether a ``scaleTargetRef`` names the workload ``kind``/``name`` of API group
+    ``api_version``'s group (any version). KEDA defaults ``kind`` to Deployment and
+    ``apiVersion`` to apps/v1, so missing fields take those values."""
+    if not isinstance(ref, Mapping) or ref.get("name") != name:
+        return False
+    group = str(ref.get("apiVersion") or "apps/v1").rpartition("/")[0]
+    return (ref.get("kind") or "Deployment") == kind and group == api_version.rpartition("/")[0]
+
+
+def scalers_of(hpas: Iterable[Mapping[str, Any]], scaled_objects: Iterable[Mapping[str, Any]],
+               kind: str, api_version: str, name: str) -> list[ScalerObject]:
+    """The HPAs and ScaledObjects (listed in the workload's namespace) that scale workload
+    ``kind``/``name``, those being deleted left out, in list order."""
+    found = []
+    for scaler_kind, objects in (("HorizontalPodAutoscaler", hpas), ("ScaledObject", scaled_objects)):
+        for obj in objects:
+            meta = obj.get("metadata") or {}
+            if not meta.get("deletionTimestamp") and targets(
+                    (obj.get("spec") or {}).get("scaleTargetRef"), kind, api_version, name):
+                found.append(ScalerObject(scaler_kind, meta.get("name", "")))
+    return found
+
+
+async def find_scalers(kube: Kube, namespace: str, kind: str, api_version: str, name: str,
+                       ) -> list[ScalerObject]:
+    """The scaler objects of workload ``namespace/name`` (see :func:`scalers_of`). A resource
+    the server does not serve (404: KEDA not installed) has none. Raises kube.ApiError."""
+    lists = []
+    for resource in (HORIZONTAL_POD_AUTOSCALERS, SCALED_OBJECTS):
+        try:
+            lists.append(await kube.list(resource, namespace))
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            lists.append([])
+    return scalers_of(lists[0], lists[1], kind, api_version, name)
 
 
 def replicas_writers(deployment: Mapping[str, Any]) -> list[ReplicasWriter]:
@@ -50,43 +98,23 @@ def replicas_writers(deployment: Mapping[str, Any]) -> list[ReplicasWriter]:
         fields = (entry.get("fieldsV1") or {}).get("f:spec") or {}
         if "f:replicas" in fields:
             found.append(ReplicasWriter(entry.get("manager") or "an unnamed manager",
-                                        entry.get("subresource") or None,
-                                        epoch_seconds(entry.get("time"))))
+                                        entry.get("subresource") or None))
     return found
 
 
 def foreign_writer(deployment: Mapping[str, Any], expected: int | None,
-                   ours: str = FIELD_MANAGER, *, owner_only: bool = False,
-                   ) -> ReplicasWriter | None:
-    """The foreign scaler of ``deployment``, or None.
+                   ours: str = FIELD_MANAGER) -> ReplicasWriter | None:
+    """Who set ``deployment``'s ``spec.replicas`` behind the operator's back, or None.
 
     expected: the replica count the operator last set (None: not known, e.g. a fresh operator
-    with no ``status.desiredReplicas``: nothing is foreign until it is). owner_only: skip the
-    count test (a restarted operator that had stood back: its status holds the count it
-    wanted, not the one it set).
+    with no ``status.desiredReplicas``: nothing is foreign until it is). A manager that owns
+    the field with our count (a ``kubectl scale`` to the same number) is no override.
     """
     live = (deployment.get("spec") or {}).get("replicas", 1)
-    if not owner_only and (expected is None or live == expected):
+    if expected is None or live == expected:
         return None
     meta = deployment.get("metadata") or {}
     if "managedFields" not in meta:
         return ReplicasWriter("an unknown writer")
     others = [w for w in replicas_writers(deployment) if w.manager != ours]
     return others[-1] if others else None
-
-
-def still_writing(deployment: Mapping[str, Any], writer: ReplicasWriter, now: float,
-                  last_change: float | None = None) -> bool:
-    """Whether ``writer`` (found by :func:`foreign_writer` earlier) still counts as active at
-    ``now`` (epoch seconds): it still owns ``spec.replicas`` and wrote it within
-    :data:`QUIET_SECONDS`. ``last_change``: when the count was last seen to change, the measure
-    when the server records no time (or no ``managedFields`` at all)."""
-    meta = deployment.get("metadata") or {}
-    if "managedFields" in meta:
-        current = [w for w in replicas_writers(deployment) if w.manager == writer.manager]
-        if not current:
-            return False
-        written = current[-1].time if current[-1].time is not None else last_change
-    else:
-        written = last_change
-    return written is not None and now - written < QUIET_SECONDS

@@ -6,12 +6,14 @@ change to a Deployment, LeaderWorkerSet or Service labelled ``app.kubernetes.io/
 (so a hand-deleted or hand-edited child comes back within moments), and any change to a model
 pod (so Ready says at once why pods do not run: unschedulable, image pull, crash loop). One asyncio lock per
 InferenceService keeps these from reconciling the same object at once in this process; kopf
-peering keeps a second operator replica from acting at all.
+peering keeps a second operator replica from acting at all, and the write fence (lease.py)
+keeps it from writing in the moments when peering has not yet caught up (after a partition).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import socket
@@ -24,7 +26,8 @@ from slipstream.api_types.parallelism import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 
 from slipstream.operator import autoscaling_loop
 from slipstream.operator.kube import CLUSTER_PEERINGS, PEERINGS, ApiError, Kube
-from slipstream.operator.reconcile import reconcile
+from slipstream.operator.lease import DEFAULT_LEASE_SECONDS, WriteFence
+from slipstream.operator.reconcile import reconcile, retry_delay
 from slipstream.operator.resources import GROUP, INSTANCE_LABEL, KIND, MANAGED_BY, PLURAL, \
     VERSION
 
@@ -56,7 +59,11 @@ class OperatorConfig:
     autoscale_seconds: period of the autoscaler's tick (objects with autoscaling on).
     cluster_domain: for ``status.url``. namespaces: the served ones (empty: all), for the
     peering objects. login: kopf's credentials (a kopf login handler). kube: makes our API
-    client. watch: the watch streams' timeouts. Tests pass their own login, kube and watch."""
+    client. watch: the watch streams' timeouts. Tests pass their own login, kube and watch.
+    lease_namespace: where the write fence's Lease lives (named like the peering object; None:
+    no fence, as with --standalone). lease_seconds: its ``leaseDurationSeconds``.
+    peering_lifetime: seconds a silent peer counts as alive (kopf's ``peering.lifetime``).
+    identity: this replica's name in the Lease and the User-Agent."""
 
     resync_seconds: float = 60.0
     autoscale_seconds: float = autoscaling_loop.DEFAULT_INTERVAL
@@ -65,6 +72,11 @@ class OperatorConfig:
     login: Callable[..., kopf.ConnectionInfo | None] = kopf.login_via_client
     kube: Callable[[], Kube] = Kube.from_environment
     watch: WatchTimeouts = field(default_factory=WatchTimeouts)
+    lease_namespace: str | None = None
+    lease_seconds: int = DEFAULT_LEASE_SECONDS
+    peering_lifetime: int = 60
+    identity: str = field(default_factory=lambda: os.environ.get("POD_NAME")
+                          or f"{socket.gethostname()}-{os.getpid()}")
 
 
 async def ensure_peering(kube: Kube, name: str, namespaces: tuple[str, ...] | None,
@@ -115,6 +127,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     resource = dict(group=GROUP, version=VERSION, plural=PLURAL)
     locks: collections.defaultdict[tuple[str, str], asyncio.Lock] = \
         collections.defaultdict(asyncio.Lock)
+    retries: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def run(memo: Any, namespace: str, name: str, logger: kopf.Logger,
                   retry: int = 0) -> None:
@@ -131,24 +144,61 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def start(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger,
                     **_: Any) -> None:
         configure(settings, config.watch)
+        settings.peering.lifetime = config.peering_lifetime
         memo.kube = config.kube()
+        memo.kube.identify(config.identity)
         if not settings.peering.standalone and settings.peering.name:
             await ensure_peering(memo.kube, settings.peering.name,
                                  None if settings.peering.clusterwide else config.namespaces,
                                  logger)
+            if config.lease_namespace:
+                lease_kube = config.kube()
+                lease_kube.identify(config.identity)
+                memo.fence = WriteFence(lease_kube, config.lease_namespace, settings.peering.name,
+                                        config.identity, config.lease_seconds)
+                memo.kube.fence = memo.fence.check
 
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: Any, **_: Any) -> None:
-        kube = getattr(memo, "kube", None)
-        if kube is not None:
-            await kube.close()
+        for task in retries.values():
+            task.cancel()
+        fence = getattr(memo, "fence", None)
+        if fence is not None:
+            await fence.release()
+        for holder in (getattr(memo, "kube", None), getattr(getattr(memo, "fence", None), "kube", None)):
+            if holder is not None:
+                await holder.close()
+
+    async def retry_later(memo: Any, namespace: str, name: str, logger: kopf.Logger) -> None:
+        """Reconcile again after retry_delay(0), (1) … seconds (1, 2, 4 … 60, kopf's own
+        schedule) until it succeeds or fails for good."""
+        for retry in itertools.count(1):
+            await asyncio.sleep(retry_delay(retry - 1))
+            try:
+                await run(memo, namespace, name, logger, retry)
+                return
+            except kopf.TemporaryError as exc:
+                logger.warning(f"{exc}; retrying in {retry_delay(retry):.0f}s or at the next change")
+            except kopf.PermanentError:
+                return
 
     @kopf.on.resume(**resource, id="reconcile", registry=registry)
     @kopf.on.create(**resource, id="reconcile", registry=registry)
     @kopf.on.update(**resource, id="reconcile", registry=registry)
-    async def reconcile_on_change(namespace: str, name: str, memo: Any, retry: int,
+    async def reconcile_on_change(namespace: str, name: str, memo: Any,
                                   logger: kopf.Logger, **_: Any) -> None:
-        await run(memo, namespace, name, logger, retry)
+        # kopf keeps a handler that raised TemporaryError delayed across later changes, so a
+        # fixed spec would wait out the backoff (up to 60 s). The retries run here instead,
+        # and each change cancels them and reconciles at once.
+        key = (namespace, name)
+        pending = retries.pop(key, None)
+        if pending is not None:
+            pending.cancel()
+        try:
+            await run(memo, namespace, name, logger)
+        except kopf.TemporaryError as exc:
+            logger.warning(f"{exc}; retrying in {retry_delay(0):.0f}s or at the next change")
+            retries[key] = asyncio.create_task(retry_later(memo, namespace, name, logger))
 
     @kopf.timer(**resource, id="resync", interval=config.resync_seconds,
                 initial_delay=config.resync_seconds, registry=registry)
@@ -191,4 +241,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.delete(**resource, id="deleted", optional=True, registry=registry)
     async def deleted(namespace: str, name: str, logger: kopf.Logger, **_: Any) -> None:
         locks.pop((namespace, name), None)
+        pending = retries.pop((namespace, name), None)
+        if pending is not None:
+            pending.cancel()
         logger.info("children go with their owner references (garbage collection)")

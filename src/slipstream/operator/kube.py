@@ -4,7 +4,8 @@ The operator needs six verbs on a handful of resources; this is them over aiohtt
 too), with the credentials kopf itself would use (in-cluster service account, else kubeconfig,
 loaded by ``kopf.login_via_client``). API errors come back as :class:`ApiError` with the HTTP
 status, so callers tell retryable (409, 429, 5xx) from permanent (400, 403, 422) mistakes.
-Every write carries ``fieldManager=slipstream-operator`` (:data:`FIELD_MANAGER`).
+Every write carries ``fieldManager=slipstream-operator`` (:data:`FIELD_MANAGER`), and waits
+for the client's ``fence`` (lease.py: only the replica holding the operator's Lease writes).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import logging
 import ssl
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import aiohttp
 import kopf
@@ -26,6 +27,7 @@ MERGE_PATCH = "application/merge-patch+json"
 # another writer's (the autoscaler's check for a foreign scaler reads it).
 FIELD_MANAGER = "slipstream-operator"
 _WRITES = ("POST", "PUT", "PATCH")
+_FENCED = _WRITES + ("DELETE",)
 
 
 class ApiError(Exception):
@@ -76,6 +78,10 @@ ROLE_BINDINGS = Resource("rbac.authorization.k8s.io", "v1", "rolebindings")
 LEADER_WORKER_SETS = Resource(LWS_GROUP, LWS_VERSION, LWS_PLURAL)
 INFERENCESERVICES = Resource("slipstream.dev", "v1alpha1", "inferenceservices")
 CLUSTER_PEERINGS = Resource("kopf.dev", "v1", "clusterkopfpeerings")
+# Other scalers of a workload (foreign.py); ScaledObjects are served only where KEDA is installed.
+HORIZONTAL_POD_AUTOSCALERS = Resource("autoscaling", "v2", "horizontalpodautoscalers")
+SCALED_OBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects")
+LEASES = Resource("coordination.k8s.io", "v1", "leases")
 PEERINGS = Resource("kopf.dev", "v1", "kopfpeerings")
 
 
@@ -96,6 +102,13 @@ class Kube:
         self._relogin = relogin
         self._version: tuple[int, int] | None = None
         self._image_volumes: bool | None = None
+        # Awaited before every write; raises (an ApiError) to refuse it. None: no fence.
+        self.fence: Callable[[], Awaitable[None]] | None = None
+
+    def identify(self, identity: str) -> None:
+        """Name this process in the User-Agent (``slipstream-operator/IDENTITY``), so the API
+        server's audit log tells operator replicas apart. Call before the first request."""
+        self._headers["User-Agent"] = f"{FIELD_MANAGER}/{identity}"
 
     @classmethod
     def from_environment(cls) -> "Kube":
@@ -124,14 +137,18 @@ class Kube:
 
     async def request(self, method: str, path: str, body: Any = None,
                       content_type: str = JSON) -> dict[str, Any]:
-        """One call; returns the decoded JSON body. Raises ApiError on a non-2xx answer."""
+        """One call; returns the decoded JSON body. Raises ApiError on a non-2xx answer, or
+        the fence's refusal of a write."""
+        if self.fence is not None and method in _FENCED:
+            await self.fence()
         try:
             return await self._request(method, path, body, content_type)
         except ApiError as exc:
             if exc.status != 401 or self._relogin is None:
                 raise
             fresh = self._relogin()
-            self._headers, self._ssl = fresh._headers, fresh._ssl
+            self._headers = {**fresh._headers, "User-Agent": self._headers["User-Agent"]}
+            self._ssl = fresh._ssl
             await self.close()
             return await self._request(method, path, body, content_type)
 

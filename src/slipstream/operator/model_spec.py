@@ -162,7 +162,8 @@ def _validate_source(model: ModelSpec) -> None:
     if model.source == "sim" and not SIM_PROFILE.match(model.profile):
         raise SpecError("InvalidSpec", f"spec.model.profile must be a profile name such as tiny or "
                                        f"llama3-8b-h100, optionally followed by ,time_scale=S "
-                                       f",output_len=N|A-B ,seed=N; got {model.profile!r}")
+                                       f",output_len=N|A-B ,seed=N ,load_seconds=S; got "
+                                       f"{model.profile!r}")
     if model.source == "image" and not model.path.startswith("/"):
         raise SpecError("InvalidSpec", f"spec.model.path must be absolute with source image, "
                                        f"got {model.path!r}")

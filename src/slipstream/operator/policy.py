@@ -62,4 +62,5 @@ def prior_from_state(state: State | None, prior: CapacityPrior = CapacityPrior()
     if not isinstance(state, CapacityState):
         return prior
     return CapacityPrior(state.capacity or prior.tokens_per_second, prior.generation_weight,
-                         state.start_seconds or prior.start_seconds, prior.request_tokens)
+                         state.start_seconds or prior.start_seconds, prior.request_tokens,
+                         prior.drain_tokens_per_second)

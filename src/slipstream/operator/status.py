@@ -19,8 +19,10 @@ from slipstream.operator.spec import InferenceServiceSpec
 
 READY, PROGRESSING, SCALING_ACTIVE = "Ready", "Progressing", "ScalingActive"
 GATEWAY_READY = "GatewayReady"
-# ScalingActive's reason while another scaler writes the Deployment's replicas (foreign.py).
+# ScalingActive's reason while an HPA or ScaledObject scales the workload (foreign.py).
 FOREIGN_SCALER = "ForeignScaler"
+# The Warning Event's reason when another field manager set the replicas by hand (foreign.py).
+REPLICAS_OVERRIDDEN = "ReplicasOverridden"
 CONDITION_ORDER = (READY, PROGRESSING, SCALING_ACTIVE, GATEWAY_READY)
 # Status fields the reconcile loop owns; the autoscaler owns queueDepth, kvCacheUtilization,
 # kvCachePercent, lastScaleTime, and shares desiredReplicas and the ScalingActive condition.

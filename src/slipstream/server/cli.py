@@ -87,7 +87,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "'hf://ORG/NAME[@REVISION][:FILE]' (or bare ORG/NAME; FILE a file name, glob or quantization "
                         "tag such as Q4_K_M, for repositories of many GGUFs) or 's3://BUCKET/PREFIX', fetched "
                         "into --model-cache-dir first; "
-                        "'sim:PROFILE[,time_scale=S][,output_len=N|A-B]' simulates a GPU with a cost model "
+                        "'sim:PROFILE[,time_scale=S][,output_len=N|A-B][,seed=N][,load_seconds=S]' simulates a GPU with a cost model "
                         "(profiles: slipstream simulate --list-profiles)")
     m.add_argument("--device", default=d["device"], choices=["cpu", "cuda"],
                    help="where to run (default: CUDA when present, else CPU)")

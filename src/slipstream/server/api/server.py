@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from aiohttp import web
 
@@ -35,17 +36,24 @@ def _build_engine(engine_config):
     if engine_config.device == "cpu":
         from slipstream.kernels import cpu_native
 
+        started = time.perf_counter()
         cpu_native.library()  # the path in use logged first; a SLIPSTREAM_CPU_ISA it cannot run fails the start
+        logger.info("start phase: kernels %.2f s", time.perf_counter() - started)
     return AsyncLLM(engine_config)
 
 
 async def _load_engine(state: ServerState, engine_config) -> None:
+    started = time.perf_counter()
     llm = await asyncio.get_running_loop().run_in_executor(None, _build_engine, engine_config)
+    built = time.perf_counter()
     state.attach(llm)
     await llm.start()
     await llm.warmup()
     state.ready = True
     stats = llm.stats()
+    # The start by part (README, "Cold start"): imports, weights and kernels, then warm-up.
+    logger.info("start phase: engine build %.2f s (imports, weights, kernels), warm-up %.2f s",
+                built - started, time.perf_counter() - built)
     logger.info("model %s ready: max_model_len=%d, %d KV blocks of %d tokens", state.model_name,
                 llm.max_model_len, stats.num_blocks, engine_config.block_size)
 

@@ -7,12 +7,14 @@ requests queue in real wall-clock time as they would on the modelled GPU. The KV
 from the profile's memory, so ``kv_cache_usage_perc`` means what it would on that GPU; the
 tokenizer is the built-in model's. Model string::
 
-    sim:PROFILE[,time_scale=S][,output_len=N|A-B][,seed=N]
+    sim:PROFILE[,time_scale=S][,output_len=N|A-B][,seed=N][,load_seconds=S]
 
 time_scale: wall seconds per modelled second (0.1 runs ten times faster than the GPU would).
 output_len: end each request with EOS after N tokens (or a length drawn from A..B per request);
     without it requests run to ``max_tokens`` (EOS is never drawn).
 seed: mixes into every request's token stream.
+load_seconds: wall seconds the engine takes to build, as a real model's load and warm-up would
+    (the pod turns Ready that much later; the autoscaler's cold-start tests use it).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class SimOptions:
     time_scale: float = 1.0
     output_len: tuple[int, int] | None = None
     seed: int = 0
+    load_seconds: float = 0.0
 
     @property
     def name(self) -> str:
@@ -88,8 +91,12 @@ def parse_sim_model(model: str) -> SimOptions:
                 options[key] = span
             elif key == "seed":
                 options[key] = int(value)
+            elif key == "load_seconds":
+                options[key] = float(value)
+                if not 0 <= options[key] <= 3600:
+                    raise ValueError("must be 0..3600 seconds")
             else:
-                raise ValueError("unknown key; use time_scale, output_len or seed")
+                raise ValueError("unknown key; use time_scale, output_len, seed or load_seconds")
         except ValueError as exc:
             raise ValueError(f"{model!r}: {pair.strip()!r}: {exc}") from None
     return SimOptions(**options)
@@ -259,6 +266,9 @@ def build_engine(config: EngineConfig, tokenizer=None, sleep: Callable[[float], 
     cfg = model_config(options, tokenizer)
     runner = SimRunner(options, cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
                        word_token_ids(tokenizer), sleep=sleep)
+    if options.load_seconds:
+        log.info("simulating a model load of %g s", options.load_seconds)
+        sleep(options.load_seconds)
     loaded = LoadedModel(None, cfg, tokenizer, options.name, config.model)
     engine = LLMEngine(sim_config, loaded=loaded, runner=runner)
     log.info("simulating %s on %s (%s), time scale %g: %.1f GiB KV cache", profile.model.name,
