@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from slipstream.server.gateway.endpointslices import ready_urls
+from slipstream.server.gateway.endpointslices import apply_event, ready_urls
 
 
 def slice_(endpoints: list[dict], ports: list[dict] | None = None) -> dict:
@@ -39,3 +39,16 @@ def test_client_model_objects_read_like_dicts():
                    client.V1Endpoint(addresses=["10.244.0.4"],
                                      conditions=client.V1EndpointConditions(ready=True, terminating=True))])
     assert ready_urls([model]) == ["http://10.244.0.3:8000"]
+
+
+def test_watch_events_update_the_slices_and_a_bookmark_only_moves_the_version():
+    from kubernetes.client import V1EndpointSlice, V1ObjectMeta
+
+    slices: dict = {}
+    added = V1EndpointSlice(address_type="IPv4", endpoints=[], metadata=V1ObjectMeta(name="s1", resource_version="5"))
+    assert apply_event(slices, {"type": "ADDED", "object": added}) == "5" and slices == {"s1": added}
+    # what the client yields for a bookmark: the raw dict (this raised AttributeError and relisted)
+    bookmark = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1", "metadata": {"resourceVersion": "9"}}
+    assert apply_event(slices, {"type": "BOOKMARK", "object": bookmark}) == "9" and slices == {"s1": added}
+    deleted = V1EndpointSlice(address_type="IPv4", endpoints=[], metadata=V1ObjectMeta(name="s1", resource_version="11"))
+    assert apply_event(slices, {"type": "DELETED", "object": deleted}) == "11" and slices == {}

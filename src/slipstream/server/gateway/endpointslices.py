@@ -56,6 +56,20 @@ def ready_urls(slices: Iterable[Any], *, port: int | None = None, port_name: str
     return sorted(urls)
 
 
+def apply_event(slices: dict[str, Any], event: Mapping[str, Any]) -> str | None:
+    """Apply one watch event to ``slices`` (name → EndpointSlice); returns the resourceVersion it
+    carries (None: none). A BOOKMARK carries only that: the kubernetes client leaves its object a
+    dict, as it may be incomplete."""
+    obj = event["object"]
+    metadata = _get(obj, "metadata", "metadata") or {}
+    version = _get(metadata, "resourceVersion", "resource_version")
+    if event["type"] == "DELETED":
+        slices.pop(_get(metadata, "name", "name"), None)
+    elif event["type"] in ("ADDED", "MODIFIED"):
+        slices[_get(metadata, "name", "name")] = obj
+    return version
+
+
 class EndpointSliceWatcher:
     """Follows the EndpointSlices of Service ``namespace/service`` and calls ``on_change(urls)``
     on the event loop whenever the set of ready URLs changes (once at start, too).
@@ -131,13 +145,9 @@ class EndpointSliceWatcher:
                         resource_version=version, timeout_seconds=self.watch_seconds,
                         allow_watch_bookmarks=True)
                     for event in stream:
-                        obj = event["object"]
-                        version = obj.metadata.resource_version or version
-                        if event["type"] == "DELETED":
-                            slices.pop(obj.metadata.name, None)
-                        elif event["type"] in ("ADDED", "MODIFIED"):
-                            slices[obj.metadata.name] = obj
-                        self._publish(slices)
+                        version = apply_event(slices, event) or version
+                        if event["type"] != "BOOKMARK":
+                            self._publish(slices)
                         if self._stop.is_set():
                             break
             except ApiException as exc:
