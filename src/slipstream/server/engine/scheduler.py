@@ -88,13 +88,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.running = self.waiting.protect_order(self.running)
         seat = self.waiting.seat_victim(self.running, self.max_num_seqs)
-        victim = seated = None
+        vacated = seated = None  # the request preempted for a seat, and the one seated in its place
         reserved = 0
         if seat is not None:  # before anything is scheduled: the freed seat goes to the waiting tenant
-            victim, seated = seat
-            self.running.remove(victim)
-            self._preempt(victim)
-            out.preempted.append(victim)
+            vacated, seated = seat
+            self.running.remove(vacated)
+            self._preempt(vacated)
+            out.preempted.append(vacated)
             # and the budget for its prefill; the running requests only decode in this step (their
             # prefill chunks wait one): the seated request's first token comes at this step, and
             # no sooner than its own prefill allows, not after a flood's chunks
@@ -120,7 +120,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         budget += reserved
-        if out.preempted and out.preempted != [victim]:
+        if out.preempted and out.preempted != [vacated]:
             if not self.running:
                 # A lone request preempted itself: blocks that waiting choices hold (a fork's,
                 # possibly past a sliding window its parent cannot find again) are all that is left.
