@@ -89,6 +89,7 @@ def test_sim_model_string_parses_options():
     ("sim:tiny,output_len=9-5", "1 <= A <= B"),
     ("sim:tiny,output_len", "key=value"),
     ("sim:tiny,load_seconds=-1", "0..3600"),
+    ("sim:tiny,load_seconds=1,load_seconds=2", "given twice"),
     ("builtin", "not a simulated model"),
 ])
 def test_bad_sim_model_strings_say_what_is_wrong(model, message):

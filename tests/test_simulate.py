@@ -403,3 +403,10 @@ def test_a_bad_tenant_share_is_a_usage_error(text, capsys):
     with pytest.raises(SystemExit) as exit_:
         simulate.main(["--tenants", text, "--no-plot"])
     assert exit_.value.code == 2 and "--tenants" in capsys.readouterr().err
+
+
+def test_compare_without_arrivals_and_a_fixed_count_of_none_are_refused(capsys):
+    with pytest.raises(SystemExit, match="--compare needs arrivals"):
+        simulate.main(["--profile", "tiny", "--no-plot", "--compare", "--rate", "1rps for 1s"])
+    assert simulate.main(["--profile", "tiny", "--no-plot", "--no-autoscaling", "--initial-replicas", "0"]) == 2
+    assert "serves nothing" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def stream_chunks(http: Http, path: str, body: dict) -> list[dict]:
     assert r.status_code == 200, r.text
     chunks = []
     for line in r.iter_lines(decode_unicode=True):
-        if not line:
+        if not line or line.startswith(":"):  # an SSE comment (the usage for a gateway): clients skip it
             continue
         assert line.startswith("data: "), line
         if line == "data: [DONE]":

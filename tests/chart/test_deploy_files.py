@@ -140,6 +140,16 @@ def operator_imports() -> set[str]:
     return names - set(sys.stdlib_module_names) - {"slipstream", "__future__"}
 
 
+def test_the_operator_runs_without_torch():
+    """What the operator image's command imports (its handlers, loop and every module they reach,
+    slipstream.server ones included) loads no torch or transformers: the image has neither."""
+    code = ("import sys, slipstream.operator.cli, slipstream.operator.handlers, slipstream.operator.autoscaling_loop; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_operator_image_installs_what_the_operator_imports_and_no_torch():
     needed = {DISTRIBUTIONS.get(name, name).lower() for name in operator_imports()}
     assert {"kopf", "kubernetes", "aiohttp", "pyyaml"} <= needed

@@ -225,7 +225,7 @@ async def test_per_tenant_metrics_name_the_top_tenants_and_sum_the_rest_as_other
     assert len(served) == TOP_TENANTS + 1 and "t24" in served and "t00" not in served
     assert served["other"] == sum(100 + i for i in range(5))
     assert by_tenant(names.GATEWAY_TENANT_REQUESTS_IN_FLIGHT)["t24"] == 1
-    rejected = by_tenant(names.GATEWAY_TENANT_REJECTIONS + "_total")
+    rejected = by_tenant(names.GATEWAY_TENANT_REJECTIONS)
     assert rejected["t23"] == 1 and rejected["other"] == 1 and rejected["t24"] == 0
 
 

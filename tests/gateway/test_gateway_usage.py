@@ -39,3 +39,31 @@ def test_the_gateway_counters_are_read_as_demand():
     assert (load.waiting, load.in_flight, load.requests_total, load.prompt_tokens_total,
             load.generation_tokens_total) == (2, 3, 42, 4000, 800)
     assert read_gateway_load("slipstream:gateway_requests_waiting 0\n").requests_total is None
+
+
+async def test_a_stream_without_include_usage_is_counted_and_clients_see_no_usage(pods):
+    """A streamed request that did not ask for usage still feeds the gateway's token counters
+    (the pod ends the stream with its usage in an SSE comment) and the tenant's charge, while
+    the client's stream carries no usage chunk (the openai client reads it as always)."""
+    import aiohttp
+    import openai
+
+    from gateway_helpers import API_KEY, AUTH, chat, metrics, running_gateway, total
+    from slipstream.api_types import metrics as names
+    from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER
+
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/chat/completions", json=chat(max_tokens=6, stream=True),
+                                headers={**AUTH, FAIRNESS_ID_HEADER: "streamer"}) as response:
+            raw = await response.read()
+        assert response.status == 200 and raw.endswith(b"data: [DONE]\n\n")
+        assert b'"usage":{' not in raw.split(b"\n: ")[0]  # no usage in any data event
+        samples = await metrics(session, url)
+        assert total(samples, names.GATEWAY_GENERATION_TOKENS + "_total") == 6
+        assert total(samples, names.GATEWAY_PROMPT_TOKENS + "_total") > 0
+        assert gateway.queue.service.served("streamer") > 2 * 6  # prompt estimate + 2 × output
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY)
+        chunks = [c async for c in await client.chat.completions.create(**chat(max_tokens=4), stream=True)]
+        assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+        await client.close()

@@ -95,6 +95,19 @@ def test_run_arguments():
         parser.parse_args(["run", "--standalone", "--peering", "p"])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--lease-seconds", "0"], "--lease-seconds: must be >= 1"),
+    (["--peering-lifetime", "-1"], "--peering-lifetime: must be >= 1"),
+    (["--resync-seconds", "0"], "--resync-seconds: must be > 0"),
+    (["--lease-namespace", "BAD_NS!"], "RFC 1123 label"),
+    (["--lease-namespace", ""], "RFC 1123 label"),
+])
+def test_run_refuses_durations_and_names_that_cannot_work(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "-n", "a", *flags])
+    assert message in capsys.readouterr().err
+
+
 def use_kubeconfig(api, tmp_path, monkeypatch) -> None:
     """Point the kubernetes client (and so kopf and Kube.from_environment) at ``api``."""
     config = tmp_path / "kubeconfig"

@@ -330,7 +330,7 @@ def test_every_server_profile_and_option_fits_the_crds_profile_field():
     """The operator checks only the shape of a profile (it imports nothing of the server);
     the shape must admit every profile the server knows and what its parser accepts."""
     from slipstream.api_types.model_uri import SIM_PROFILE
-    from slipstream.server.sim.backend import parse_sim_model
+    from slipstream.server.sim.options import parse_sim_model
     from slipstream.server.sim.cost_model import PROFILES
     crd_pattern = yaml.safe_load(CRD_PATH.read_text())["spec"]["versions"][0]["schema"][
         "openAPIV3Schema"]["properties"]["spec"]["properties"]["model"]["properties"][

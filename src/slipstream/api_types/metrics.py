@@ -35,7 +35,7 @@ VLLM_GAUGES: Mapping[str, str] = MappingProxyType({
 TENANT_SERVED_TOKENS = PREFIX + "tenant_served_tokens"
 TENANT_REQUESTS_WAITING = PREFIX + "tenant_requests_waiting"
 TENANT_REQUESTS_RUNNING = PREFIX + "tenant_requests_running"
-TENANT_REJECTIONS = PREFIX + "tenant_rejections"  # counter
+TENANT_REJECTIONS = PREFIX + "tenant_rejections"  # a gauge (folding moves counts between series)
 # Counters (samples end in _total).
 NUM_PREEMPTIONS = PREFIX + "num_preemptions"
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries"
@@ -72,7 +72,7 @@ GATEWAY_REJECTIONS = GATEWAY_PREFIX + "rejections"  # counter, label reason
 GATEWAY_TENANT_REQUESTS_WAITING = GATEWAY_PREFIX + "tenant_requests_waiting"  # label tenant (top 20 + other)
 GATEWAY_TENANT_SERVED_TOKENS = GATEWAY_PREFIX + "tenant_served_tokens"  # label tenant (top 20 + other)
 GATEWAY_TENANT_REQUESTS_IN_FLIGHT = GATEWAY_PREFIX + "tenant_requests_in_flight"  # label tenant (top 20 + other)
-GATEWAY_TENANT_REJECTIONS = GATEWAY_PREFIX + "tenant_rejections"  # counter, label tenant (top 20 + other)
+GATEWAY_TENANT_REJECTIONS = GATEWAY_PREFIX + "tenant_rejections"  # gauge, label tenant (top 20 + other)
 GATEWAY_UPSTREAM_ERRORS_AFTER_FIRST_BYTE = GATEWAY_PREFIX + "upstream_errors_after_first_byte"  # counter
 GATEWAY_QUEUE_TIME_SECONDS = GATEWAY_PREFIX + "queue_time_seconds"
 GATEWAY_TIME_TO_FIRST_TOKEN_SECONDS = GATEWAY_PREFIX + "time_to_first_token_seconds"

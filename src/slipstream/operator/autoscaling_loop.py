@@ -57,7 +57,7 @@ from slipstream.operator.fleet import fleet_from_pods
 from slipstream.operator.policy import State, Tick, decide, load_state, prior_from_state
 from slipstream.operator.capacity_policy import CapacityPrior
 from slipstream.operator.model_spec import model_location
-from slipstream.server.sim.backend import parse_sim_model
+from slipstream.server.sim.options import parse_sim_model
 from slipstream.server.sim.scalers import profile_prior
 from slipstream.operator.events import post_event
 from slipstream.operator.foreign import ReplicasWriter, ScalerObject, find_scalers, \

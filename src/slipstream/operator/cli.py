@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import sys
 from typing import Any, TextIO
 
@@ -27,6 +28,7 @@ from slipstream.operator.lease import DEFAULT_LEASE_SECONDS
 from slipstream.operator.render import render_children
 from slipstream.operator.resources import API_VERSION, KIND
 from slipstream.operator.spec import SpecError
+from slipstream.server.cli_types import positive_float, positive_int
 
 DEFAULT_PEERING = "slipstream-operator"
 
@@ -51,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the cluster's Kubernetes version, which decides how an oci:// model "
                              "image is mounted (default: a current one, with image volumes)")
     return parser
+
+
+def _namespace(text: str) -> str:
+    """A namespace name (an RFC 1123 label: lower-case letters, digits and '-', at most 63)."""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", text):
+        raise argparse.ArgumentTypeError(f"must be a namespace name (RFC 1123 label), got {text!r}")
+    return text
 
 
 def _kube_version(text: str) -> tuple[int, int]:
@@ -78,17 +87,17 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=int, default=None,
                         help="peering priority; the highest live one acts, the others wait "
                              "(default: random, so two replicas never tie)")
-    parser.add_argument("--lease-namespace", default=None, metavar="NS",
+    parser.add_argument("--lease-namespace", type=_namespace, default=None, metavar="NS",
                         help="namespace of the write fence's Lease (named like the peering "
                              "object; default: $POD_NAMESPACE, else the first --namespace, "
                              "else default); only the replica holding it writes")
-    parser.add_argument("--lease-seconds", type=int, default=DEFAULT_LEASE_SECONDS,
+    parser.add_argument("--lease-seconds", type=positive_int, default=DEFAULT_LEASE_SECONDS,
                         help="the Lease's duration: how long a replica that stopped renewing "
                              f"keeps others from writing (default: {DEFAULT_LEASE_SECONDS})")
-    parser.add_argument("--peering-lifetime", type=int, default=60,
+    parser.add_argument("--peering-lifetime", type=positive_int, default=60,
                         help="seconds a silent peer counts as alive in kopf peering "
                              "(default: 60)")
-    parser.add_argument("--resync-seconds", type=float, default=60.0,
+    parser.add_argument("--resync-seconds", type=positive_float, default=60.0,
                         help="period of the level-based check of every InferenceService")
     parser.add_argument("--cluster-domain", default="cluster.local",
                         help="cluster DNS domain, for status.url")

@@ -110,8 +110,9 @@ class _EngineCollector:
                               labels=labels),
             GaugeMetricFamily(names.TENANT_REQUESTS_RUNNING, "Requests in the running batch, by tenant.",
                               labels=labels),
-            CounterMetricFamily(names.TENANT_REJECTIONS, "Requests refused with 429 (queue full), by tenant.",
-                                labels=labels),
+            # a gauge, not a counter: a tenant's count moves to or from "other" as the ranking changes
+            GaugeMetricFamily(names.TENANT_REJECTIONS, "Requests refused with 429 (queue full), by tenant, "
+                              "since start.", labels=labels),
         ]
         for tenant, values in sorted(rows.items()):
             for family, value in zip(families, values):

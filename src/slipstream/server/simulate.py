@@ -321,6 +321,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
                          "(one fixed count) contradicts it: drop one of them")
     spec = autoscaling_spec(args)
+    if args.initial_replicas == 0 and not spec.enabled:
+        raise ValueError("--initial-replicas 0 with --no-autoscaling is a fixed count of no replicas, which "
+                         "serves nothing: give at least 1")
     if args.initial_replicas is not None and spec.enabled and not spec.min_replicas <= args.initial_replicas \
             <= spec.max_replicas:
         raise ValueError(f"--initial-replicas {args.initial_replicas} is outside --min-replicas "
@@ -333,7 +336,10 @@ def main_compare(args: argparse.Namespace) -> int:
     routing policy then name when several) and ``--plot`` (the capacity policy beside the
     cheapest fixed count that met the objective and the clairvoyant schedule; one file per
     routing policy when several, named ``STEM-POLICY.png``)."""
-    _, _, capped = capped_arrivals(args)
+    played, _, capped = capped_arrivals(args)
+    if not played:
+        raise SystemExit("slipstream simulate: --compare needs arrivals, and this workload has none "
+                         "(a longer --rate, or a trace with rows)")
     if capped:
         print(f"{capped} requests capped to max_model_len")
     every: dict[str, dict[str, dict[str, Any]]] = {}

@@ -205,6 +205,8 @@ class GenerationCall:
                     return await sse.done()
             if self.req.include_usage:
                 await sse.send(self.chunk([], self.usage))
+            else:  # for the gateway's counters (sse.py): clients skip comments
+                await sse.comment({"usage": self.usage.body()})
             return await sse.done()
         except ConnectionError:  # the client went away; leaving aborts the engine requests
             self.record.client_gone = True

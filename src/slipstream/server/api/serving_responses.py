@@ -155,6 +155,9 @@ class EventStream(SSEStream):
         await self.response.write(f"event: {payload['type']}\n".encode() + b"data: "
                                   + render.json_text(payload).encode() + b"\n\n")
 
+    async def comment(self, payload: dict) -> None:
+        """Nothing: ``response.completed`` carries the usage already (a gateway reads it there)."""
+
     async def done(self) -> web.StreamResponse:
         await self.response.write_eof()
         return self.response

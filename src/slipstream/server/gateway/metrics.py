@@ -7,7 +7,7 @@ has no pod to scrape (scale from zero).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 from slipstream.api_types import metrics as names
 from slipstream.api_types.tenancy import fold_tenants
@@ -64,9 +64,10 @@ class _EndpointCollector:
                               labels=["tenant"]),
             GaugeMetricFamily(names.GATEWAY_TENANT_REQUESTS_IN_FLIGHT,
                               "Requests the gateway has in flight on the pods, by tenant", labels=["tenant"]),
-            CounterMetricFamily(names.GATEWAY_TENANT_REJECTIONS,
-                                "Requests the gateway refused while the pods were full (429: shed, queue full), "
-                                "by tenant", labels=["tenant"]),
+            # a gauge, not a counter: a tenant's count moves to or from "other" as the ranking changes
+            GaugeMetricFamily(names.GATEWAY_TENANT_REJECTIONS,
+                              "Requests the gateway refused while the pods were full (429: shed, queue full), "
+                              "by tenant, since start", labels=["tenant"]),
         ]
         for tenant, values in sorted(rows.items()):
             for family, value in zip(families, values):

@@ -129,7 +129,7 @@ class Proxy:
             tenant = tenant_of(request.headers.get(FAIRNESS_ID_HEADER))
         except ValueError as exc:
             return self._reject(400, "invalid_tenant", request_id, f"{exc}.")
-        criticality = (request.headers.get(CRITICALITY_HEADER) or DEFAULT_CRITICALITY).strip().lower()
+        criticality = (request.headers.get(CRITICALITY_HEADER) or "").strip().lower() or DEFAULT_CRITICALITY
         if criticality not in CRITICALITIES:
             return self._reject(400, "invalid_criticality", request_id,
                                 f"The {CRITICALITY_HEADER} header must be one of {', '.join(CRITICALITIES)}, "

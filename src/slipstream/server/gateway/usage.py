@@ -1,8 +1,9 @@
 """The token counts of a relayed response, for the gateway's demand counters (pure).
 
 An OpenAI-style response carries ``"usage": {"prompt_tokens": N, "completion_tokens": M, ...}``
-at its end (with nested details such as ``prompt_tokens_details``): in the JSON body, or in the
-last SSE event of a stream that asked for it (``stream_options.include_usage``). The proxy keeps
+at its end (with nested details such as ``prompt_tokens_details``): in the JSON body, in the
+last SSE event of a stream that asked for it (``stream_options.include_usage``), or, from a
+slipstream pod, in the SSE comment that ends a stream that did not (``: {"usage": ...}``). The proxy keeps
 the last :data:`TAIL_BYTES` of the body and reads the last usage object there; a response
 without one adds no tokens (the autoscaler still counts the request).
 """

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -32,11 +32,11 @@ from ..engine.request import Request
 from ..engine.scheduler import SchedulerOutput
 from ..models.config import ModelConfig
 from ..models.loader import LoadedModel, load_tokenizer
-from .cost_model import Profile, batch_shape, get_profile, step_time
+from .cost_model import batch_shape, step_time
+from .options import SimOptions, parse_sim_model
 
 log = logging.getLogger("slipstream.sim")
 
-PREFIX = "sim:"
 # The chosen token's logit; the rest are 0. Finite, so logprobs stay finite (JSON has no -inf),
 # and large enough that temperature, top-p and penalties still pick it.
 CHOSEN_LOGIT = 30.0
@@ -44,62 +44,6 @@ _MASK64 = (1 << 64) - 1
 _SEED_CACHE_LIMIT = 1 << 14
 # Simulated text uses the first 1024 ids of the vocabulary (211 common words in SmolLM2's).
 WORD_ID_LIMIT = 1024
-
-
-def is_sim_model(model: str) -> bool:
-    return model.startswith(PREFIX)
-
-
-@dataclass(frozen=True, slots=True)
-class SimOptions:
-    """A parsed ``sim:`` model string (see the module docstring)."""
-
-    profile: Profile
-    time_scale: float = 1.0
-    output_len: tuple[int, int] | None = None
-    seed: int = 0
-    load_seconds: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"sim-{self.profile.name}"
-
-
-def parse_sim_model(model: str) -> SimOptions:
-    """``sim:PROFILE[,key=value...]`` → :class:`SimOptions`.
-
-    Raises ValueError saying what was wrong (unknown profile or key, a bad number).
-    """
-    if not is_sim_model(model):
-        raise ValueError(f"not a simulated model: {model!r} (expected sim:PROFILE)")
-    name, *pairs = model[len(PREFIX):].split(",")
-    options: dict = {"profile": get_profile(name.strip())}
-    for pair in pairs:
-        key, sep, value = (part.strip() for part in pair.partition("="))
-        try:
-            if not sep:
-                raise ValueError("expected key=value")
-            if key == "time_scale":
-                options[key] = float(value)
-                if not options[key] > 0:
-                    raise ValueError("must be > 0")
-            elif key == "output_len":
-                low, _, high = value.partition("-")
-                span = (int(low), int(high or low))
-                if not 1 <= span[0] <= span[1]:
-                    raise ValueError("must be N or A-B with 1 <= A <= B")
-                options[key] = span
-            elif key == "seed":
-                options[key] = int(value)
-            elif key == "load_seconds":
-                options[key] = float(value)
-                if not 0 <= options[key] <= 3600:
-                    raise ValueError("must be 0..3600 seconds")
-            else:
-                raise ValueError("unknown key; use time_scale, output_len, seed or load_seconds")
-        except ValueError as exc:
-            raise ValueError(f"{model!r}: {pair.strip()!r}: {exc}") from None
-    return SimOptions(**options)
 
 
 def _mix(x: int) -> int:

@@ -117,6 +117,8 @@ class ScheduleScaler:
     minute: float = 60.0
 
     def wanted(self, now: float) -> int:
+        if not self.counts:  # no minute to serve (a run without arrivals)
+            return 1
         first = max(0, int(now // self.minute))
         last = max(first, int((now + self.lead_seconds) // self.minute))
         window = [self.counts[min(m, len(self.counts) - 1)] for m in range(first, last + 1)]
