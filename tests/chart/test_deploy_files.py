@@ -8,7 +8,6 @@ whole control flow is run against stand-in tools (tests/chart/fake_tools.sh).
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 import re
 import shutil
