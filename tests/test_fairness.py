@@ -212,36 +212,6 @@ def test_a_seated_request_prefills_in_a_step_of_its_own_and_the_victim_has_least
     assert dict(zip(after.requests, after.num_new_tokens))[long] == 64
 
 
-def test_a_tenant_below_its_share_of_seats_gets_one_even_when_served_more_so_far():
-    s = scheduler("fair", seats=4)
-    flood = [request("a", max_tokens=50) for _ in range(6)]
-    for r in flood:
-        s.add(r)
-    for _ in range(3):
-        step(s)
-    s.waiting.service.charge("b", 10_000, 0)  # b was served much more, earlier (its counter stays)
-    s.add(light := request("b", max_tokens=50))
-    assert light in step(s)  # b's target is 2 seats, a keeps 3 ≥ its 2: a move nothing undoes
-    seats = collections.Counter(r.tenant for r in s.running)
-    assert seats == {"a": 3, "b": 1} and sum(r.num_preemptions for r in flood) == 1
-
-
-def test_a_free_seat_goes_to_a_tenant_below_its_share_so_no_seat_moves_back_and_forth():
-    """Four of b's beside a flood of a's: b's share is 2 of 4 seats; its first two take seats from
-    a (2 preemptions), and as they finish its others take the freed seats directly — not a's
-    preempted requests, which b would preempt again (4 preemptions before)."""
-    s = scheduler("fair", seats=4, budget=512, blocks=20000)
-    for i in range(8):
-        s.add(request("a", prompt=range(1000 + 150 * i, 1150 + 150 * i), max_tokens=40))
-    for _ in range(3):
-        step(s)
-    for i in range(4):
-        s.add(request("b", prompt=range(9000 + 150 * i, 9150 + 150 * i), max_tokens=10))
-    while s.waiting or s.running:
-        step(s)
-    assert s.num_preemptions == 2
-
-
 def test_seats_move_toward_an_even_split_by_weight_and_stop_there():
     s = scheduler("fair", seats=4, weights={"a": 3})
     for _ in range(6):

@@ -150,42 +150,30 @@ class WaitingQueue:
         if self.policy == "fair":
             self.service.charge(req.tenant, prompt_tokens, output_tokens)
 
-    def seat_victim(self, running: list[Request], max_num_seqs: int) -> tuple[Request | None, Request] | None:
-        """``fair``: ``(victim, newcomer)``, the running request to preempt (None: a seat is free)
-        and the waiting one that takes its seat now, or None (admission goes by the counters).
+    def seat_victim(self, running: list[Request], max_num_seqs: int) -> tuple[Request, Request] | None:
+        """``fair`` with every seat taken: ``(victim, newcomer)``, the running request to preempt
+        and the waiting one that takes its seat now, or None.
 
         Each tenant running or waiting has a target of ``max_num_seqs × its weight ÷ their
         weights' sum`` seats. A seat moves from the tenant furthest above its target (the giver)
-        to the waiting tenant furthest below its own (the newcomer) when the newcomer holds fewer
-        than its target, the giver more than its, and either both stay on their side of their
-        targets after the move (newcomer + 1 ≤ its target, giver − 1 ≥ its: no move can undo it)
-        or, for a target under one seat, the giver has been served at least as much (VTC's
-        order). So seats move toward the split by weight, a step at a time, never back and forth,
-        and a tenant below its share is not held behind a flood's requests, whatever the counters.
-        The victim is the giver's request with the fewest computed tokens (the least to
-        recompute; the newest among equals); the newcomer, its tenant's next request. With a seat
-        free, the waiting tenant furthest below its share (and still within it with one more
-        seat) is the newcomer, so a free seat does not go to a tenant a seat move would take it
-        back from at the next step."""
-        if self.policy != "fair" or not self._len:
+        to the waiting tenant furthest below its own (the newcomer) that the giver has been
+        served at least as much as (VTC's order: a tenant behind on tokens keeps the seats that
+        let it catch up, so weights hold in tokens, not only in seats). Seats so move toward the
+        split by weight a step at a time and never back and forth, and a tenant arriving beside a
+        flood (lifted to the flood's count) is seated at the next step. The victim is the
+        giver's request with the fewest computed tokens (the least to recompute; the newest among
+        equals); the newcomer, its tenant's next request."""
+        if self.policy != "fair" or len(running) < max_num_seqs or not self._len:
             return None
         seats = dict.fromkeys(self._heaps, 0)
         for r in running:
             seats[r.tenant] = seats.get(r.tenant, 0) + 1
         target = self.service.shares(max_num_seqs, seats)
         served = self.service.served
-        if len(running) < max_num_seqs:
-            below = [t for t in self._heaps if seats[t] + 1 <= target[t]]
-            if len(below) == len(self._heaps):  # every waiting tenant is: the counters decide
-                return None
-            newcomer = min(below, key=lambda t: (seats[t] - target[t], served(t)), default=None)
-            return None if newcomer is None else (None, self._first(self._heaps[newcomer]))
         giver = max(seats, key=lambda t: (seats[t] - target[t], served(t)))
         if seats[giver] <= target[giver]:
             return None
-        settled = seats[giver] - 1 >= target[giver]
-        takers = [t for t in self._heaps if t != giver and seats[t] < target[t]
-                  and ((settled and seats[t] + 1 <= target[t]) or served(giver) >= served(t))]
+        takers = [t for t in self._heaps if t != giver and seats[t] < target[t] and served(giver) >= served(t)]
         if not takers:
             return None
         newcomer = min(takers, key=lambda t: (seats[t] - target[t], served(t)))

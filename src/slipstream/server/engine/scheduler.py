@@ -90,9 +90,7 @@ class Scheduler:
         seat = self.waiting.seat_victim(self.running, self.max_num_seqs)
         vacated = seated = None  # the request preempted for a seat, and the one seated in its place
         reserved = 0
-        if seat is not None and seat[0] is None:  # a free seat, for a tenant below its share first
-            seated = seat[1]
-        elif seat is not None:  # before anything is scheduled: the freed seat goes to the waiting tenant
+        if seat is not None:  # before anything is scheduled: the freed seat goes to the waiting tenant
             vacated, seated = seat
             self.running.remove(vacated)
             self._preempt(vacated)
