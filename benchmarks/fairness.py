@@ -110,6 +110,7 @@ async def scenario(args: argparse.Namespace, name: str, streams: dict[str, int],
                "--log-level", "WARNING", *extra] + [a for h in POD_HOSTS for a in ("--endpoint", f"http://{h}:{POD_PORT}")]
     procs.append(spawn(gateway, OUT / "fairness-gateway.log"))
     tallies = defaultdict(Tally)
+    seats: dict[str, list[dict[str, float]]] = {}
     try:
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -119,9 +120,11 @@ async def scenario(args: argparse.Namespace, name: str, streams: dict[str, int],
             await asyncio.sleep(1.0)  # the gateway's first scrape of both pods
             until = time.monotonic() + args.duration * args.time_scale
             rng = random.Random(0)
+            sampler = asyncio.create_task(sample_seats(session, until, seats))
             await asyncio.gather(*(client(session, tenant, (criticality or {}).get(tenant), until, args,
                                           tallies[tenant], random.Random(rng.random()))
                                    for tenant, n in streams.items() for _ in range(n)))
+            await sampler
             pods = [await pod_counters(session, f"http://{host}:{POD_PORT}") for host in POD_HOSTS]
     finally:
         stop(procs)
@@ -130,10 +133,30 @@ async def scenario(args: argparse.Namespace, name: str, streams: dict[str, int],
         row[tenant] = {"requests": len(t.ttfts), "ttft_p50_s": t.p(0.5), "ttft_p90_s": t.p(0.9),
                        "tokens": t.tokens, "rejected": t.rejected}
     row["tokens_per_s"] = sum(t.tokens for t in tallies.values()) / args.duration
-    row["pods"] = {k: sum(p[k] for p in pods) for k in pods[0]}  # the engines' own totals
+    row["pods"] = {k: sum(p.get(k, 0) for p in pods) for k in pods[0]}  # the engines' own totals
+    row["seats"] = {host: {k: sum(s.get(k, 0) for s in samples) / max(1, len(samples))
+                           for k in sorted({k for s in samples for k in s})} for host, samples in seats.items()}
     print(json.dumps(row), flush=True)
     row["tallies"] = dict(tallies)  # for the plot; not in the JSON
     return row
+
+
+async def sample_seats(session: aiohttp.ClientSession, until: float, seats: dict[str, list[dict[str, float]]]) -> None:
+    """Sample each pod's running and waiting requests per tenant (its gauges) until ``until``:
+    how the seats were split, pod by pod (the ``seats`` of a row: time averages)."""
+    while time.monotonic() < until:
+        for host in POD_HOSTS:
+            async with session.get(f"http://{host}:{POD_PORT}/metrics") as r:
+                text = await r.text()
+            sample = {}
+            for line in text.splitlines():
+                for name, kind in (("slipstream:tenant_requests_running", "running"),
+                                   ("slipstream:tenant_requests_waiting", "waiting")):
+                    if line.startswith(name + "{") and 'tenant="' in line:
+                        tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+                        sample[f"{kind} {tenant}"] = float(line.rsplit(" ", 1)[1])
+            seats.setdefault(host, []).append(sample)
+        await asyncio.sleep(0.25)
 
 
 async def pod_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -157,15 +180,16 @@ def jain(values: list[float]) -> float:
 async def main_async(args: argparse.Namespace) -> list[dict]:
     slots = args.max_num_seqs * len(POD_HOSTS)
     a, b = args.a_streams or 3 * slots, args.b_streams
-    rows = [await scenario(args, "B alone", {"B": b}, "fair")]
-    for policy in ("fair", "fcfs"):
-        rows.append(await scenario(args, "flood", {"A": a, "B": b}, policy))
     backlogged = {"A": 10 * slots, "B": slots}  # both more streams than the pods' slots, A 10× B
-    for policy in ("fair", "fcfs"):
-        rows.append(await scenario(args, "backlogged", backlogged, policy))
-    rows.append(await scenario(args, "weights 3:1", {"A": 2 * slots, "B": 2 * slots}, "fair", weights="A=3,B=1"))
-    rows.append(await scenario(args, "sheddable", {"A": a, "B": b}, "fair", criticality={"A": "sheddable",
-                                                                                        "B": "critical"}))
+    runs = [("B alone", {"B": b}, "fair", {}),
+            *(("flood", {"A": a, "B": b}, policy, {}) for policy in ("fair", "fcfs")),
+            *(("backlogged", backlogged, policy, {}) for policy in ("fair", "fcfs")),
+            ("weights 3:1", {"A": 2 * slots, "B": 2 * slots}, "fair", {"weights": "A=3,B=1"}),
+            ("sheddable", {"A": a, "B": b}, "fair", {"criticality": {"A": "sheddable", "B": "critical"}})]
+    rows = []
+    for name, streams, policy, extra in runs:
+        if name == "B alone" or not args.only or name in args.only:  # B alone: every ratio's base
+            rows.append(await scenario(args, name, streams, policy, **extra))
     return rows
 
 
@@ -230,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b-streams", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--only", action="append", choices=["flood", "backlogged", "weights 3:1", "sheddable"],
+                   help="run only this scenario (repeatable) besides B alone")
     p.add_argument("--json", type=Path, default=OUT / "fairness.json")
     p.add_argument("--plot", type=Path, default=OUT / "fairness.png")
     args = p.parse_args(argv)

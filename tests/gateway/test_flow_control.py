@@ -15,7 +15,7 @@ from slipstream.api_types.tenancy import CRITICALITY_HEADER, FAIRNESS_ID_HEADER,
 from slipstream.server.gateway.config import GatewayConfig
 from slipstream.server.gateway.endpoints import EndpointSet
 from slipstream.server.gateway.routing import Router
-from slipstream.server.gateway.routing.plugins import RouteRequest
+from slipstream.server.gateway.routing.plugins import Choice, RouteRequest
 from slipstream.server.gateway.wait_queue import QueueFull, Shed, WaitQueue
 
 from gateway_helpers import chat, metrics, running_gateway, total
@@ -195,6 +195,45 @@ async def test_weights_size_the_shares_and_one_tenant_or_first_come_never_borrow
         endpoints, queue = pods(slots=2, fair=fair)
         await hold(queue, "a", 2)
         assert [t.done() for t in await hold(queue, second, 1)] == [False]
+
+
+def first_free(loads):
+    """Route to the first endpoint (by name) with room: pins a test's requests to one pod."""
+    free = sorted((e for e in loads if not e.full), key=lambda e: e.name)
+    return Choice(free[0].name, "first") if free else None
+
+
+async def test_a_tenant_below_its_share_on_one_pod_borrows_there_though_at_its_share_overall():
+    # Each engine splits its own seats by weight among the tenants it holds: a tenant absent from a
+    # pod leaves that pod's seats to the others, so shares hold per pod, not only in total.
+    endpoints, queue = pods(slots=4, count=2, weights={"a": 3})  # b's share: 1 of each pod's 4
+    b = [asyncio.create_task(queue.acquire(first_free, endpoints.clock() + 30, tenant="b")) for _ in range(2)]
+    a = [asyncio.create_task(queue.acquire(first_free, endpoints.clock() + 30, tenant="a")) for _ in range(6)]
+    await turns()
+    assert [t.result().endpoint for t in b] == [POD_NAMES[0]] * 2  # b: 2 of the 8 slots, its share overall
+    assert sorted(e.in_flight for e in endpoints.loads()) == [4, 4]
+    third = await hold(queue, "b", 1)
+    assert third[0].result().endpoint == POD_NAMES[1]  # none of b's on the second pod: it borrows there
+    assert [e.in_flight for e in sorted(endpoints.loads(), key=lambda e: e.name)] == [4, 5]
+    fourth = await hold(queue, "b", 1)  # at its share on both pods now: it waits
+    assert not fourth[0].done() and queue.waiting_by_tenant() == {"b": 1}
+    # a, at 6 of 8 overall but 2 of 4 on the first pod (its share 3), borrows there.
+    assert (await hold(queue, "a", 1))[0].result().endpoint == POD_NAMES[0]
+    fourth[0].cancel()
+
+
+async def test_the_gateway_sends_a_pod_no_more_than_its_max_waiting_queues():
+    endpoints = EndpointSet(GatewayConfig())  # default limit: max_num_seqs + max_num_seqs
+    endpoints.set_endpoints([POD])
+    endpoints.observe(POD, PodLoad(POD, 0.0, 0.0, 0.0, 0.0, max_num_seqs=4, max_waiting=1), ready=True)
+    queue = WaitQueue(endpoints)
+    (load,) = endpoints.loads()
+    assert (load.capacity, load.accepts) == (5, 5)  # not 8: the pod would answer the rest 429
+    await hold(queue, "a", 5)
+    assert queue.waiting == 0
+    b = await hold(queue, "b", 1)  # below its share, but borrowing stops at what the pod accepts
+    assert not b[0].done() and queue.waiting == 1
+    b[0].cancel()
 
 
 async def test_a_sheddable_request_never_borrows():

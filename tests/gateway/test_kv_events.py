@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from slipstream.api_types.metrics import read_pod_load
 from slipstream.server.api.app import build_app
 from slipstream.server.api.kv_events import KV_EVENTS, KVEventsAPI
 from slipstream.server.api.state import STATE, ServerOptions
@@ -246,13 +247,15 @@ async def test_events_apply_in_order_and_a_gap_in_the_sequence_drops_the_pods_bl
         await subscriber.close()
 
 
-async def test_a_pod_exports_the_engine_settings_a_gateway_hashes_with(tokenizer):
+async def test_a_pod_exports_the_settings_a_gateway_hashes_and_limits_with(tokenizer):
     async with serve_pod(tokenizer) as pod, aiohttp.ClientSession() as session:
         async with session.get(pod.url + "/metrics") as resp:
             text = await resp.text()
         info = [line for line in text.splitlines() if line.startswith("slipstream:engine_config_info{")]
         assert info == ['slipstream:engine_config_info{block_size="16",enable_prefix_caching="true",'
-                        'max_num_batched_tokens="256",max_num_seqs="4",model_name="sim-tiny"} 1.0']
+                        'max_num_batched_tokens="256",max_num_seqs="4",max_waiting="128",model_name="sim-tiny"} 1.0']
+        load = read_pod_load(text)
+        assert (load.block_size, load.max_num_seqs, load.max_waiting) == (16, 4, 128)
 
 
 class LoadingPod(ScriptedPod):

@@ -28,6 +28,8 @@ class PodLoad:
         started (tokens prefilled and generated, requests finished); None when not exported.
     ttft_buckets: the time-to-first-token histogram, cumulative: ((le seconds, count), ...)
         ascending, ending with +inf; () when not exported.
+    max_waiting: requests the server queues beyond ``max_num_seqs`` before it answers 429 (its
+        ``--max-waiting``, from ``engine_config_info``); None when not exported.
     """
 
     pod: str
@@ -41,6 +43,7 @@ class PodLoad:
     generation_tokens_total: float | None = None
     requests_total: float | None = None
     ttft_buckets: tuple[tuple[float, float], ...] = ()
+    max_waiting: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,8 @@ ITERATION_TOKENS = PREFIX + "iteration_tokens"
 # Info gauges (value 1).
 ENGINE_CONFIG_INFO = PREFIX + "engine_config_info"
 ENGINE_CONFIG_LABELS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+# The server's own limit beside them (``--max-waiting``): a gateway sends a pod no more than it queues.
+SERVER_CONFIG_LABELS = ("max_waiting",)
 CPU_KERNEL_INFO = PREFIX + "cpu_kernel_info"  # label isa
 
 # The gateway's.
@@ -99,8 +101,8 @@ def read_pod_load(text: str, *, pod: str = "", time: float = 0.0, model_name: st
     """A model server's :class:`PodLoad` from its exposition ``text``, stamped ``pod`` and ``time``.
 
     Request counts are summed over series and the largest KV-cache use is taken; ``model_name``
-    keeps only that label's series. ``engine_config_info``'s ``block_size`` and ``max_num_seqs``
-    are read when present and positive; the token and request counters and the TTFT histogram's
+    keeps only that label's series. ``engine_config_info``'s ``block_size``, ``max_num_seqs`` and
+    ``max_waiting`` are read when present and positive (``max_waiting`` also when 0); the token and request counters and the TTFT histogram's
     buckets when exported (summed over series). Raises ValueError when the text does not parse or a load
     gauge is missing (named).
     """
@@ -113,11 +115,13 @@ def read_pod_load(text: str, *, pod: str = "", time: float = 0.0, model_name: st
     missing = [name for name, got in found.items() if not got]
     if missing:
         raise ValueError(f"metrics missing: {', '.join(missing)}")
-    block_size = max_num_seqs = None
+    block_size = max_num_seqs = max_waiting = None
     for labels, _ in samples.get(ENGINE_CONFIG_INFO, ()):
         if model_name is None or labels.get(MODEL_NAME) == model_name:
             block_size = _positive_int(labels.get("block_size")) or block_size
             max_num_seqs = _positive_int(labels.get("max_num_seqs")) or max_num_seqs
+            waiting = _positive_int(labels.get("max_waiting"), zero=True)
+            max_waiting = max_waiting if waiting is None else waiting
 
     def total(name: str) -> float | None:
         got = values(name + "_total")
@@ -131,7 +135,7 @@ def read_pod_load(text: str, *, pod: str = "", time: float = 0.0, model_name: st
     return PodLoad(pod, time, sum(found[NUM_REQUESTS_WAITING]), sum(found[NUM_REQUESTS_RUNNING]),
                    max(found[KV_CACHE_USAGE_PERC]), block_size, max_num_seqs,
                    total(PROMPT_TOKENS), total(GENERATION_TOKENS), total(REQUEST_SUCCESS),
-                   tuple(sorted(buckets.items())))
+                   tuple(sorted(buckets.items())), max_waiting)
 
 
 def read_gateway_load(text: str) -> GatewayLoad:
@@ -156,9 +160,10 @@ def read_gateway_load(text: str) -> GatewayLoad:
                        generation_tokens_total=total(GATEWAY_GENERATION_TOKENS))
 
 
-def _positive_int(text: str | None) -> int | None:
+def _positive_int(text: str | None, zero: bool = False) -> int | None:
+    """``text`` as an int > 0 (``zero``: ≥ 0), else None."""
     try:
         value = int(text) if text is not None else None
     except ValueError:
         return None
-    return value if value is not None and value > 0 else None
+    return value if value is not None and (value > 0 or zero and value == 0) else None

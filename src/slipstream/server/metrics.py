@@ -7,7 +7,8 @@ own totals. Latency histograms come from each request's engine timestamps; ``ite
 from the engine's per-step listener. ``engine_config_info`` (value 1, as vLLM's
 ``vllm:cache_config_info``) carries the engine's settings as labels — ``block_size``,
 ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching`` (``true``/``false``) —
-so a gateway learns how to hash prompts for this pod; it appears once the engine is loaded.
+and the server's ``max_waiting``, so a gateway learns how to hash prompts for this pod and how
+many requests it queues; it appears once the engine is loaded.
 Per tenant (the fairness header's id): requests waiting and running in the engine, its fairness
 counter and the 429s the server answered it, for the :data:`~slipstream.api_types.tenancy.TOP_TENANTS`
 most served by name and the rest summed as ``other`` (bounded cardinality: ids come from a header).
@@ -46,9 +47,10 @@ class _EngineCollector:
     """Gauges and engine-side counters, read from ``stats()`` whenever Prometheus scrapes."""
 
     def __init__(self, model_name: Callable[[], str], stats: Callable[[], Any], vllm_compatible: bool,
-                 rejected: Callable[[], dict[str, int]] = dict) -> None:
+                 rejected: Callable[[], dict[str, int]] = dict, max_waiting: int | None = None) -> None:
         self._model_name, self._stats, self._vllm = model_name, stats, vllm_compatible
         self._rejected = rejected
+        self._max_waiting = max_waiting
 
     def describe(self) -> list:
         return []  # collected lazily: the engine may not be loaded when the registry is built
@@ -91,9 +93,12 @@ class _EngineCollector:
             yield kernels
         yield from self._tenants(name, stats)
         if stats is not None:
-            info = GaugeMetricFamily(names.ENGINE_CONFIG_INFO, "The engine's settings, as labels (value 1).",
-                                     labels=_LABELS + list(_CONFIG_LABELS))
-            info.add_metric([name] + [_label_value(getattr(stats, attr)) for attr in _CONFIG_LABELS], 1)
+            server = names.SERVER_CONFIG_LABELS if self._max_waiting is not None else ()
+            info = GaugeMetricFamily(names.ENGINE_CONFIG_INFO, "The engine's settings and the server's queue "
+                                     "limit (--max-waiting), as labels (value 1).",
+                                     labels=_LABELS + list(_CONFIG_LABELS) + list(server))
+            info.add_metric([name] + [_label_value(getattr(stats, attr)) for attr in _CONFIG_LABELS]
+                            + [str(self._max_waiting)] * len(server), 1)
             yield info
 
 
@@ -130,7 +135,8 @@ def _label_value(value: Any) -> str:
 class ServerMetrics:
     """The registry of one app (not the global one, so several apps can live in one process)."""
 
-    def __init__(self, model_name: Callable[[], str], stats: Callable[[], Any], vllm_compatible: bool = False):
+    def __init__(self, model_name: Callable[[], str], stats: Callable[[], Any], vllm_compatible: bool = False,
+                 max_waiting: int | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         self._model_name = model_name
         r = self.registry
@@ -153,7 +159,7 @@ class ServerMetrics:
         self.iteration_tokens = histogram(names.ITERATION_TOKENS, "Tokens (prefill + decode) per engine step.",
                                           ITERATION_BUCKETS)
         self._rejected: dict[str, int] = {}  # tenant → 429s (bounded: count_for_tenant)
-        r.register(_EngineCollector(model_name, stats, vllm_compatible, lambda: dict(self._rejected)))
+        r.register(_EngineCollector(model_name, stats, vllm_compatible, lambda: dict(self._rejected), max_waiting))
 
     def start(self) -> None:
         """Export every series at zero from the start (once the model name is known), so rates work."""

@@ -63,7 +63,8 @@ class ServerState:
         self.in_flight: dict[str, int] = {}  # API call id -> its sequences (prompts × n)
         self._idle = asyncio.Event()
         self._idle.set()
-        self.metrics = ServerMetrics(lambda: self.model_name, self.stats, options.vllm_compatible_metrics)
+        self.metrics = ServerMetrics(lambda: self.model_name, self.stats, options.vllm_compatible_metrics,
+                                     options.max_waiting)
 
     def attach(self, llm: Any) -> None:
         """Adopt a loaded engine: its name (unless overridden), tokenizer and step listener."""

@@ -35,6 +35,7 @@ class Endpoint:
     kv_cache_usage: float = 0.0
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int | None = None
+    max_waiting: int | None = None  # the pod's --max-waiting (it answers 429 past max_num_seqs + this)
     last_scrape: float | None = None  # the last good scrape; None: never answered
     # /ready answered 200, and no connection failed or 503 came back since (a loading or
     # draining pod still answers /metrics, so a fresh scrape alone does not make it ready)
@@ -129,9 +130,8 @@ class EndpointSet:
 
     def loads(self, exclude: Collection[str] = ()) -> list[EndpointLoad]:
         """The routable endpoints as the router sees them (``exclude``: names left out)."""
-        return [EndpointLoad(e.name, e.waiting, e.running, e.kv_cache_usage, e.in_flight,
-                             self.config.capacity(e.max_num_seqs))
-                for e in self.routable_endpoints() if e.name not in exclude]
+        return [_load(e, self.config.capacity(e.max_num_seqs)) for e in self.routable_endpoints()
+                if e.name not in exclude]
 
     def observe(self, name: str, sample: PodLoad, ready: bool = False) -> None:
         """A good scrape of ``name``: fresh load; ``ready``: its /ready answered 200 just now."""
@@ -144,6 +144,8 @@ class EndpointSet:
             endpoint.block_size = sample.block_size
         if sample.max_num_seqs is not None:
             endpoint.max_num_seqs = sample.max_num_seqs
+        if sample.max_waiting is not None:
+            endpoint.max_waiting = sample.max_waiting
         was = self.routable(endpoint)
         endpoint.last_scrape = self.clock()
         endpoint.ready = endpoint.ready or ready
@@ -175,3 +177,14 @@ class EndpointSet:
             if endpoint.in_flight == 0 and self._retired.get(name) is endpoint:
                 del self._retired[name]
         self.capacity_changed()
+
+
+def _load(endpoint: Endpoint, capacity: int | None) -> EndpointLoad:
+    """``endpoint`` as the router sees it; its ``capacity`` (the gateway's limit) at most what the
+    pod itself accepts."""
+    accepts = None
+    if endpoint.max_num_seqs is not None and endpoint.max_waiting is not None:
+        accepts = endpoint.max_num_seqs + endpoint.max_waiting
+        capacity = accepts if capacity is None else min(capacity, accepts)
+    return EndpointLoad(endpoint.name, endpoint.waiting, endpoint.running, endpoint.kv_cache_usage,
+                        endpoint.in_flight, capacity, accepts)

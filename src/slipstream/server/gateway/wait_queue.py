@@ -19,12 +19,15 @@ When the queue is full a critical request takes the place of the newest standard
 refused, 429), so a critical request is never refused while a standard one waits.
 
 Shares of the in-flight limit (``fair``): while every endpoint is at its limit, a tenant holding
-fewer requests in flight than its share of the endpoints' slots (``slots × its weight ÷ the
-weights' sum`` of the tenants in flight or waiting) is not held here: its request goes to a pod
-past that pod's limit (to at most ``BORROW`` times it), where the engine's fair policy seats it
-at the next step. So a tenant sending a few requests beside a flood waits for no flood request to
-finish; with one tenant, or every tenant at its share, nothing changes. Sheddable requests never
-borrow.
+fewer requests in flight on an endpoint than its share of that endpoint's slots (``slots × its
+weight ÷ the weights' sum`` of the tenants in flight or waiting) is not held here: its request goes
+to such a pod past that pod's limit (to at most ``BORROW`` times it, and never past what the pod
+itself queues: ``max_num_seqs + --max-waiting``), where the engine's fair policy seats it at the
+next step. So a tenant sending a few requests beside a flood waits for no flood request to
+finish; and as each engine splits its own seats by weight among the tenants it holds, every
+tenant keeps its share on every pod (a tenant absent from a pod would leave that pod's seats to
+the others: with weights 3:1 that served 3.6–4.2:1). With one tenant, or every tenant at its
+share everywhere, nothing changes. Sheddable requests never borrow.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class WaitQueue:
         self.service = TokenCounters(tenant_weights, active=self.waiting_by_tenant)
         self._queues: dict[tuple[int, str], deque[_Waiter]] = {}  # (band, tenant) → arrival order
         self._in_flight: dict[str, int] = {}  # tenant → slots granted and not released
+        self._on_endpoint: dict[tuple[str, str], int] = {}  # (endpoint, tenant) → the same, per endpoint
         self._rejected: dict[str, int] = {}  # tenant → requests refused (429; bounded: count_for_tenant)
         self._count = 0
         self._seq = itertools.count()
@@ -117,11 +121,8 @@ class WaitQueue:
 
     def release(self, endpoint: str, tenant: str) -> None:
         """Give back the slot on ``endpoint`` that :meth:`acquire` granted to ``tenant``."""
-        held = self._in_flight.get(tenant, 0) - 1
-        if held > 0:
-            self._in_flight[tenant] = held
-        else:
-            self._in_flight.pop(tenant, None)
+        _count(self._in_flight, tenant, -1)
+        _count(self._on_endpoint, (endpoint, tenant), -1)
         self.endpoints.release(endpoint)  # tells the queue (dispatch) of the freed slot
 
     def charge_output(self, tenant: str, output_tokens: int) -> None:
@@ -131,26 +132,28 @@ class WaitQueue:
     def _try(self, pick: Pick, exclude: Collection[str], tenant: str, *, free: bool = True,
              borrow: bool = True) -> Choice | None:
         """A slot for ``tenant`` now, taken: a free one (``free``), else, while every endpoint is
-        at its limit, a borrowed one if the tenant is below its share (``borrow``; module
-        docstring); or None."""
+        at its limit, a borrowed one on an endpoint where the tenant is below its share
+        (``borrow``; module docstring); or None."""
         loads = self.endpoints.loads()
         if exclude:  # excluded ones only when no other is routable (one pod that came back)
             loads = [e for e in loads if e.name not in exclude] or loads
         choice = pick(loads) if free else None
-        if choice is None and borrow and self.fair and loads and all(e.full for e in loads) \
-                and self._below_share(tenant, loads):
-            choice = pick([dataclasses.replace(e, capacity=BORROW * e.capacity) for e in loads])
+        if choice is None and borrow and self.fair and loads and all(e.full for e in loads):
+            tenants = {tenant, *self._in_flight, *(t for _, t in self._queues)}
+            room = [dataclasses.replace(e, capacity=_borrowed(e)) for e in loads
+                    if self._below_share(tenant, e, tenants)]
+            choice = pick(room) if room else None
         if choice is not None:
             self.endpoints.take(choice.endpoint)
-            self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+            _count(self._in_flight, tenant, 1)
+            _count(self._on_endpoint, (choice.endpoint, tenant), 1)
         return choice
 
-    def _below_share(self, tenant: str, loads: Sequence[EndpointLoad]) -> bool:
-        """One more request of ``tenant`` in flight stays within its share of the slots of
-        ``loads`` (all full, so all limited)."""
-        tenants = {tenant, *self._in_flight, *(t for _, t in self._queues)}
-        share = self.service.shares(sum(e.capacity for e in loads), tenants)[tenant]
-        return self._in_flight.get(tenant, 0) + 1 <= share
+    def _below_share(self, tenant: str, endpoint: EndpointLoad, tenants: set[str]) -> bool:
+        """One more request of ``tenant`` in flight on ``endpoint`` (full, so limited) stays within
+        its share of that endpoint's slots, split among ``tenants``."""
+        share = self.service.shares(endpoint.capacity, tenants)[tenant]
+        return self._on_endpoint.get((endpoint.name, tenant), 0) + 1 <= share
 
     async def acquire(self, pick: Pick, deadline: float, exclude: Collection[str] = (), *,
                       tenant: str = DEFAULT_TENANT, criticality: str = DEFAULT_CRITICALITY,
@@ -262,3 +265,19 @@ class WaitQueue:
                 return
             else:
                 passed.add(waiter.tenant)
+
+
+def _borrowed(endpoint: EndpointLoad) -> int:
+    """``endpoint``'s limit while tenants below their share borrow: ``BORROW`` times its own, at
+    most what the pod itself accepts."""
+    limit = BORROW * endpoint.capacity
+    return limit if endpoint.accepts is None else min(limit, endpoint.accepts)
+
+
+def _count(counts: dict, key, delta: int) -> None:
+    """Add ``delta`` to ``counts[key]``, dropping the key at 0 (one entry per holder now)."""
+    held = counts.get(key, 0) + delta
+    if held > 0:
+        counts[key] = held
+    else:
+        counts.pop(key, None)

@@ -29,7 +29,9 @@ class EndpointLoad:
     kv_cache_usage: fraction of KV blocks in use, 0..1, as last scraped.
     in_flight: requests this router has sent there and not seen finish.
     capacity: the most requests in flight there before it counts as full (the pod's
-        ``max_num_seqs`` plus queue headroom); None for no limit.
+        ``max_num_seqs`` plus queue headroom, at most ``accepts``); None for no limit.
+    accepts: the most requests the pod itself takes before it answers 429 (``max_num_seqs``
+        plus its ``--max-waiting``); None when unknown.
     """
 
     name: str
@@ -38,6 +40,7 @@ class EndpointLoad:
     kv_cache_usage: float = 0.0
     in_flight: int = 0
     capacity: int | None = None
+    accepts: int | None = None
 
     @property
     def load(self) -> float:
