@@ -548,6 +548,25 @@ def test_fairness_reaches_the_pods_and_the_gateway_with_the_same_weights():
     # Defaults: the engine's own default policy, no weights, nothing to pass.
     plain = server_args(parse_spec({}), "chat")
     assert "--scheduling-policy" not in plain and "--tenant-weights" not in plain
+    assert "--tenant-token-limits" not in gateway_args(spec, "chat", "ml")
+
+
+def test_token_limits_reach_the_gateway_split_between_its_replicas():
+    spec = parse_spec({"routing": {"replicas": 3}, "fairness": {"tenants": [
+        {"name": "batch", "tokensPerMinute": 20000}, {"name": "team-a", "weight": 3}, {"name": "tiny", "tokensPerMinute": 1}]}})
+    gateway = gateway_args(spec, "chat", "ml")
+    assert gateway[gateway.index("--tenant-token-limits") + 1] == "batch=6667,tiny=1"  # rounded up
+    assert "--tenant-token-limits" not in server_args(spec, "chat")  # the pods do not enforce them
+    from slipstream.server.gateway.cli import gateway_parser
+    args = gateway_parser().parse_args(gateway[1:])
+    assert args.tenant_token_limits == {"batch": 6667, "tiny": 1}
+    for bad, says in (({"fairness": {"tenants": [{"name": "a", "tokensPerMinute": 0}]}}, "tokensPerMinute"),
+                      ({"fairness": {"tenants": [{"name": "a", "tokensPerMinute": 1.5}]}}, "tokensPerMinute"),
+                      ({"routing": {"enabled": False}, "fairness": {"tenants": [{"name": "a", "tokensPerMinute": 9}]}},
+                       "needs spec.routing.enabled"),
+                      ({"fairness": {"tenants": [{"name": str(i)} for i in range(1001)]}}, "tenants")):
+        with pytest.raises(ValueError, match=says):
+            parse_spec(bad)
     for bad, says in (({"tenants": [{"name": "a"}, {"name": "a"}]}, "repeated: a"),
                       ({"tenants": [{"name": "a,b"}]}, "without ','"),
                       ({"tenants": [{"name": "a", "weight": 0}]}, "weight"),

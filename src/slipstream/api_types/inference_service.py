@@ -20,7 +20,7 @@ from .model import ModelSpec
 from .parallelism import GPUS_EQUAL_TENSOR_MESSAGE, GPUS_EQUAL_TENSOR_RULE, ParallelismSpec
 from .routing_spec import RoutingSpec
 from .schema import QUANTITY_PATTERN, QUANTITY_RULE, CelRule, Quantity, SpecModel, spec_field
-from .tenancy import FairnessSpec
+from .tenancy import TOKEN_LIMITS_NEED_GATEWAY_MESSAGE, TOKEN_LIMITS_NEED_GATEWAY_RULE, FairnessSpec
 
 GROUP = "slipstream.dev"
 VERSION = "v1alpha1"
@@ -88,7 +88,7 @@ class EnvVar(SpecModel):
 class InferenceServiceSpec(SpecModel):
     """The whole ``spec`` with defaults filled in."""
 
-    cel_rules = (GPUS_EQUAL_TENSOR_RULE,)
+    cel_rules = (GPUS_EQUAL_TENSOR_RULE, TOKEN_LIMITS_NEED_GATEWAY_RULE)
 
     model: ModelSpec = spec_field(
         default_factory=ModelSpec,
@@ -137,6 +137,12 @@ class InferenceServiceSpec(SpecModel):
         tensor = self.parallelism.tensor
         if tensor is not None and self.resources.gpus and self.resources.gpus != tensor:
             raise ValueError(GPUS_EQUAL_TENSOR_MESSAGE)
+        return self
+
+    @model_validator(mode="after")
+    def _token_limits_need_gateway(self) -> InferenceServiceSpec:
+        if self.fairness.token_limited and not self.routing.enabled:
+            raise ValueError(TOKEN_LIMITS_NEED_GATEWAY_MESSAGE)
         return self
 
     @property

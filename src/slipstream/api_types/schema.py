@@ -235,6 +235,7 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
 
 
 _MAPPINGS = (dict, collections.abc.Mapping)
+_ITEMS = {"minLength": "minItems", "maxLength": "maxItems"}
 _TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
@@ -285,7 +286,10 @@ def field_schema(info: FieldInfo) -> dict[str, Any]:
             node["default"] = {}  # the API server fills the nested defaults itself
         elif isinstance(info.default, (bool, int, float, str)):  # lists and maps: none, as the CRD
             node["default"] = info.default
-    node.update(_bounds(info))
+    bounds = _bounds(info)
+    if node.get("type") == "array":  # a list's length bounds count items
+        bounds = {_ITEMS.get(k, k): v for k, v in bounds.items()}
+    node.update(bounds)
     node.update(crd["schema"])
     if nested is not None:
         body = object_schema(nested)

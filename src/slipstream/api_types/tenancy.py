@@ -4,12 +4,12 @@ the Virtual Token Counter (VTC, Sheng et al., "Fairness in Serving Large Languag
 OSDI '24), which charges a tenant for the prompt and output tokens it was served."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from pydantic import model_validator
 
-from .schema import SpecModel, spec_field
+from .schema import CelRule, SpecModel, spec_field
 
 # llm-d's name for the header that says whose request it is; the gateway forwards it to the pods.
 FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
@@ -21,6 +21,12 @@ DEFAULT_TENANT = "default"
 TENANT_NAME_PATTERN = r"^[^,=\s]([^,=]*[^,=\s])?$"
 # Weights within these bounds (a weight near 0 makes a counter overflow to inf).
 MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 0.001, 1000.0
+
+# A tenant's tokens-per-minute limit at most this (a billion a minute: no real limit is larger).
+MAX_TOKENS_PER_MINUTE = 10**9
+
+# Tenants listed in spec.fairness at most (bounds the cost of the CRD's CEL rules over them).
+MAX_TENANTS = 1000
 
 # Longest tenant id accepted (as a CRD tenant name): ids come from a header anyone can set.
 MAX_TENANT_LENGTH = 253
@@ -95,6 +101,35 @@ def check_tenant_weights(weights: Mapping[str, float] | None, name: str = "tenan
         raise ValueError(f"{name} must be > 0, got {dict(weights)}")
 
 
+def _parse_tenant_values(text: str, what: str, parse: Callable[[str], float | None], expected: str,
+                         ) -> dict[str, float]:
+    """``NAME=VALUE`` items separated by commas → {name: parse(value)}; ``parse`` gives None for a
+    value out of range. Raises ValueError naming ``what`` and ``expected``, or a name given twice."""
+    values: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        value = parse(raw.strip()) if sep else None
+        if not name or value is None:
+            raise ValueError(f"tenant {what} are NAME={expected} items separated by commas; got {item!r}")
+        if name in values:
+            raise ValueError(f"tenant {name!r} is named twice in the {what}")
+        values[name] = value
+    return values
+
+
+def _weight(text: str) -> float | None:
+    try:
+        weight = float(text)
+    except ValueError:
+        return None
+    return weight if MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT else None
+
+
+def _tokens_per_minute(text: str) -> int | None:
+    return int(text) if text.isdigit() and 1 <= int(text) <= MAX_TOKENS_PER_MINUTE else None
+
+
 def parse_tenant_weights(text: str) -> dict[str, float]:
     """``"team-a=3,team-b=1"`` → ``{"team-a": 3.0, "team-b": 1.0}``; ``""`` → ``{}`` (every
     tenant weight 1). A tenant with weight 3 is served three times the tokens of a weight-1
@@ -104,26 +139,46 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
         ValueError: an item that is not ``NAME=WEIGHT`` with a non-empty name and a finite
             weight > 0, or a name given twice.
     """
-    weights: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = float("nan")
-        if not sep or not name or not MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT:
-            raise ValueError(f"tenant weights are NAME=WEIGHT items with a weight from {MIN_TENANT_WEIGHT:g} to "
-                             f"{MAX_TENANT_WEIGHT:g}, separated by commas; got {item!r}")
-        if name in weights:
-            raise ValueError(f"tenant {name!r} is given a weight twice")
-        weights[name] = weight
-    return weights
+    return _parse_tenant_values(text, "weights", _weight,
+                                f"WEIGHT (from {MIN_TENANT_WEIGHT:g} to {MAX_TENANT_WEIGHT:g})")
+
+
+def check_tenant_token_limits(limits: Mapping[str, int] | None, name: str = "tenant_token_limits") -> None:
+    """The one check of a token-limits mapping given in code (flags go through
+    :func:`parse_tenant_token_limits`).
+
+    Raises:
+        ValueError: a limit that is not an integer ≥ 1, naming ``name``.
+    """
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in (limits or {}).values()):
+        raise ValueError(f"{name} must be integers >= 1 (tokens per minute), got {dict(limits)}")
+
+
+def parse_tenant_token_limits(text: str) -> dict[str, int]:
+    """``"team-a=100000,team-b=20000"`` → tenant → tokens per minute (prompt and generated
+    tokens) the gateway lets it use; ``""`` → ``{}`` (no limits). Tenants not named are not limited.
+
+    Raises:
+        ValueError: an item that is not ``NAME=TOKENS`` with a non-empty name and a whole number
+            from 1 to :data:`MAX_TOKENS_PER_MINUTE`, or a name given twice.
+    """
+    return _parse_tenant_values(text, "token limits", _tokens_per_minute,  # type: ignore[return-value]
+                                f"TOKENS_PER_MINUTE (a whole number from 1 to {MAX_TOKENS_PER_MINUTE})")
+
+
+# On the spec's node: token limits are the gateway's, so they need it (reads two siblings).
+TOKEN_LIMITS_NEED_GATEWAY_MESSAGE = ("spec.fairness.tenants[].tokensPerMinute needs spec.routing.enabled: the gateway "
+                                     "enforces it")
+TOKEN_LIMITS_NEED_GATEWAY_RULE = CelRule(
+    "!has(self.fairness) || !has(self.fairness.tenants) || "
+    "!self.fairness.tenants.exists(t, has(t.tokensPerMinute)) || "
+    "!has(self.routing) || !has(self.routing.enabled) || self.routing.enabled",
+    TOKEN_LIMITS_NEED_GATEWAY_MESSAGE)
 
 
 class TenantSpec(SpecModel):
     """One of ``spec.fairness.tenants``: a tenant (the value of its requests' fairness-id
-    header) and its weight."""
+    header), its weight and, optionally, the tokens per minute the gateway lets it use."""
 
     name: str = spec_field(..., min_length=1, max_length=MAX_TENANT_LENGTH, pattern=TENANT_NAME_PATTERN,
                            rule="a name without ',' or '=' that neither starts nor ends with a space",
@@ -131,6 +186,11 @@ class TenantSpec(SpecModel):
     weight: float = spec_field(1.0, ge=MIN_TENANT_WEIGHT, le=MAX_TENANT_WEIGHT,
                                description="Its share of the tokens served when tenants compete (a "
                                            "tenant not listed weighs 1).")
+    tokens_per_minute: int | None = spec_field(
+        None, ge=1, le=MAX_TOKENS_PER_MINUTE,
+        description="Prompt and generated tokens a minute the gateway lets it use (a token bucket of a "
+                    "minute's worth, split evenly between the gateway replicas); past it its requests "
+                    "get 429 with Retry-After. Unset: no limit. Needs spec.routing.enabled.")
 
 
 class FairnessSpec(SpecModel):
@@ -141,7 +201,8 @@ class FairnessSpec(SpecModel):
         description="fair (the tokens served are shared between tenants by weight; first-come with "
                     "one tenant), priority (requests' priority field, lower sooner) or fcfs.")
     tenants: tuple[TenantSpec, ...] = spec_field(
-        (), strict=False, description="Tenants' weights (a tenant not listed weighs 1).",
+        (), strict=False, max_length=MAX_TENANTS,
+        description="Tenants' weights and token limits (a tenant not listed weighs 1, unlimited).",
         schema={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
 
     @model_validator(mode="after")
@@ -155,3 +216,14 @@ class FairnessSpec(SpecModel):
     def weights_argument(self) -> str | None:
         """``--tenant-weights``' value (``a=3,b=1``), or None with no tenant listed."""
         return ",".join(f"{t.name}={t.weight!r}".removesuffix(".0") for t in self.tenants) or None
+
+    def token_limits_argument(self, gateway_replicas: int) -> str | None:
+        """The gateway's ``--tenant-token-limits`` value, each tenant's ``tokensPerMinute`` split
+        evenly between ``gateway_replicas`` (rounded up: the service's total is never below the
+        spec's by more than a token a replica); None when no tenant is limited."""
+        return ",".join(f"{t.name}={-(-t.tokens_per_minute // gateway_replicas)}"
+                        for t in self.tenants if t.tokens_per_minute is not None) or None
+
+    @property
+    def token_limited(self) -> bool:
+        return any(t.tokens_per_minute is not None for t in self.tenants)

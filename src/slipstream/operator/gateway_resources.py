@@ -78,6 +78,7 @@ def gateway_args(spec: InferenceServiceSpec, name: str, namespace: str) -> list[
         "--queue-timeout", str(routing.queue_timeout_seconds),
         *(["--tenant-weights", spec.fairness.weights_argument()] if spec.fairness.weights_argument() else []),
         *(["--scheduling-policy", spec.fairness.policy] if spec.fairness.policy != DEFAULT_SCHEDULING_POLICY else []),
+        *(["--tenant-token-limits", limits] if (limits := spec.fairness.token_limits_argument(routing.replicas)) else []),
     ]
 
 

@@ -85,3 +85,12 @@ def tenant_weights(text: str) -> dict[str, float]:
         return parse_tenant_weights(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def tenant_token_limits(text: str) -> dict[str, int]:
+    """``NAME=TOKENS_PER_MINUTE,...`` (:func:`~slipstream.api_types.tenancy.parse_tenant_token_limits`)."""
+    from slipstream.api_types.tenancy import parse_tenant_token_limits
+    try:
+        return parse_tenant_token_limits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

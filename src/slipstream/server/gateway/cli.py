@@ -9,7 +9,7 @@ from pathlib import Path
 from slipstream.api_types.tenancy import SCHEDULING_POLICIES
 
 from ..cli import HelpFormatter, byte_size, configure_logging
-from ..cli_types import int_at_least, non_negative_float, positive_float, tenant_weights
+from ..cli_types import int_at_least, non_negative_float, positive_float, tenant_token_limits, tenant_weights
 
 from .config import GatewayConfig
 from .routing import DEFAULT_POLICY, POLICIES
@@ -62,6 +62,10 @@ def gateway_parser() -> argparse.ArgumentParser:
     q.add_argument("--tenant-weights", type=tenant_weights, default=None, metavar="NAME=W,...",
                    help="tenants' shares (the x-gateway-inference-fairness-id header) when requests wait for a "
                         "model server, e.g. 'team-a=3,team-b=1' (a tenant not named weighs 1); give the pods the same")
+    q.add_argument("--tenant-token-limits", type=tenant_token_limits, default=None, metavar="NAME=TPM,...",
+                   help="tokens a minute (prompt and generated) a tenant may use through this gateway, e.g. "
+                        "'team-a=100000,batch=20000'; past it the tenant's requests get 429 with Retry-After "
+                        "(a token bucket of a minute's worth; a tenant not named is not limited)")
     q.add_argument("--max-tries", type=int_at_least(1), default=d.max_tries,
                    help="most endpoints one request is sent to (a connection error or 503 before the first "
                         "byte moves it on; never after)")
@@ -118,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_request_bytes=args.max_request_bytes, prefix_capacity=args.prefix_capacity,
         block_index_capacity=args.block_index_capacity, max_prompt_blocks=args.max_prompt_blocks,
         shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or None, tenant_weights=args.tenant_weights,
-        scheduling_policy=args.scheduling_policy)
+        scheduling_policy=args.scheduling_policy, tenant_token_limits=args.tenant_token_limits)
 
 
 def main(argv: list[str]) -> int:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES, check_tenant_weights
+from slipstream.api_types.tenancy import (DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES, check_tenant_token_limits,
+                                          check_tenant_weights)
 
 from .routing import DEFAULT_POLICY, POLICIES, Weights
 
@@ -44,6 +45,8 @@ class GatewayConfig:
     shutdown_timeout: seconds a stopping gateway gives in-flight requests.
     tenant_weights: tenant → share of the dispatch from the gateway's queue (default 1 each), as
         the pods' ``--tenant-weights``.
+    tenant_token_limits: tenant → tokens per minute (prompt and generated) it may use through this
+        gateway (:mod:`.token_limits`); a tenant not named is not limited.
     scheduling_policy: ``fair`` (between tenants) or first-come (``fcfs``, and ``priority``,
         whose order the pods apply) for the requests the gateway holds, as the pods' policy.
     api_key: the pods' ``--api-key``, for the gateway's own requests to them (tokenizer files,
@@ -76,6 +79,7 @@ class GatewayConfig:
     api_key: str | None = field(default=None, repr=False)
     tenant_weights: dict[str, float] | None = None
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
+    tenant_token_limits: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", tuple(dict.fromkeys(normalize_url(u) for u in self.endpoints)))
@@ -106,6 +110,7 @@ class GatewayConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
         check_tenant_weights(self.tenant_weights)
+        check_tenant_token_limits(self.tenant_token_limits)
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 

@@ -5,15 +5,17 @@ A request's path through the gateway:
 1. Read the body (bounded by ``max_request_bytes``) and build a :class:`RouteRequest` from it
    (the prompt's block hashes for the prefix policies, a session key) for the inference paths;
    every other path goes to the least-loaded endpoint.
-2. Take a slot (:meth:`WaitQueue.acquire`): at once, or after waiting in the gateway's queue
+2. A tenant past its tokens-per-minute limit (``--tenant-token-limits``) gets 429 with the
+   ``Retry-After`` of its bucket (:mod:`.token_limits`); else its estimated prompt is charged.
+3. Take a slot (:meth:`WaitQueue.acquire`): at once, or after waiting in the gateway's queue
    until the request's deadline (429 when the queue is full or a sheddable request finds every
    pod busy, 503 past the deadline); waiting requests are served by criticality, then fairly
    between tenants (the ``x-gateway-inference-fairness-id`` header, forwarded to the pods too).
-3. Send it with the client's end-to-end headers (``Authorization`` included: the pods enforce
+4. Send it with the client's end-to-end headers (``Authorization`` included: the pods enforce
    their ``--api-key``) and a request id. A connection error or a 503 before the first response
    byte moves it to another endpoint (that one excluded, at most ``max_tries`` endpoints); once
    a byte went to the client it is never sent again.
-4. Relay the response chunk by chunk as it arrives; each write waits for the client (backpressure
+5. Relay the response chunk by chunk as it arrives; each write waits for the client (backpressure
    reaches the pod through TCP). A pod that fails mid-stream ends an event stream with an
    OpenAI-shaped error event; a client that goes away closes the upstream connection, so the pod
    aborts the request and frees its KV blocks.
@@ -39,6 +41,7 @@ from .config import GatewayConfig
 from .endpoints import DEFAULT_BLOCK_SIZE, EndpointSet
 from .metrics import GatewayMetrics
 from .routing import Choice, RouteRequest, Router
+from .token_limits import TokenLimits
 from .usage import TAIL_BYTES, usage_tokens
 from .wait_queue import DeadlineExceeded, QueueFull, Shed, WaitQueue
 
@@ -112,6 +115,7 @@ class Proxy:
         self.metrics = metrics
         self.hasher = hasher
         self._hashing = hasher is not None and router.reads_prompt_blocks
+        self.token_limits = TokenLimits(config.tenant_token_limits)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
@@ -124,7 +128,6 @@ class Proxy:
         body = await request.read()  # bounded by client_max_size (413 past it)
         route, router = await self._route_request(request, body)
         headers = _forward_headers(request, request_id)
-        deadline = start + self.config.queue_timeout
         try:
             tenant = tenant_of(request.headers.get(FAIRNESS_ID_HEADER))
         except ValueError as exc:
@@ -137,6 +140,30 @@ class Proxy:
         # The prompt's size for the tenant's share, before the pod counts it: its hashed blocks, else
         # about 4 bytes of body per token.
         prompt_tokens = len(route.block_hashes) * self._block_size() if route.block_hashes else len(body) // 4
+        charged = 0  # tokens taken from the tenant's token limit, given back unless it is served
+        if self.token_limits and request.method == "POST" and request.path in ROUTED_PATHS:
+            wait = self.token_limits.retry_after(tenant, time.monotonic())
+            if wait is not None:
+                self.queue.count_refusal(tenant)
+                return self._reject(429, "token_limit", request_id,
+                                    f"Tenant {tenant!r} used its {self.token_limits.limits[tenant]} tokens a minute; "
+                                    f"retry after {wait}s.", retry_after=wait)
+            charged = max(1, prompt_tokens)
+            self.token_limits.charge(tenant, charged, time.monotonic())
+        return await self._send(request, request_id, start, body, route, router, headers, tenant, criticality,
+                                prompt_tokens, charged)
+
+    async def _send(self, request: web.Request, request_id: str, start: float, body: bytes, route: RouteRequest,
+                    router: Router, headers: CIMultiDict, tenant: str, criticality: str, prompt_tokens: int,
+                    charged: int) -> web.StreamResponse:
+        """Steps 3–5 of the module docstring; ``charged``: tokens the token limit took, given
+        back when the request is not served."""
+        deadline = start + self.config.queue_timeout
+
+        def refuse(status: int, reason: str, message: str) -> web.Response:
+            self.token_limits.charge(tenant, -charged, time.monotonic())
+            return self._reject(status, reason, request_id, message)
+
         tried: list[str] = []
         last_error = ""
         for attempt in range(self.config.max_tries):
@@ -145,17 +172,17 @@ class Proxy:
                                                   tenant=tenant, criticality=criticality,
                                                   prompt_tokens=prompt_tokens if attempt == 0 else 0)
             except Shed:
-                return self._reject(429, "shed", request_id,
-                                    "Every model server is busy and the request is sheddable "
-                                    f"({CRITICALITY_HEADER}: sheddable); retry after a while.")
+                return refuse(429, "shed", "Every model server is busy and the request is sheddable "
+                              f"({CRITICALITY_HEADER}: sheddable); retry after a while.")
             except QueueFull:
-                return self._reject(429, "queue_full", request_id,
-                                    f"The gateway holds {self.config.max_queue} requests waiting for a model server "
-                                    "already; retry after a while.")
+                return refuse(429, "queue_full", f"The gateway holds {self.config.max_queue} requests waiting for a "
+                              "model server already; retry after a while.")
             except DeadlineExceeded:
-                return self._reject(503, "deadline", request_id,
-                                    f"No model server could take the request within {self.config.queue_timeout:g}s "
-                                    "(none ready, or all at their limit); retry after a while.")
+                return refuse(503, "deadline", f"No model server could take the request within "
+                              f"{self.config.queue_timeout:g}s (none ready, or all at their limit); retry after a while.")
+            except asyncio.CancelledError:  # the client went away while waiting: nothing served
+                self.token_limits.charge(tenant, -charged, time.monotonic())
+                raise
             if attempt == 0:
                 self.metrics.queue_time.observe(time.monotonic() - start)
             self._count_decision(router, route, choice)
@@ -174,6 +201,7 @@ class Proxy:
                 continue
             except BaseException:  # cancelled (the client went away) while connecting
                 self.queue.release(choice.endpoint, tenant)
+                self.token_limits.charge(tenant, -charged, time.monotonic())
                 raise
             if upstream.status == 503 and attempt + 1 < self.config.max_tries:
                 upstream.release()
@@ -186,13 +214,12 @@ class Proxy:
             try:
                 if upstream.status < 400:
                     router.record(route, choice)
-                return await self._relay(request, upstream, request_id, start, tenant)
+                return await self._relay(request, upstream, request_id, start, tenant, charged)
             finally:
                 upstream.close()  # no-op once released; else the pod sees the connection go and aborts
                 self.queue.release(choice.endpoint, tenant)
-        return self._reject(502, "upstream_failed", request_id,
-                            f"No model server answered after {self.config.max_tries} tries (last: {last_error}); "
-                            "retry the request.")
+        return refuse(502, "upstream_failed", f"No model server answered after {self.config.max_tries} tries "
+                      f"(last: {last_error}); retry the request.")
 
     async def _route_request(self, request: web.Request, body: bytes) -> tuple[RouteRequest, Router]:
         if request.method != "POST" or request.path not in ROUTED_PATHS:
@@ -228,18 +255,21 @@ class Proxy:
             self.metrics.prefix_blocks_requested.inc(len(route.block_hashes))
             self.metrics.prefix_blocks_matched.inc(choice.matched_blocks)
 
-    def _reject(self, status: int, reason: str, request_id: str, message: str) -> web.Response:
+    def _reject(self, status: int, reason: str, request_id: str, message: str,
+                retry_after: int | None = None) -> web.Response:
         self.metrics.rejections.labels(reason).inc()
         log.info("request %s rejected (%d, %s)", request_id, status, reason)
         headers = {REQUEST_ID: request_id}
         if status in (429, 503):
-            headers["Retry-After"] = str(self.config.retry_after)
+            headers["Retry-After"] = str(self.config.retry_after if retry_after is None else retry_after)
         return error_response(status, message, code=reason, headers=headers)
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, request_id: str,
-                     start: float, tenant: str = DEFAULT_TENANT) -> web.StreamResponse:
+                     start: float, tenant: str = DEFAULT_TENANT, charged: int = 0) -> web.StreamResponse:
         """Copy ``upstream``'s status, end-to-end headers and body to the client as it arrives;
-        the output tokens its usage reports are charged to ``tenant``."""
+        the output tokens its usage reports are charged to ``tenant``, and its token limit is
+        charged the usage's tokens in place of the ``charged`` estimate (given back after an
+        error status; kept when the response has no usage)."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for key, value in upstream.headers.items():
             if key.lower() not in HOP_BY_HOP and key.lower() not in ("content-length", "x-request-id"):
@@ -280,4 +310,7 @@ class Proxy:
             self.metrics.prompt_tokens.inc(tokens[0])
             self.metrics.generation_tokens.inc(tokens[1])
             self.queue.charge_output(tenant, tokens[1])
+            self.token_limits.charge(tenant, sum(tokens) - charged, time.monotonic())
+        elif upstream.status >= 400:
+            self.token_limits.charge(tenant, -charged, time.monotonic())
         return response

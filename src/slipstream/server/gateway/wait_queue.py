@@ -112,11 +112,16 @@ class WaitQueue:
         return dict(self._in_flight)
 
     def rejected_by_tenant(self) -> dict[str, int]:
-        """Requests refused (shed, queue full) per tenant; bounded, the oldest tenants forgotten."""
+        """Requests refused (shed, queue full, over a token limit) per tenant; bounded, the oldest
+        tenants forgotten."""
         return dict(self._rejected)
 
-    def _refuse(self, tenant: str, error: QueueFull) -> QueueFull:
+    def count_refusal(self, tenant: str) -> None:
+        """Count a request of ``tenant`` refused with 429 (here, or by the gateway's token limits)."""
         count_for_tenant(self._rejected, tenant)
+
+    def _refuse(self, tenant: str, error: QueueFull) -> QueueFull:
+        self.count_refusal(tenant)
         return error
 
     def release(self, endpoint: str, tenant: str) -> None:

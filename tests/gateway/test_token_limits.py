@@ -1,0 +1,104 @@
+"""Per-tenant token limits (``--tenant-token-limits``): the bucket itself, and the gateway
+refusing a tenant past its limit with 429 and Retry-After while others go on."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from gateway_helpers import API_KEY, AUTH, chat, metrics, running_gateway, total
+from slipstream.api_types import metrics as names
+from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER
+
+from slipstream.api_types.tenancy import parse_tenant_token_limits
+from slipstream.server.gateway.token_limits import TokenLimits
+
+
+def test_a_bucket_holds_a_minute_of_tokens_and_refills_at_the_limit_per_minute():
+    limits = TokenLimits({"batch": 600})  # 10 tokens a second
+    assert limits.retry_after("batch", 0.0) is None and limits.remaining("batch", 0.0) == 600
+    limits.charge("batch", 900, 0.0)  # one long answer: 300 owed
+    assert limits.remaining("batch", 0.0) == -300
+    assert limits.retry_after("batch", 0.0) == 30  # 300 tokens at 10 a second
+    assert limits.retry_after("batch", 29.0) == 1
+    assert limits.retry_after("batch", 30.0) is None  # the debt is paid
+    assert limits.remaining("batch", 1000.0) == 600  # an idle tenant banks a minute's worth, no more
+    limits.charge("batch", -10_000, 1000.0)  # a refund never lifts it past the limit either
+    assert limits.remaining("batch", 1000.0) == 600
+
+
+def test_a_tenant_not_named_is_never_limited():
+    limits = TokenLimits({"batch": 1})
+    limits.charge("chat", 10**9, 0.0)
+    assert limits.retry_after("chat", 0.0) is None and limits.remaining("chat", 0.0) is None
+    assert not TokenLimits(None) and TokenLimits({"a": 1})
+
+
+def test_token_limits_parse_as_name_and_whole_tokens_per_minute():
+    assert parse_tenant_token_limits("team-a=100000, batch=20000") == {"team-a": 100000, "batch": 20000}
+    assert parse_tenant_token_limits("") == {}
+    for bad in ("a", "a=0", "=1", "a=x", "a=1.5", "a=-3", "a=1,a=2", "a=10000000000"):
+        with pytest.raises(ValueError, match="tenant"):
+            parse_tenant_token_limits(bad)
+    for bad in ({"a": 0}, {"a": 1.5}, {"a": True}):
+        with pytest.raises(ValueError, match="tenant_token_limits must be integers >= 1"):
+            TokenLimits(bad)
+
+
+async def test_a_tenant_past_its_limit_gets_429_with_retry_after_and_others_are_served(pods):
+    """Through the real gateway and a sim pod: the limited tenant's first request is served and
+    charged its usage; the next, with the bucket spent, is refused (OpenAI-shaped 429, the
+    bucket's Retry-After, counted in the tenant's rejections); another tenant is served; the
+    openai client sees a RateLimitError."""
+    import openai
+
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY,
+                               tenant_token_limits={"batch": 60}) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        batch = {**AUTH, FAIRNESS_ID_HEADER: "batch"}
+        async with session.post(url + "/v1/chat/completions", json=chat(max_tokens=60, ignore_eos=True),
+                                headers=batch) as response:
+            usage = (await response.json())["usage"]
+        assert response.status == 200
+        spent = usage["prompt_tokens"] + usage["completion_tokens"]
+        assert spent > 60  # the whole usage is charged, not the estimate: the bucket is in debt
+        left = gateway.proxy.token_limits.remaining("batch", time.monotonic())
+        assert -spent + 60 <= left < -spent + 61
+        async with session.post(url + "/v1/chat/completions", json=chat(), headers=batch) as response:
+            body = await response.json()
+        assert response.status == 429 and body["error"]["code"] == "token_limit"
+        assert body["error"]["type"] == "rate_limit_error" and "'batch'" in body["error"]["message"]
+        assert 1 <= int(response.headers["Retry-After"]) <= spent  # 1 token a second refills the debt
+        async with session.post(url + "/v1/chat/completions", json=chat(),
+                                headers={**AUTH, FAIRNESS_ID_HEADER: "chat"}) as response:
+            assert response.status == 200  # no limit named, none applied
+        async with session.get(url + "/v1/models", headers=batch) as response:
+            assert response.status == 200  # only inference requests spend tokens
+        samples = await metrics(session, url)
+        assert total(samples, names.GATEWAY_TENANT_REJECTIONS, tenant="batch") == 1
+        assert total(samples, names.GATEWAY_REJECTIONS + "_total", reason="token_limit") == 1
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0,
+                                    default_headers={FAIRNESS_ID_HEADER: "batch"})
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(**chat())
+        await client.close()
+
+
+async def test_a_request_the_gateway_refuses_gives_its_estimate_back(pods):
+    """Queue full: nothing was served, so the limited tenant's bucket is as before."""
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY, max_in_flight=1, max_queue=0,
+                               tenant_token_limits={"batch": 10**6}) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        headers = {**AUTH, FAIRNESS_ID_HEADER: "batch"}
+        first = asyncio.ensure_future(session.post(url + "/v1/chat/completions",
+                                                   json=chat(max_tokens=200, ignore_eos=True), headers=headers))
+        while not gateway.queue.in_flight_by_tenant().get("batch"):
+            await asyncio.sleep(0.01)
+        before = gateway.proxy.token_limits.remaining("batch", time.monotonic())
+        async with session.post(url + "/v1/chat/completions", json=chat(), headers=headers) as response:
+            assert response.status == 429 and (await response.json())["error"]["code"] == "queue_full"
+        after = gateway.proxy.token_limits.remaining("batch", time.monotonic())
+        assert after >= before  # the refused request's estimate came back (plus a little refill)
+        (await first).release()
