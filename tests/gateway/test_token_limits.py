@@ -39,7 +39,7 @@ def test_a_tenant_not_named_is_never_limited():
 def test_token_limits_parse_as_name_and_whole_tokens_per_minute():
     assert parse_tenant_token_limits("team-a=100000, batch=20000") == {"team-a": 100000, "batch": 20000}
     assert parse_tenant_token_limits("") == {}
-    for bad in ("a", "a=0", "=1", "a=x", "a=1.5", "a=-3", "a=1,a=2", "a=10000000000"):
+    for bad in ("a", "a=0", "=1", "a=x", "a=1.5", "a=-3", "a=1,a=2", "a=10000000000", "a=²", "a=1e3"):
         with pytest.raises(ValueError, match="tenant"):
             parse_tenant_token_limits(bad)
     for bad in ({"a": 0}, {"a": 1.5}, {"a": True}):

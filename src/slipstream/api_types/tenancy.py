@@ -127,7 +127,7 @@ def _weight(text: str) -> float | None:
 
 
 def _tokens_per_minute(text: str) -> int | None:
-    return int(text) if text.isdigit() and 1 <= int(text) <= MAX_TOKENS_PER_MINUTE else None
+    return int(text) if text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_TOKENS_PER_MINUTE else None
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
