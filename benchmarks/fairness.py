@@ -105,6 +105,7 @@ async def scenario(args: argparse.Namespace, name: str, streams: dict[str, int],
     procs = [spawn([sys.executable, "-m", "slipstream.server", "serve", "--model",
                     f"sim:{args.profile},time_scale={args.time_scale:g}", "--host", host, "--port", str(POD_PORT),
                     "--max-num-seqs", str(args.max_num_seqs), "--log-interval", "0", "--log-level", "WARNING",
+                    *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []),
                     *extra], OUT / f"fairness-pod-{host}.log") for host in POD_HOSTS]
     gateway = [sys.executable, "-m", "slipstream.server", "gateway", "--host", GATEWAY[0], "--port", str(GATEWAY[1]),
                "--log-level", "WARNING", *extra] + [a for h in POD_HOSTS for a in ("--endpoint", f"http://{h}:{POD_PORT}")]
@@ -193,6 +194,21 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def next_step_floor(rows: list[dict], args: argparse.Namespace) -> tuple[float, float]:
+    """(one full step, B's TTFT p90 floor), modelled seconds: an engine that admits B at the next
+    step still finishes the step in progress first, and beside the flood that is a full token
+    budget of A's prompts (B's closed loop sends its next request just after a step ends, so it
+    waits about a whole one). B alone finds the engine idle. Holds while B's prompt fits one
+    step's budget (with a smaller budget it also spans more steps beside the flood than alone)."""
+    from slipstream.api_types.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from slipstream.server.sim.cost_model import batch_shape, get_profile, step_time
+
+    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    chunks = [(0, args.prompt_tokens)] * (budget // args.prompt_tokens) + [(0, budget % args.prompt_tokens)]
+    step = step_time(get_profile(args.profile), batch_shape(c for c in chunks if c[1]))
+    return step, rows[0]["B"]["ttft_p90_s"] + step
+
+
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     alone = rows[0]["B"]["ttft_p90_s"]
     fcfs_tput = {r["scenario"]: r["tokens_per_s"] for r in rows if r["policy"] == "fcfs"}
@@ -250,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=4.0, help="wall seconds per modelled second")
     p.add_argument("--duration", type=float, default=20.0, help="modelled seconds per scenario")
     p.add_argument("--max-num-seqs", type=int, default=4, help="running slots per pod")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the pods' token budget per step (default: the engine's)")
     p.add_argument("--a-streams", type=int, default=None, help="tenant A's streams (default: 3 × the slots)")
     p.add_argument("--b-streams", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -267,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"\n{model}, {platform.machine()}; {sys.argv}")
     print(table(rows, args))
+    step, floor = next_step_floor(rows, args)
+    if (args.max_num_batched_tokens or args.prompt_tokens) >= args.prompt_tokens:
+            print(f"next-step floor of B's TTFT p90 beside the flood: B alone + one {step:.3f} s step of "
+              f"{args.prompt_tokens}-token prompts = {floor:.3f} s ({floor / rows[0]['B']['ttft_p90_s']:.2f}x B alone)")
     print(f"plot: {args.plot}" if plot(rows, tallies, args.plot) else "plot: matplotlib not installed, skipped")
     return 0
 
