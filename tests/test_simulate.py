@@ -294,6 +294,24 @@ def test_the_azure_csv_is_read_by_its_header_with_seconds_from_the_first_request
     assert [round(a.time, 3) for a in scale_times(arrivals, 0.5)][:2] == [0.0, 0.026]
 
 
+def test_an_azure_csv_saved_by_a_spreadsheet_reads_the_same(tmp_path):
+    """A byte-order mark, other header case, other column order and an extra column."""
+    lines = AZURE_SAMPLE.read_text().splitlines()
+    rows = [line.split(",") for line in lines[1:]]
+    edited = tmp_path / "edited.csv"
+    edited.write_text("\ufeffgeneratedtokens,Timestamp,Region,contexttokens\n"
+                      + "".join(f"{g},{t},westus,{c}\n" for t, c, g in rows), encoding="utf-8")
+    assert read_trace(edited, (1, 1), (1, 1)) == read_trace(AZURE_SAMPLE, (1, 1), (1, 1))
+    short = tmp_path / "short.csv"
+    short.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,12\n")
+    with pytest.raises(ValueError, match="short.csv:2: expected TIMESTAMP"):
+        read_trace(short, (1, 1), (1, 1))
+    binary = tmp_path / "binary.trace"
+    binary.write_bytes(b"\x00\xc0\xff" * 10)
+    with pytest.raises(ValueError, match="binary.trace: not a text trace"):
+        read_trace(binary, (1, 1), (1, 1))
+
+
 def test_over_long_requests_are_capped_prompt_first_and_counted():
     arrivals = read_trace(AZURE_SAMPLE, (1, 1), (1, 1))
     capped, changed = cap_lengths(arrivals, 8192)

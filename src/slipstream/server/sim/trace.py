@@ -115,20 +115,33 @@ def poisson_arrivals(phases: list[Phase], prompt_tokens: tuple[int, int], output
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
+def _is_azure_header(header: str) -> bool:
+    """The header line names :data:`AZURE_COLUMNS` (any order and case, more columns allowed)."""
+    return {c.strip().lower() for c in header.lstrip("\ufeff").split(",")} >= {c.lower() for c in AZURE_COLUMNS}
+
+
 def read_azure_csv(path: str | Path) -> list[Arrival]:
-    """Arrivals of an Azure LLM inference trace CSV (columns :data:`AZURE_COLUMNS`), times in
-    seconds from the first request, sorted. A generated count of 0 becomes 1 (a request makes
-    at least one token). Raises ValueError naming the line of a row that does not parse."""
+    """Arrivals of an Azure LLM inference trace CSV (columns :data:`AZURE_COLUMNS`, in any
+    order or case; a UTF-8 byte-order mark is skipped), times in seconds from the first request,
+    sorted. A generated count of 0 becomes 1 (a request makes at least one token). Raises
+    ValueError naming the line of a row that does not parse."""
     arrivals, first = [], None
-    with open(path, newline="") as f:
-        for number, row in enumerate(csv.DictReader(f), 2):
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        header = [c.strip().lower() for c in next(reader, [])]
+        try:
+            at = [header.index(c.lower()) for c in AZURE_COLUMNS]
+        except ValueError:
+            raise ValueError(f"{path}:1: expected a header with {','.join(AZURE_COLUMNS)}, got {header}") from None
+        for number, row in enumerate(reader, 2):
             try:
+                stamp, context, generated = (row[i] for i in at)
                 # Seven fractional digits: fromisoformat (3.11+) takes them; strptime's %f does not.
-                when = datetime.datetime.fromisoformat(row["TIMESTAMP"].strip()).timestamp()
-                prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+                when = datetime.datetime.fromisoformat(stamp.strip()).timestamp()
+                prompt, output = int(context), int(generated)
                 if prompt < 1 or output < 0:
                     raise ValueError
-            except (ValueError, TypeError, KeyError):
+            except (ValueError, TypeError, IndexError):
                 raise ValueError(f"{path}:{number}: expected TIMESTAMP,ContextTokens,GeneratedTokens with "
                                  f"counts >= 1 and >= 0, got {row}") from None
             first = when if first is None else min(first, when)
@@ -170,11 +183,20 @@ def read_trace(path: str | Path, prompt_tokens: tuple[int, int], output_tokens: 
     """Arrivals from a trace file (see the module docstring: either format, told apart by the
     Azure CSV's header), sorted by time.
 
-    Raises ValueError with the line number of a line that does not parse.
+    Raises ValueError with the line number of a line that does not parse, or naming a file that
+    is not UTF-8 text.
     """
-    with open(path) as f:
+    try:
+        return _read_trace(path, prompt_tokens, output_tokens, seed)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a text trace (byte {exc.start} is not UTF-8)") from None
+
+
+def _read_trace(path: str | Path, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int],
+                seed: int) -> list[Arrival]:
+    with open(path, encoding="utf-8-sig") as f:
         header = f.readline()
-    if [c.strip() for c in header.split(",")][:3] == list(AZURE_COLUMNS):
+    if _is_azure_header(header):
         return read_azure_csv(path)
     rng = random.Random(seed)
     arrivals = []
