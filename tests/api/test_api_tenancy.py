@@ -35,9 +35,14 @@ def test_the_api_passes_the_tenant_header_and_the_priority_field_to_the_engine(h
         assert r.status_code == 400 and "priority" in r.text
         r = http.post("/v1/completions", json={k: v for k, v in body.items() if k != "priority"})
         assert r.status_code == 200
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, "priority": 5},
+                      headers={FAIRNESS_ID_HEADER: "team-b"})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "priority": "high"})
+        assert r.status_code == 400 and "priority" in r.text
     finally:
         engine.make_requests = make
-    assert seen == [("team-a", -3), ("default", 0)]
+    assert seen == [("team-a", -3), ("default", 0), ("team-b", 5)]
 
 
 def test_the_metrics_count_each_tenants_service_waiting_running_and_refusals(http):

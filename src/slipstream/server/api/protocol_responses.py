@@ -111,6 +111,8 @@ class ResponsesRequest(_Strict):
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     max_tool_calls: int | None = Field(None, ge=1)  # bounds built-in tool calls; there are none here
+    # vLLM's, as in the other generation requests: the order within a tenant (lower sooner).
+    priority: int = 0
     # Accepted, type-checked, and otherwise ignored: they do not change the output here.
     user: str | None = None
     prompt_cache_key: str | None = None
@@ -308,7 +310,8 @@ def chat_request(req: ResponsesRequest, items: list[dict], origins: list[str]) -
     if not messages:
         raise bad_request("input must be a string or a non-empty list of items (or give instructions)", "input")
     body: dict[str, Any] = {"messages": messages, "max_tokens": req.max_output_tokens, "temperature": req.temperature,
-                            "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls, "stream": req.stream}
+                            "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls, "stream": req.stream,
+                            "priority": req.priority}
     if req.function_tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.function_tools]
