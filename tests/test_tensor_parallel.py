@@ -419,3 +419,44 @@ def test_two_nodes_serve_one_model_and_node_0_exits_1_when_node_1_dies(tmp_path)
         for n in nodes:
             if n.poll() is None:
                 os.killpg(n.pid, signal.SIGKILL)
+
+
+def test_a_stopped_rank_makes_ready_say_stalled_until_it_resumes(tmp_path):
+    """A rank that stops without dying (SIGSTOP; a hung driver) blocks the step in a transfer
+    for gloo's whole timeout. Past ``--step-timeout`` the server's /ready answers 503 ``stalled``,
+    so load balancers move traffic away while the server stays up; when the rank resumes, the
+    request completes and /ready is 200 again."""
+    import concurrent.futures
+    import time
+
+    from slipstream.server.distributed.group import free_port
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    server = _serve(["--pipeline-parallel-size", "2", "--port", str(port), "--kv-cache-memory-bytes", "16MiB",
+                     "--step-timeout", "1"], log)
+    base = f"http://127.0.0.1:{port}"
+    worker = None
+    try:
+        _wait_ready(base, server, tmp_path / "serve.log")
+        [worker] = _workers(server.pid)
+        os.kill(worker, signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(_get, base + "/v1/chat/completions", CHAT)
+            deadline = time.monotonic() + 30
+            while (ready := _get(base + "/ready"))[0] == 200:
+                assert time.monotonic() < deadline, "/ready stayed 200 with a rank stopped"
+                time.sleep(0.2)
+            assert ready[0] == 503 and ready[1]["status"] == "stalled" and ready[1]["step_seconds"] > 1
+            assert not answer.done() and server.poll() is None
+            os.kill(worker, signal.SIGCONT)
+            worker = None
+            status, body = answer.result(timeout=60)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        assert _get(base + "/ready")[0] == 200
+        assert "/ready answers 503" in open(tmp_path / "serve.log").read()
+    finally:
+        if worker is not None:
+            os.kill(worker, signal.SIGCONT)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)

@@ -19,7 +19,7 @@ from slipstream.api_types.parallelism import (MASTER_ADDR_FLAG, MASTER_PORT_FLAG
                                               PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
 from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, SCHEDULING_POLICIES
 
-from .cli_types import fraction, listen_port, non_negative_int, port, positive_int, tenant_weights
+from .cli_types import fraction, listen_port, non_negative_float, non_negative_int, port, positive_int, tenant_weights
 
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
@@ -185,6 +185,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="also export vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc")
     h.add_argument("--max-request-bytes", type=byte_size, default=8 << 20,
                    help="largest request body accepted; larger ones get 413")
+    h.add_argument("--step-timeout", type=non_negative_float, default=120.0,
+                   help="seconds one engine step may run before GET /ready answers 503 'stalled' (traffic "
+                        "moves to other replicas; the server stays up); 0: never")
     h.add_argument("--log-interval", type=float, default=10.0,
                    help="seconds between status lines (running, waiting, KV usage, tokens/s); 0 turns them off")
     h.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -239,7 +242,7 @@ def run_serve(argv: list[str]) -> int:
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
                             log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,
-                            reasoning_parser=args.reasoning_parser)
+                            reasoning_parser=args.reasoning_parser, step_timeout=args.step_timeout)
     return asyncio.run(serve(engine, options, args.host, args.port))
 
 

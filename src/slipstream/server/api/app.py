@@ -60,6 +60,11 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if not state.ready:
         return web.json_response({"status": "loading"}, status=503)
+    stalled = state.stalled_for()
+    if stalled is not None:  # the pod stays up: the step may end (or a collective time out and fail it)
+        logger.warning("the engine step has run %.0f s (--step-timeout %g): /ready answers 503",
+                       stalled, state.options.step_timeout)
+        return web.json_response({"status": "stalled", "step_seconds": round(stalled, 1)}, status=503)
     return web.json_response({"status": "ready", "model": state.model_name})
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from slipstream.server.api.errors import bad_request, refusal
+from slipstream.server.api.errors import refusal
 from slipstream.server.api.protocol import DetokenizeRequest, TokenizeRequest, check_model, validate
 from slipstream.server.api.serving import read_json
 from slipstream.server.api.serving_chat import conversation_text

@@ -34,6 +34,8 @@ class ServerOptions:
         ``llama3_json``, ``mistral``; see ``slipstream.server.api.tools``).
     reasoning_parser: the format the model's reasoning is split off in (``qwen3``,
         ``deepseek_r1``; see ``slipstream.server.api.reasoning``); None: no reasoning split.
+    step_timeout: seconds one engine step may run before ``/ready`` answers 503 (``stalled``),
+        so load balancers stop sending requests to a replica whose step hangs; 0: never.
     """
 
     served_model_name: str | None = None
@@ -45,6 +47,7 @@ class ServerOptions:
     log_interval: float = 10.0
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
+    step_timeout: float = 120.0
 
 
 class ServerState:
@@ -77,6 +80,13 @@ class ServerState:
 
     def stats(self) -> Any:
         return self.llm.stats() if self.llm is not None else None
+
+    def stalled_for(self) -> float | None:
+        """Seconds the engine's step in progress has run when past ``step_timeout``, else None."""
+        if not self.options.step_timeout or self.llm is None or not hasattr(self.llm, "step_seconds"):
+            return None
+        seconds = self.llm.step_seconds()
+        return seconds if seconds > self.options.step_timeout else None
 
     def check_accepting(self) -> None:
         if self.draining:

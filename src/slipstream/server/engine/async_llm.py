@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -77,6 +78,14 @@ class AsyncLLM:
         self.failed = asyncio.Event()
         self._kv_listeners: list[Callable[[KVEventBatch], None]] = []  # called on the loop
         self._kv_seq = 0  # engine thread: the last batch handed out
+        self._step_started: float | None = None  # engine thread writes, the loop reads (/ready)
+
+    def step_seconds(self) -> float:
+        """Seconds the step in progress has run (0.0 between steps): a step that never ends (a
+        tensor-parallel rank stopped but not dead, a kernel that hangs) shows here long before a
+        collective's timeout."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     # --- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -253,7 +262,11 @@ class AsyncLLM:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                outputs = engine.step()
+                self._step_started = time.monotonic()
+                try:
+                    outputs = engine.step()
+                finally:
+                    self._step_started = None
             except RankFailed as e:  # no later step can run: fail everything and stop
                 log.error("%s: the engine stops", e)
                 self.failure, self._stopping = e, True
