@@ -73,6 +73,8 @@ def events_of(http, body: dict) -> list[dict]:
             assert event["type"] == name, (name, event)
             EVENT_MODELS[name].model_validate(event)
             events.append(event)
+        elif line.startswith(": "):  # an SSE comment (clients skip it): the usage, last, for a gateway
+            assert json.loads(line[2:])["usage"]["completion_tokens"] == events[-1]["response"]["usage"]["output_tokens"]
         else:
             assert line == "", line
     assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -208,7 +208,7 @@ async def test_a_tenant_below_its_share_on_one_pod_borrows_there_though_at_its_s
     # pod leaves that pod's seats to the others, so shares hold per pod, not only in total.
     endpoints, queue = pods(slots=4, count=2, weights={"a": 3})  # b's share: 1 of each pod's 4
     b = [asyncio.create_task(queue.acquire(first_free, endpoints.clock() + 30, tenant="b")) for _ in range(2)]
-    a = [asyncio.create_task(queue.acquire(first_free, endpoints.clock() + 30, tenant="a")) for _ in range(6)]
+    [asyncio.create_task(queue.acquire(first_free, endpoints.clock() + 30, tenant="a")) for _ in range(6)]
     await turns()
     assert [t.result().endpoint for t in b] == [POD_NAMES[0]] * 2  # b: 2 of the 8 slots, its share overall
     assert sorted(e.in_flight for e in endpoints.loads()) == [4, 4]

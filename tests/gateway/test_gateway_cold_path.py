@@ -133,21 +133,24 @@ async def test_a_full_endpoint_holds_requests_in_the_gateway_and_sends_them_on_i
 
 
 @contextlib.asynccontextmanager
-async def draining_endpoint():
+async def draining_endpoint(status: int = 503):
     """An in-process 'pod' that starts draining at its first /v1 request: from then on /ready
-    and every /v1 request answer 503, as ``slipstream serve`` does after SIGTERM. Its /metrics
-    is idle throughout. Yields (url, paths of the /v1 requests it got)."""
+    and every /v1 request answer 503, as ``slipstream serve`` does after SIGTERM; or, with
+    ``status`` 429, one whose own queue is full: every /v1 request gets 429 and /ready stays 200.
+    Its /metrics is idle throughout. Yields (url, paths of the /v1 requests it got)."""
     hits: list[str] = []
     metrics_text = ("slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
                     "slipstream:kv_cache_usage_perc 0\n")
+    code, kind = ("draining", "service_unavailable_error") if status == 503 else ("rate_limit_exceeded",
+                                                                                  "rate_limit_error")
 
     async def v1(request: web.Request) -> web.Response:
         hits.append(request.path)
-        return web.json_response({"error": {"message": "draining", "type": "service_unavailable_error",
-                                             "param": None, "code": "draining"}}, status=503)
+        return web.json_response({"error": {"message": code, "type": kind, "param": None, "code": code}},
+                                 status=status, headers={"Retry-After": "1"})
 
     async def ready(request: web.Request) -> web.Response:
-        return web.json_response({}, status=503 if hits else 200)
+        return web.json_response({}, status=503 if hits and status == 503 else 200)
 
     async def metrics_page(request: web.Request) -> web.Response:
         return web.Response(text=metrics_text)
@@ -176,6 +179,24 @@ async def test_a_503_before_the_first_byte_is_retried_on_another_endpoint(pods):
         assert not gateway.endpoints.get(draining).ready
         assert total(await metrics(session, pod), SUCCESS) - total(before, SUCCESS) == 6
         assert total(await metrics(session, url), "slipstream:gateway_retries_total", reason="unavailable") == 1
+
+
+async def test_a_full_pods_429_before_the_first_byte_is_retried_on_another_endpoint(pods):
+    """A pod's own queue can be full though the gateway counted room (another gateway replica's
+    requests, n > 1 sequences): its 429 moves the request on, and the pod stays routable."""
+    pod = pods["a"].url
+    async with draining_endpoint(429) as (full, hits), \
+            running_gateway(endpoints=(full, pod), policy="round-robin") as (url, gateway), \
+            aiohttp.ClientSession(headers=AUTH) as session:
+        results = [await post(session, url, chat(f"f{i}", max_tokens=2)) for i in range(6)]
+        assert [status for status, _, _ in results] == [200] * 6
+        refused = hits.count("/v1/chat/completions")  # the gateway's own calls (KV events, tokenizer) aside
+        assert refused >= 2 and gateway.endpoints.get(full).ready
+        assert total(await metrics(session, url), "slipstream:gateway_retries_total", reason="busy") == refused
+    async with draining_endpoint(429) as (full, hits), running_gateway(endpoints=(full,)) as (url, gateway), \
+            aiohttp.ClientSession(headers=AUTH) as session:
+        status, body, _ = await post(session, url, chat("alone", max_tokens=2))
+        assert status == 429 and hits.count("/v1/chat/completions") == 3  # every try refused: the last reaches the client
 
 
 async def test_a_silent_endpoint_does_not_stall_routing(pods):

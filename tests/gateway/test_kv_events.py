@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from slipstream.api_types.metrics import read_pod_load

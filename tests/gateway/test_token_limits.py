@@ -16,6 +16,19 @@ from slipstream.api_types.tenancy import parse_tenant_token_limits
 from slipstream.server.gateway.token_limits import TokenLimits
 
 
+def charges(limits: TokenLimits) -> dict[str, float]:
+    """Tenant → tokens charged to ``limits`` from now on, net of what was given back (refills
+    aside: a large limit refills in milliseconds)."""
+    total: dict[str, float] = {}
+    charge = limits.charge
+
+    def spy(tenant: str, tokens: float, now: float) -> None:
+        total[tenant] = total.get(tenant, 0) + tokens
+        charge(tenant, tokens, now)
+    limits.charge = spy
+    return total
+
+
 def test_a_bucket_holds_a_minute_of_tokens_and_refills_at_the_limit_per_minute():
     limits = TokenLimits({"batch": 600})  # 10 tokens a second
     assert limits.retry_after("batch", 0.0) is None and limits.remaining("batch", 0.0) == 600
@@ -102,3 +115,60 @@ async def test_a_request_the_gateway_refuses_gives_its_estimate_back(pods):
         after = gateway.proxy.token_limits.remaining("batch", time.monotonic())
         assert after >= before  # the refused request's estimate came back (plus a little refill)
         (await first).release()
+
+
+async def test_a_burst_reserves_what_each_request_may_generate_so_it_cannot_run_past_the_limit(pods):
+    """Five requests at once, each allowed 60 tokens, against 50 a minute: the first reserves its
+    prompt and 60 and puts the bucket in debt, so the other four are refused, not served."""
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY,
+                               tenant_token_limits={"burst": 50}) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        headers = {**AUTH, FAIRNESS_ID_HEADER: "burst"}
+
+        async def one() -> int:
+            async with session.post(url + "/v1/chat/completions", json=chat(max_tokens=60), headers=headers) as r:
+                await r.read()
+                return r.status
+        assert sorted(await asyncio.gather(*(one() for _ in range(5)))) == [200, 429, 429, 429, 429]
+
+
+async def test_a_stream_the_client_leaves_is_charged_what_it_was_sent(pods):
+    """The reservation (prompt + 400) gives back the output the client never got: what is charged
+    is the prompt estimate and about one token per event relayed."""
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY,
+                               tenant_token_limits={"leaver": 10**6}) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        spent = charges(gateway.proxy.token_limits)
+        body = chat(max_tokens=400, ignore_eos=True, stream=True)
+        async with session.post(url + "/v1/chat/completions", json=body,
+                                headers={**AUTH, FAIRNESS_ID_HEADER: "leaver"}) as response:
+            events = 0
+            async for line in response.content:
+                events += line.startswith(b"data: ")
+                if events == 20:
+                    break
+        for _ in range(100):  # the gateway sees the client go
+            if not gateway.queue.in_flight_by_tenant():
+                break
+            await asyncio.sleep(0.05)
+        assert 20 <= spent["leaver"] < 400  # not the reservation's 400 output tokens, and not nothing
+
+
+async def test_a_responses_body_that_echoes_long_metadata_is_charged_its_usage(pods):
+    """The Responses API echoes ``metadata`` after ``usage``; 4 KB of it pushed the usage out of
+    the body's tail. The pod's usage header is read first; a stream ends with the usage."""
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY,
+                               tenant_token_limits={"echo": 10**6}) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        spent = charges(gateway.proxy.token_limits)
+        body = {"model": chat()["model"], "input": "Hi", "max_output_tokens": 12,
+                "metadata": {f"k{i}": "é" * 500 for i in range(10)}}
+        headers = {**AUTH, FAIRNESS_ID_HEADER: "echo"}
+        async with session.post(url + "/v1/responses", json=body, headers=headers) as response:
+            usage = (await response.json())["usage"]
+        assert response.status == 200
+        assert spent["echo"] == usage["input_tokens"] + usage["output_tokens"]
+        async with session.post(url + "/v1/responses", json={**body, "stream": True}, headers=headers) as response:
+            raw = await response.read()
+        assert response.status == 200 and raw.rstrip().endswith(b"}")
+        assert spent["echo"] == 2 * (usage["input_tokens"] + usage["output_tokens"])

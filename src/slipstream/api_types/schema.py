@@ -177,7 +177,7 @@ def _rule(info: FieldInfo) -> str:
     if kind == "boolean":
         return "true or false"
     if kind == "array":
-        return "a list"
+        return f"a list of at most {bounds['maxLength']} items" if "maxLength" in bounds else "a list"
     if kind == "integer":
         low, high = bounds.get("minimum"), bounds.get("maximum")
         if low is not None and high is not None:

@@ -50,6 +50,11 @@ def tenant_of(header: str | None) -> str:
     return value
 
 
+# The usage of a response that is not streamed, as a header beside its body (JSON of the body's
+# ``usage``): the gateway charges tenants and counts demand from it without reading the body, whose
+# end may be fields the client echoes (the Responses API's metadata). Streams end with it instead.
+USAGE_HEADER = "x-slipstream-usage"
+
 # How much a request may be shed under overload (llm-d's criticality): sheddable ones are refused
 # (429) as soon as no model server can take them, critical ones are dispatched before the others
 # and never refused while a standard one waits. The gateway reads it; the pods ignore it.
@@ -112,6 +117,9 @@ def _parse_tenant_values(text: str, what: str, parse: Callable[[str], float | No
         value = parse(raw.strip()) if sep else None
         if not name or value is None:
             raise ValueError(f"tenant {what} are NAME={expected} items separated by commas; got {item!r}")
+        if len(name) > MAX_TENANT_LENGTH:
+            raise ValueError(f"a tenant name is at most {MAX_TENANT_LENGTH} characters (the longest "
+                             f"{FAIRNESS_ID_HEADER} header accepted); got {len(name)}")
         if name in values:
             raise ValueError(f"tenant {name!r} is named twice in the {what}")
         values[name] = value
@@ -127,7 +135,9 @@ def _weight(text: str) -> float | None:
 
 
 def _tokens_per_minute(text: str) -> int | None:
-    return int(text) if text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_TOKENS_PER_MINUTE else None
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_TOKENS_PER_MINUTE)):
+        return None
+    return int(text) if 1 <= int(text) <= MAX_TOKENS_PER_MINUTE else None
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
@@ -219,8 +229,8 @@ class FairnessSpec(SpecModel):
 
     def token_limits_argument(self, gateway_replicas: int) -> str | None:
         """The gateway's ``--tenant-token-limits`` value, each tenant's ``tokensPerMinute`` split
-        evenly between ``gateway_replicas`` (rounded up: the service's total is never below the
-        spec's by more than a token a replica); None when no tenant is limited."""
+        evenly between ``gateway_replicas`` (rounded up, so the replicas together allow the spec's
+        limit plus less than one token a replica); None when no tenant is limited."""
         return ",".join(f"{t.name}={-(-t.tokens_per_minute // gateway_replicas)}"
                         for t in self.tenants if t.tokens_per_minute is not None) or None
 

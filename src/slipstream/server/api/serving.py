@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, tenant_of
+from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, USAGE_HEADER, tenant_of
 from slipstream.server.api import render
 from slipstream.server.api.errors import APIError, bad_request, refusal
 from slipstream.server.api.generation import GenerationGroup
@@ -174,7 +174,7 @@ class GenerationCall:
             if error is not None:
                 raise error
         return web.json_response(self.response_body([self.choices[i] for i in sorted(self.choices)]),
-                                 dumps=render.json_text)
+                                 dumps=render.json_text, headers={USAGE_HEADER: render.json_text(self.usage.body())})
 
     def chunk(self, choices: list[dict], usage: render.Usage | None = None) -> dict:
         """A stream chunk; with ``continuous_usage_stats`` each one that has choices carries the usage so far."""

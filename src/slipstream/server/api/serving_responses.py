@@ -156,7 +156,9 @@ class EventStream(SSEStream):
                                   + render.json_text(payload).encode() + b"\n\n")
 
     async def comment(self, payload: dict) -> None:
-        """Nothing: ``response.completed`` carries the usage already (a gateway reads it there)."""
+        """An SSE comment after ``response.completed`` (which carries the usage too, but before
+        fields the request echoes, of any length): the last bytes, where a gateway reads it."""
+        await self.response.write(b": " + render.json_text(payload).encode() + b"\n\n")
 
     async def done(self) -> web.StreamResponse:
         await self.response.write_eof()

@@ -66,7 +66,7 @@ class _EndpointCollector:
                               "Requests the gateway has in flight on the pods, by tenant", labels=["tenant"]),
             # a gauge, not a counter: a tenant's count moves to or from "other" as the ranking changes
             GaugeMetricFamily(names.GATEWAY_TENANT_REJECTIONS,
-                              "Requests the gateway refused while the pods were full (429: shed, queue full), "
+                              "Requests the gateway refused with 429 (shed, queue full, past a token limit), "
                               "by tenant, since start", labels=["tenant"]),
         ]
         for tenant, values in sorted(rows.items()):

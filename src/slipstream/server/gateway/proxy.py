@@ -13,8 +13,9 @@ A request's path through the gateway:
    between tenants (the ``x-gateway-inference-fairness-id`` header, forwarded to the pods too).
 4. Send it with the client's end-to-end headers (``Authorization`` included: the pods enforce
    their ``--api-key``) and a request id. A connection error or a 503 before the first response
-   byte moves it to another endpoint (that one excluded, at most ``max_tries`` endpoints); once
-   a byte went to the client it is never sent again.
+   byte moves it to another endpoint (that one excluded, at most ``max_tries`` endpoints), and so
+   does a 429 (that pod's own queue is full); once a byte went to the client it is never sent
+   again.
 5. Relay the response chunk by chunk as it arrives; each write waits for the client (backpressure
    reaches the pod through TCP). A pod that fails mid-stream ends an event stream with an
    OpenAI-shaped error event; a client that goes away closes the upstream connection, so the pod
@@ -35,14 +36,14 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from slipstream.api_types.tenancy import (CRITICALITIES, CRITICALITY_HEADER, DEFAULT_CRITICALITY, DEFAULT_TENANT,
-                                          FAIRNESS_ID_HEADER, tenant_of)
+                                          FAIRNESS_ID_HEADER, USAGE_HEADER, tenant_of)
 
 from .config import GatewayConfig
 from .endpoints import DEFAULT_BLOCK_SIZE, EndpointSet
 from .metrics import GatewayMetrics
 from .routing import Choice, RouteRequest, Router
 from .token_limits import TokenLimits
-from .usage import TAIL_BYTES, usage_tokens
+from .usage import TAIL_BYTES, usage_header, usage_tokens
 from .wait_queue import DeadlineExceeded, QueueFull, Shed, WaitQueue
 
 log = logging.getLogger("slipstream.gateway")
@@ -88,6 +89,16 @@ def _forward_headers(request: web.Request, request_id: str) -> CIMultiDict:
     return CIMultiDict(headers)
 
 
+def _output_cap(payload: dict) -> int:
+    """Tokens a request may generate at most, as it says (``max_tokens``, chat's
+    ``max_completion_tokens``, the Responses API's ``max_output_tokens``, times ``n``); 0 when it
+    does not say (the pod's default applies) or says something the pod will refuse."""
+    cap = next((v for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+                if isinstance(v := payload.get(k), int) and not isinstance(v, bool) and v > 0), 0)
+    n = payload.get("n")
+    return cap * (n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 128 else 1)
+
+
 def _session_key(request: web.Request, payload: dict) -> str | None:
     """The session for affinity: the X-Session-Id header, else ``prompt_cache_key``, else ``user``."""
     for value in (request.headers.get(SESSION_ID), payload.get("prompt_cache_key"), payload.get("user")):
@@ -126,7 +137,7 @@ class Proxy:
 
     async def _handle(self, request: web.Request, request_id: str, start: float) -> web.StreamResponse:
         body = await request.read()  # bounded by client_max_size (413 past it)
-        route, router = await self._route_request(request, body)
+        route, router, output_cap = await self._route_request(request, body)
         headers = _forward_headers(request, request_id)
         try:
             tenant = tenant_of(request.headers.get(FAIRNESS_ID_HEADER))
@@ -140,7 +151,7 @@ class Proxy:
         # The prompt's size for the tenant's share, before the pod counts it: its hashed blocks, else
         # about 4 bytes of body per token.
         prompt_tokens = len(route.block_hashes) * self._block_size() if route.block_hashes else len(body) // 4
-        charged = 0  # tokens taken from the tenant's token limit, given back unless it is served
+        charged = 0  # tokens reserved from the tenant's token limit, given back unless it is served
         if self.token_limits and request.method == "POST" and request.path in ROUTED_PATHS:
             wait = self.token_limits.retry_after(tenant, time.monotonic())
             if wait is not None:
@@ -148,16 +159,18 @@ class Proxy:
                 return self._reject(429, "token_limit", request_id,
                                     f"Tenant {tenant!r} used its {self.token_limits.limits[tenant]} tokens a minute; "
                                     f"retry after {wait}s.", retry_after=wait)
-            charged = max(1, prompt_tokens)
+            # Reserved: the prompt and all the request may generate (the usage replaces it at the end),
+            # so a burst sent at once cannot run far past the limit before any response ends.
+            charged = max(1, prompt_tokens + output_cap)
             self.token_limits.charge(tenant, charged, time.monotonic())
         return await self._send(request, request_id, start, body, route, router, headers, tenant, criticality,
-                                prompt_tokens, charged)
+                                prompt_tokens, charged, output_cap)
 
     async def _send(self, request: web.Request, request_id: str, start: float, body: bytes, route: RouteRequest,
                     router: Router, headers: CIMultiDict, tenant: str, criticality: str, prompt_tokens: int,
-                    charged: int) -> web.StreamResponse:
-        """Steps 3–5 of the module docstring; ``charged``: tokens the token limit took, given
-        back when the request is not served."""
+                    charged: int, output_cap: int) -> web.StreamResponse:
+        """Steps 3–5 of the module docstring; ``charged``: tokens reserved from the token limit
+        (``output_cap`` of them for the output), given back when the request is not served."""
         deadline = start + self.config.queue_timeout
 
         def refuse(status: int, reason: str, message: str) -> web.Response:
@@ -211,25 +224,37 @@ class Proxy:
                 tried.append(choice.endpoint)
                 self.metrics.retries.labels("unavailable").inc()
                 continue
+            if upstream.status == 429 and attempt + 1 < self.config.max_tries:
+                # the pod's own queue is full (requests from another gateway replica, or n > 1
+                # sequences each): another pod may take it; the last 429 goes to the client
+                upstream.release()
+                self.queue.release(choice.endpoint, tenant)
+                log.info("request %s: %s answered 429; trying another endpoint", request_id, choice.endpoint)
+                tried.append(choice.endpoint)
+                self.metrics.retries.labels("busy").inc()
+                continue
             try:
                 if upstream.status < 400:
                     router.record(route, choice)
-                return await self._relay(request, upstream, request_id, start, tenant, charged)
+                return await self._relay(request, upstream, request_id, start, tenant, charged,
+                                         output_cap if charged else 0)
             finally:
                 upstream.close()  # no-op once released; else the pod sees the connection go and aborts
                 self.queue.release(choice.endpoint, tenant)
         return refuse(502, "upstream_failed", f"No model server answered after {self.config.max_tries} tries "
                       f"(last: {last_error}); retry the request.")
 
-    async def _route_request(self, request: web.Request, body: bytes) -> tuple[RouteRequest, Router]:
+    async def _route_request(self, request: web.Request, body: bytes) -> tuple[RouteRequest, Router, int]:
+        """The routing input, the router, and the most tokens the request asks to generate (0:
+        not said, or not an inference request)."""
         if request.method != "POST" or request.path not in ROUTED_PATHS:
-            return RouteRequest(), self.fallback
+            return RouteRequest(), self.fallback, 0
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
             payload = None
         if not isinstance(payload, dict):  # the pod answers the 400
-            return RouteRequest(session=request.headers.get(SESSION_ID) or None), self.router
+            return RouteRequest(session=request.headers.get(SESSION_ID) or None), self.router, 0
         hashes: tuple[bytes, ...] = ()
         if self._hashing and request.path in HASHED_PATHS:
             reference = self._reference_endpoint()
@@ -239,7 +264,7 @@ class Proxy:
                                                                   reference.block_size))
                 except Exception:  # routing by load alone is still right, only less cache-friendly
                     log.exception("hashing the prompt failed; routing by load")
-        return RouteRequest(hashes, _session_key(request, payload)), self.router
+        return RouteRequest(hashes, _session_key(request, payload)), self.router, _output_cap(payload)
 
     def _reference_endpoint(self):
         """The routable endpoint whose tokenizer and block size stand for all (the first by name)."""
@@ -265,11 +290,14 @@ class Proxy:
         return error_response(status, message, code=reason, headers=headers)
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, request_id: str,
-                     start: float, tenant: str = DEFAULT_TENANT, charged: int = 0) -> web.StreamResponse:
+                     start: float, tenant: str = DEFAULT_TENANT, charged: int = 0,
+                     output_cap: int = 0) -> web.StreamResponse:
         """Copy ``upstream``'s status, end-to-end headers and body to the client as it arrives;
-        the output tokens its usage reports are charged to ``tenant``, and its token limit is
-        charged the usage's tokens in place of the ``charged`` estimate (given back after an
-        error status; kept when the response has no usage)."""
+        the output tokens its usage reports are charged to ``tenant``. Its token limit was
+        reserved ``charged`` tokens (``output_cap`` of them for the output): the usage replaces
+        them; after an error status they are given back; a stream cut short (the client left, the
+        pod failed) is charged the events it relayed, about one token each, in place of
+        ``output_cap``; a response without usage keeps the reservation."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for key, value in upstream.headers.items():
             if key.lower() not in HOP_BY_HOP and key.lower() not in ("content-length", "x-request-id"):
@@ -278,39 +306,48 @@ class Proxy:
         event_stream = upstream.content_type == "text/event-stream"
         if upstream.content_length is not None and not event_stream:
             response.content_length = upstream.content_length
-        await response.prepare(request)
-        first = True
+        first, settled = True, False
         tail = b""  # the body's end, where the usage object is (the demand counters)
-        while True:
-            try:
-                chunk = await upstream.content.readany()
-            except _UPSTREAM_ERRORS as exc:
-                self.metrics.stream_errors.inc()
-                log.warning("request %s: %s failed mid-response (%r)", request_id, upstream.url.origin(), exc)
-                if event_stream:  # the client's SSE parser reads this as an API error, not a hang
-                    message = "The model server failed while streaming the response; retry the request."
-                    event = error_body(502, message, code="upstream_failed")
-                    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                    await response.write_eof()
-                elif request.transport is not None:  # a truncated body must not look complete
-                    request.transport.close()
-                return response
-            if not chunk:
-                break
-            if first:
-                first = False
-                self.metrics.ttft.observe(time.monotonic() - start)
-            tail = (tail + chunk)[-TAIL_BYTES:]
-            await response.write(chunk)
-        upstream.release()
-        await response.write_eof()
-        self.metrics.e2e.observe(time.monotonic() - start)
-        tokens = usage_tokens(tail) if upstream.status < 400 else None
-        if tokens is not None:
-            self.metrics.prompt_tokens.inc(tokens[0])
-            self.metrics.generation_tokens.inc(tokens[1])
-            self.queue.charge_output(tenant, tokens[1])
-            self.token_limits.charge(tenant, sum(tokens) - charged, time.monotonic())
-        elif upstream.status >= 400:
-            self.token_limits.charge(tenant, -charged, time.monotonic())
-        return response
+        events = 0  # SSE data events relayed
+        try:
+            await response.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except _UPSTREAM_ERRORS as exc:
+                    self.metrics.stream_errors.inc()
+                    log.warning("request %s: %s failed mid-response (%r)", request_id, upstream.url.origin(), exc)
+                    if event_stream:  # the client's SSE parser reads this as an API error, not a hang
+                        message = "The model server failed while streaming the response; retry the request."
+                        event = error_body(502, message, code="upstream_failed")
+                        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                        await response.write_eof()
+                    elif request.transport is not None:  # a truncated body must not look complete
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                if first:
+                    first = False
+                    self.metrics.ttft.observe(time.monotonic() - start)
+                tail = (tail + chunk)[-TAIL_BYTES:]
+                events += chunk.count(b"data: ")
+                await response.write(chunk)
+            upstream.release()
+            await response.write_eof()
+            self.metrics.e2e.observe(time.monotonic() - start)
+            settled = True
+            tokens = None
+            if upstream.status < 400:
+                tokens = usage_header(upstream.headers.get(USAGE_HEADER)) or usage_tokens(tail)
+            if tokens is not None:
+                self.metrics.prompt_tokens.inc(tokens[0])
+                self.metrics.generation_tokens.inc(tokens[1])
+                self.queue.charge_output(tenant, tokens[1])
+                self.token_limits.charge(tenant, sum(tokens) - charged, time.monotonic())
+            elif upstream.status >= 400:
+                self.token_limits.charge(tenant, -charged, time.monotonic())
+            return response
+        finally:
+            if not settled and charged and upstream.status < 400:
+                self.token_limits.charge(tenant, events - output_cap, time.monotonic())

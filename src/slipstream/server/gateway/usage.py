@@ -5,7 +5,10 @@ at its end (with nested details such as ``prompt_tokens_details``): in the JSON 
 last SSE event of a stream that asked for it (``stream_options.include_usage``), or, from a
 slipstream pod, in the SSE comment that ends a stream that did not (``: {"usage": ...}``). The proxy keeps
 the last :data:`TAIL_BYTES` of the body and reads the last usage object there; a response
-without one adds no tokens (the autoscaler still counts the request).
+without one adds no tokens (the autoscaler still counts the request). A slipstream pod also sends a
+non-streamed response's usage in the ``x-slipstream-usage`` header
+(:data:`~slipstream.api_types.tenancy.USAGE_HEADER`), read first: the body's end may be fields the
+client echoes (the Responses API's ``metadata``), long enough to push the usage out of the tail.
 """
 from __future__ import annotations
 
@@ -14,6 +17,12 @@ import json
 TAIL_BYTES = 4096
 _KEY = b'"usage"'
 _DECODER = json.JSONDecoder()
+
+
+def usage_header(value: str | None) -> tuple[int, int] | None:
+    """(prompt tokens, generated tokens) of a usage header's JSON object; None when absent or
+    not a usage object."""
+    return usage_tokens(b'"usage":' + value.encode("utf-8", "replace")) if value else None
 
 
 def usage_tokens(tail: bytes) -> tuple[int, int] | None:
