@@ -36,15 +36,8 @@ LEARN_RATE = 0.5                 # weight of a new window's estimate against the
 LEARN_MIN_REQUESTS = 20          # a window with fewer TTFT observations teaches nothing
 CAPACITY_BOUNDS = (0.1, 10.0)    # the learned capacity stays within these multiples of the prior
 HEADROOM = 0.3                  # pods are sized for demand × (1 + HEADROOM)
-# issue 33 experiments (benchmarks/README.md, autoscaling, L4); the defaults are the policy before them
-SIZE_SECONDS = 60.0              # mean request size over this window (finished requests)
-BURST_FLOOR = 0.0                # 1: the quantile is a floor under mean × (1 + HEADROOM)
-BURST_QUANTILE = 0.0             # >0: size for this quantile of binned arrival rates (no HEADROOM)
-BURST_BIN_SECONDS = 10.0         # ... in bins of this length
-BURST_WINDOW_SECONDS = 300.0     # ... over this window
 DRAIN_SECONDS = 30.0             # a backlog should be gone this long after new pods are ready
 HOLD_STARTS = 5.0              # scale-down waits this many start times of lower need
-HOLD_QUANTILE = 1.0              # ... and keeps this quantile of the needs in that time (1: the max)
 ATTAINMENT_SECONDS = 300.0       # status.objectiveAttainment's window
 _EPS = 1e-9
 
@@ -156,32 +149,14 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
 
     long = window(DEMAND_SECONDS)
     requests = rate(long)
-    sized = window(SIZE_SECONDS)
-    finished = sum(r[2] for r in sized)
+    finished = sum(r[2] for r in long)
     if finished > 0:
-        prompt = sum(r[3] for r in sized) / finished
-        generated = sum(r[4] for r in sized) / finished
+        prompt = sum(r[3] for r in long) / finished
+        generated = sum(r[4] for r in long) / finished
         per_request = prompt + prior.generation_weight * generated
     else:
         prompt, generated, per_request = prior.request_tokens, 0.0, prior.request_tokens
-    if BURST_QUANTILE > 0:
-        rates = binned_rates(window(BURST_WINDOW_SECONDS), now, BURST_BIN_SECONDS)
-        if rates:
-            ordered = sorted(rates)
-            q = ordered[min(len(ordered) - 1, max(0, math.ceil(BURST_QUANTILE * len(ordered)) - 1))]
-            requests = max(q, requests * (1 + HEADROOM)) if BURST_FLOOR else q
     return Demand(requests, requests * prompt, requests * generated, requests * per_request, per_request)
-
-
-def binned_rates(rows: Sequence[tuple[float, ...]], now: float, seconds: float) -> list[float]:
-    """Arrival rates (requests/s) of the intervals grouped into bins of ``seconds`` back from
-    ``now`` (an interval longer than a bin is a bin of its own)."""
-    bins: dict[int, list[float]] = {}
-    for r in rows:
-        b = bins.setdefault(int((now - r[0]) // seconds), [0.0, 0.0])
-        b[0] += r[1]
-        b[1] += r[5]
-    return [a / s for a, s in bins.values() if s > 0]
 
 
 def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: CapacityPrior,
@@ -252,13 +227,6 @@ def plan_backlog(backlog: float, demand: float, capacity: float, fleet: Fleet, p
         extra += 1
         took = drain_seconds(backlog, demand, capacity, fleet.ready, arrivals + [start] * extra)
     return extra, took
-
-
-def held_need(needs: Sequence[int], quantile: float) -> int:
-    """The pods a scale-down keeps: the ``quantile`` of the recent per-tick needs (1: their
-    maximum), nearest rank."""
-    ordered = sorted(needs)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(quantile * len(ordered) - _EPS) - 1))]
 
 
 def _measured_start(state: CapacityState, fleet: Fleet, prior: CapacityPrior) -> float:
@@ -348,8 +316,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 3. need from demand
     start = _measured_start(state, fleet, prior)
-    headroom = 0.0 if BURST_QUANTILE > 0 else HEADROOM  # with BURST_FLOOR it is in demand
-    need = max(0, math.ceil(demand.work * (1 + headroom) / capacity - _EPS))
+    need = max(0, math.ceil(demand.work * (1 + HEADROOM) / capacity - _EPS))
     why = (f"demand {demand.requests:.2f} req/s ({demand.prompt_tokens:.0f} prompt + "
            f"{demand.generation_tokens:.0f} generated tokens/s) / {capacity:.0f} tokens/s per pod "
            f"-> {need}")
@@ -382,7 +349,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     needs = tuple(n for n in before if n[0] > now - hold - _EPS) + ((now, need),)
     desired = need
     if need < current_replicas:
-        held = held_need([n for _, n in needs], HOLD_QUANTILE)
+        held = max(n for _, n in needs)
         if guarded:
             desired, why = current_replicas, why + (f"; no scale-down while {queue_per_pod:.1f} requests "
                                                    f"wait per pod or the KV cache is above target")
