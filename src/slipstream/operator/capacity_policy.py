@@ -39,16 +39,6 @@ HEADROOM = 0.3                  # pods are sized for demand × (1 + HEADROOM)
 DRAIN_SECONDS = 30.0             # a backlog should be gone this long after new pods are ready
 HOLD_STARTS = 5.0              # scale-down waits this many start times of lower need
 ATTAINMENT_SECONDS = 300.0       # status.objectiveAttainment's window
-BUDGET = 0.0                     # EXPERIMENT: 1 = headroom and hold follow the error budget
-BUDGET_SECONDS = 3600.0          # EXPERIMENT: the budget's memory (exponential decay), seconds
-BUDGET_TARGET = 0.93             # EXPERIMENT: attainment the controller steers to
-BUDGET_GAIN = 2.0                # EXPERIMENT: scale = 1 + gain × (target − attainment) ÷ 0.1
-BUDGET_HOLD = 1.0                # EXPERIMENT: 1 = the hold scales too
-BUDGET_MAX = 3.0                 # EXPERIMENT: the largest scale
-BUDGET_MIN = 1.0                 # EXPERIMENT: the smallest scale
-BUDGET_HEADROOM_TARGET = 0.93    # EXPERIMENT: attainment the headroom steers to
-BUDGET_PRIOR = 0.0               # EXPERIMENT: pseudo-requests at BUDGET_TARGET the budget starts with
-BUDGET_HEADROOM = 1.0            # EXPERIMENT: 1 = the headroom scales
 _EPS = 1e-9
 
 
@@ -103,7 +93,6 @@ class CapacityState:
     start_seconds: float | None = None
     needs: tuple[tuple[float, int], ...] = ()
     last_active: float | None = None
-    budget: tuple[float, float] = (0.0, 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": "capacity", "time": self.time,
@@ -324,25 +313,10 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
         learned_at = now
     total = sum(w[5] for w in work)
     attainment = sum(w[4] for w in work) / total if total > 0 else None
-    met_b, total_b = state.budget
-    if state.time is not None:
-        decay = math.exp(-(now - state.time) / BUDGET_SECONDS)
-        met_b, total_b = met_b * decay, total_b * decay
-    if work and work[-1][0] == now:
-        met_b, total_b = met_b + work[-1][4], total_b + work[-1][5]
-    scale = hscale = 1.0
-    if BUDGET and total_b >= LEARN_MIN_REQUESTS:
-        att = (met_b + BUDGET_PRIOR * BUDGET_TARGET) / (total_b + BUDGET_PRIOR)
-        gap = (BUDGET_TARGET - att) / (1 - OBJECTIVE_QUANTILE)
-        scale = min(BUDGET_MAX, max(BUDGET_MIN, 1 + BUDGET_GAIN * gap))
-        gap = (BUDGET_HEADROOM_TARGET - att) / (1 - OBJECTIVE_QUANTILE)
-        hscale = min(BUDGET_MAX, max(BUDGET_MIN, 1 + BUDGET_GAIN * gap))
-    headroom = HEADROOM * (hscale if BUDGET_HEADROOM else 1.0)
-    hold_starts = HOLD_STARTS * (max(scale, 0.2) if BUDGET_HOLD else 1.0)
 
     # 3. need from demand
     start = _measured_start(state, fleet, prior)
-    need = max(0, math.ceil(demand.work * (1 + headroom) / capacity - _EPS))
+    need = max(0, math.ceil(demand.work * (1 + HEADROOM) / capacity - _EPS))
     why = (f"demand {demand.requests:.2f} req/s ({demand.prompt_tokens:.0f} prompt + "
            f"{demand.generation_tokens:.0f} generated tokens/s) / {capacity:.0f} tokens/s per pod "
            f"-> {need}")
@@ -369,7 +343,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 6. scale-down weighs the start time
     need = spec.clamp(max(need, 1))
-    hold = hold_starts * start
+    hold = HOLD_STARTS * start
     # a fresh state has measured no demand yet (it reads 0): the pods running count as needed now
     before = state.needs if state.time is not None else ((now, current_replicas),)
     needs = tuple(n for n in before if n[0] > now - hold - _EPS) + ((now, need),)
@@ -381,7 +355,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
                                                    f"wait per pod or the KV cache is above target")
         elif held > need:
             desired = min(current_replicas, held)
-            why += f"; keeps {desired}: needed within {hold:.0f}s ({hold_starts:g} starts of {start:.0f}s)"
+            why += f"; keeps {desired}: needed within {hold:.0f}s ({HOLD_STARTS:g} starts of {start:.0f}s)"
 
     # 7. zero
     held_now = waiting + (gateway.in_flight or 0.0 if gateway else 0.0) + sum(
@@ -405,7 +379,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
         state, time=now, totals=found[1] if found else None, source=found[0] if found else None,
         pods=readings, intervals=tuple(intervals), work=tuple(work), capacity=capacity,
         learned_at=learned_at, start_seconds=start if (fleet.start_seconds or state.start_seconds) else None,
-        needs=needs, last_active=last_active, budget=(met_b, total_b))
+        needs=needs, last_active=last_active)
     details = {"policy": "capacity", "demandRequestsPerSecond": round(demand.requests, 3),
                "demandPromptTokensPerSecond": round(demand.prompt_tokens, 1),
                "demandGenerationTokensPerSecond": round(demand.generation_tokens, 1),
