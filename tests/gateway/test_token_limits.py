@@ -172,3 +172,26 @@ async def test_a_responses_body_that_echoes_long_metadata_is_charged_its_usage(p
             raw = await response.read()
         assert response.status == 200 and raw.rstrip().endswith(b"}")
         assert spent["echo"] == 2 * (usage["input_tokens"] + usage["output_tokens"])
+
+
+async def test_a_stream_the_client_leaves_counts_its_events_in_the_fair_share_too(pods):
+    """The gateway's fairness counter charges the output a left stream was sent (about a token
+    per event, as the token limit does): without it a tenant that leaves each stream just before
+    its end is charged its prompts only, and goes ahead of tenants that read theirs to the end."""
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        served = gateway.queue.service.served
+        body = chat(max_tokens=400, ignore_eos=True, stream=True)
+        async with session.post(url + "/v1/chat/completions", json=body,
+                                headers={**AUTH, FAIRNESS_ID_HEADER: "leaver"}) as response:
+            events = 0
+            async for line in response.content:
+                events += line.startswith(b"data: ")
+                if events == 20:
+                    break
+            prompt = served("leaver")  # the prompt estimate, charged when the request got its slot
+        for _ in range(100):  # the gateway sees the client go
+            if not gateway.queue.in_flight_by_tenant():
+                break
+            await asyncio.sleep(0.05)
+        assert served("leaver") >= prompt + 2 * 20, (prompt, served("leaver"))

@@ -297,7 +297,8 @@ class Proxy:
         reserved ``charged`` tokens (``output_cap`` of them for the output): the usage replaces
         them; after an error status they are given back; a stream cut short (the client left, the
         pod failed) is charged the events it relayed, about one token each, in place of
-        ``output_cap``; a response without usage keeps the reservation."""
+        ``output_cap``, and so is its tenant's fair share; a response without usage keeps the
+        reservation."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for key, value in upstream.headers.items():
             if key.lower() not in HOP_BY_HOP and key.lower() not in ("content-length", "x-request-id"):
@@ -349,5 +350,8 @@ class Proxy:
                 self.token_limits.charge(tenant, -charged, time.monotonic())
             return response
         finally:
-            if not settled and charged and upstream.status < 400:
-                self.token_limits.charge(tenant, events - output_cap, time.monotonic())
+            if not settled and upstream.status < 400:
+                # cut short: no usage came; each event relayed is about one token the tenant got
+                self.queue.charge_output(tenant, events)
+                if charged:
+                    self.token_limits.charge(tenant, events - output_cap, time.monotonic())
