@@ -8,7 +8,7 @@ import time
 import aiohttp
 import pytest
 
-from gateway_helpers import API_KEY, AUTH, chat, metrics, running_gateway, total
+from gateway_helpers import API_KEY, AUTH, MODEL, chat, metrics, running_gateway, total
 from slipstream.api_types import metrics as names
 from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER
 
@@ -131,6 +131,23 @@ async def test_a_burst_reserves_what_each_request_may_generate_so_it_cannot_run_
                 return r.status
         assert sorted(await asyncio.gather(*(one() for _ in range(5)))) == [200, 429, 429, 429, 429]
 
+
+
+async def test_a_burst_of_batched_completions_reserves_what_every_prompt_may_generate(pods):
+    """``/v1/completions`` with a list of prompts generates ``max_tokens`` for each: four prompts
+    allowed 60 tokens each reserve 240, so against 100 a minute the first request of a burst puts
+    the bucket in debt and the other four are refused (reserving 60 let a second one through)."""
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY,
+                               tenant_token_limits={"batch": 100}) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        headers = {**AUTH, FAIRNESS_ID_HEADER: "batch"}
+        body = {"model": MODEL, "prompt": ["one", "two", "three", "four"], "max_tokens": 60}
+
+        async def one() -> int:
+            async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+                await r.read()
+                return r.status
+        assert sorted(await asyncio.gather(*(one() for _ in range(5)))) == [200, 429, 429, 429, 429]
 
 async def test_a_stream_the_client_leaves_is_charged_what_it_was_sent(pods):
     """The reservation (prompt + 400) gives back the output the client never got: what is charged

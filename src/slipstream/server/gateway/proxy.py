@@ -91,12 +91,22 @@ def _forward_headers(request: web.Request, request_id: str) -> CIMultiDict:
 
 def _output_cap(payload: dict) -> int:
     """Tokens a request may generate at most, as it says (``max_tokens``, chat's
-    ``max_completion_tokens``, the Responses API's ``max_output_tokens``, times ``n``); 0 when it
-    does not say (the pod's default applies) or says something the pod will refuse."""
+    ``max_completion_tokens``, the Responses API's ``max_output_tokens``, times ``n`` and times
+    the prompts of a completions request's list); 0 when it does not say (the pod's default
+    applies) or says something the pod will refuse."""
     cap = next((v for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
                 if isinstance(v := payload.get(k), int) and not isinstance(v, bool) and v > 0), 0)
     n = payload.get("n")
-    return cap * (n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 128 else 1)
+    return cap * (n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 128 else 1) * _prompts(payload)
+
+
+def _prompts(payload: dict) -> int:
+    """How many prompts ``prompt`` holds: a list of strings or of token-id lists is one each (the
+    pod generates for every one); anything else counts as one."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 def _session_key(request: web.Request, payload: dict) -> str | None:
