@@ -3,14 +3,17 @@ refusing a tenant past its limit with 429 and Retry-After while others go on."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from gateway_helpers import API_KEY, AUTH, MODEL, chat, metrics, running_gateway, total
 from slipstream.api_types import metrics as names
-from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER
+from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, USAGE_HEADER
 
 from slipstream.api_types.tenancy import parse_tenant_token_limits
 from slipstream.server.gateway.token_limits import TokenLimits
@@ -212,3 +215,53 @@ async def test_a_stream_the_client_leaves_counts_its_events_in_the_fair_share_to
                 break
             await asyncio.sleep(0.05)
         assert served("leaver") >= prompt + 2 * 20, (prompt, served("leaver"))
+
+
+
+async def test_a_response_the_client_leaves_mid_body_is_charged_the_usage_its_header_said():
+    """A non-streamed answer is whole at the pod when its headers come (with its usage in
+    ``x-slipstream-usage``): a client that reads them and leaves during the body was served all
+    of it, so its bucket and fair share are charged that usage, not given the output back."""
+    usage = {"prompt_tokens": 7, "completion_tokens": 300, "total_tokens": 307}
+    stalled = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json", USAGE_HEADER: json.dumps(usage)})
+        response.content_length = 100_000
+        await response.prepare(request)
+        await response.write(b'{"id": "chatcmpl-1", "choices": [')
+        stalled.set()
+        await asyncio.sleep(30)  # the rest of a long body, still on its way
+        return response
+
+    async def metrics_page(request: web.Request) -> web.Response:
+        return web.Response(text="slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
+                                 "slipstream:kv_cache_usage_perc 0\n")
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/ready", ready)
+    app.router.add_post("/v1/chat/completions", completions)
+    pod = TestServer(app, host="127.0.0.44", port=0)
+    await pod.start_server()
+    try:
+        async with running_gateway(endpoints=(str(pod.make_url("")).rstrip("/"),),
+                                   tenant_token_limits={"leaver": 10**6}) as (url, gateway), \
+                aiohttp.ClientSession() as session:
+            spent = charges(gateway.proxy.token_limits)
+            async with session.post(url + "/v1/chat/completions", json=chat(max_tokens=400),
+                                    headers={FAIRNESS_ID_HEADER: "leaver"}) as response:
+                assert response.status == 200
+                await stalled.wait()
+                response.close()  # the client leaves
+            for _ in range(100):
+                if not gateway.queue.in_flight_by_tenant():
+                    break
+                await asyncio.sleep(0.05)
+            assert spent["leaver"] == usage["total_tokens"]
+            assert gateway.queue.service.served("leaver") >= 2 * usage["completion_tokens"]
+    finally:
+        await pod.close()

@@ -307,8 +307,8 @@ class Proxy:
         reserved ``charged`` tokens (``output_cap`` of them for the output): the usage replaces
         them; after an error status they are given back; a stream cut short (the client left, the
         pod failed) is charged the events it relayed, about one token each, in place of
-        ``output_cap``, and so is its tenant's fair share; a response without usage keeps the
-        reservation."""
+        ``output_cap``, and so is its tenant's fair share; a body cut short whose usage header
+        came is charged that usage; a response without usage keeps the reservation."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         for key, value in upstream.headers.items():
             if key.lower() not in HOP_BY_HOP and key.lower() not in ("content-length", "x-request-id"):
@@ -361,7 +361,10 @@ class Proxy:
             return response
         finally:
             if not settled and upstream.status < 400:
-                # cut short: no usage came; each event relayed is about one token the tenant got
-                self.queue.charge_output(tenant, events)
+                # cut short: a body not streamed was generated whole (its usage header says how
+                # much); of a stream, each event relayed is about one token the tenant got
+                tokens = usage_header(upstream.headers.get(USAGE_HEADER))
+                self.queue.charge_output(tenant, tokens[1] if tokens else events)
                 if charged:
-                    self.token_limits.charge(tenant, events - output_cap, time.monotonic())
+                    used = sum(tokens) if tokens else charged - output_cap + events
+                    self.token_limits.charge(tenant, used - charged, time.monotonic())
