@@ -133,6 +133,14 @@ def test_without_autoscaling_the_count_stays_and_the_queue_only_grows_during_the
     assert better.ttft_percentiles(quantiles=(0.99,))[0] < 0.5 * result.ttft_percentiles(quantiles=(0.99,))[0]
 
 
+def test_an_arrival_on_the_last_tick_is_played_not_dropped():
+    """Whole-second traces put the last arrival on a tick: the run ends after it, not before it."""
+    cluster = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(enabled=False), initial=1, tick=2.0)
+    result = cluster.run([Arrival(0.0, 10, 10), Arrival(2.0, 10, 10), Arrival(4.0, 10, 10)])
+    assert [r.arrival for r in result.requests] == [0.0, 2.0, 4.0]
+    assert all(r.finished is not None for r in result.requests)
+
+
 def test_from_zero_the_first_arrival_starts_a_replica_all_finish_and_idle_returns_to_zero():
     cluster = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(min_replicas=0, scale_to_zero_after_seconds=30),
                       startup_delay=10.0, tick=1.0)

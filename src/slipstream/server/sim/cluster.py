@@ -459,7 +459,8 @@ class Cluster:
             self._retire_idle_drained(now)
             self._autoscale(now, count, result)
             busy = self.pending or any(not r.idle for r in self.replicas)
-            if now >= end and (not busy or now >= end + drain_limit):
+            # every arrival played: one at exactly a tick is counted on the next tick (bisect_left)
+            if now >= end and i == len(arrivals) and (not busy or now >= end + drain_limit):
                 break
         result.end_time = now
         for replica in self.replicas + self.retired:
