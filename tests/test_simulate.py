@@ -59,6 +59,38 @@ def test_trace_file_skips_header_and_comments_and_fills_missing_lengths(tmp_path
         read_trace(path, (1, 1), (1, 1))
 
 
+@pytest.mark.parametrize("line", ["nan 10 10", "inf 10 10", "1e999 10 10"])
+def test_a_trace_time_that_is_not_a_finite_number_names_its_line(tmp_path, line):
+    path = tmp_path / "trace.txt"
+    path.write_text(f"0 10 10\n{line}\n")
+    with pytest.raises(ValueError, match="trace.txt:2"):
+        read_trace(path, (1, 1), (1, 1))
+
+
+@pytest.mark.parametrize("text", ["", "# nothing\n\n", "TIMESTAMP,ContextTokens,GeneratedTokens\n",
+                                  '{"time": 1, "prompt": 10}\n'])
+def test_a_trace_without_arrivals_is_refused(tmp_path, text, capsys):
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="no arrivals"):
+        read_trace(path, (1, 1), (1, 1))
+    assert simulate.main(["--profile", "tiny", "--trace", str(path), "--no-plot"]) == 2
+    assert "no arrivals" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--trace", "TRACE", "--time-scale", "inf"], "time scale"),
+    (["--trace", "TRACE", "--time-scale", "1e308"], "time scale"),
+    (["--rate", "1rps for 5s", "--time-scale", "0.5"], "--time-scale"),
+])
+def test_a_time_scale_must_stretch_a_trace_to_finite_times(tmp_path, flags, says, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("0 10 10\n5 10 10\n")
+    flags = [str(trace) if f == "TRACE" else f for f in flags]
+    assert simulate.main(["--profile", "tiny", "--no-plot", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_lengths_are_a_count_or_a_range():
     assert parse_length("256") == (256, 256) and parse_length("64-1024") == (64, 1024)
     with pytest.raises(ValueError, match="A-B"):

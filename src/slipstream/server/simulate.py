@@ -196,6 +196,8 @@ def arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None]:
             raise ValueError(f"--workload {args.workload} makes its own arrivals from --rate; drop --trace")
         played = read_trace(args.trace, args.prompt_tokens, args.output_tokens, args.seed)
         return scale_times(played, getattr(args, "time_scale", 1.0)), None
+    if getattr(args, "time_scale", 1.0) != 1.0:
+        raise ValueError("--time-scale stretches a --trace; a --rate schedule takes its rates and durations")
     phases = parse_rate_schedule(args.rate or DEFAULT_RATE)
     duration = sum(p.duration for p in phases)
     if args.workload == "prefix-groups":
