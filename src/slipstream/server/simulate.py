@@ -340,8 +340,8 @@ def main_compare(args: argparse.Namespace) -> int:
     routing policy when several, named ``STEM-POLICY.png``)."""
     played, _, capped = capped_arrivals(args)
     if not played:
-        raise SystemExit("slipstream simulate: --compare needs arrivals, and this workload has none "
-                         "(a longer --rate, or a trace with rows)")
+        raise ValueError("--compare needs arrivals, and this workload has none (a longer --rate, or a "
+                         "trace with rows)")
     if capped:
         print(f"{capped} requests capped to max_model_len")
     every: dict[str, dict[str, dict[str, Any]]] = {}
