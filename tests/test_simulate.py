@@ -3,6 +3,7 @@ the loop, the head-of-line example and the command itself."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -301,6 +302,36 @@ def test_simulate_reports_bad_input_with_exit_code_2(capsys):
     assert "rate schedule" in capsys.readouterr().err
     assert cli.main(["simulate", "--max-replicas", "0", "--no-plot"]) == 2
     assert "maxReplicas" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--json", "NOWHERE/run.json", "--no-plot"], "--json NOWHERE/run.json: no directory"),
+    (["--json", "HERE", "--no-plot"], "--json HERE: a directory"),
+    (["--plot", "NOWHERE/run.png"], "--plot NOWHERE/run.png: no directory"),
+    (["--plot", "HERE"], "--plot HERE: a directory"),
+])
+def test_an_output_file_that_cannot_be_written_is_a_usage_error_before_the_run(tmp_path, flags, says, capsys):
+    flags = [f.replace("NOWHERE", str(tmp_path / "nowhere")).replace("HERE", str(tmp_path)) for f in flags]
+    says = says.replace("NOWHERE", str(tmp_path / "nowhere")).replace("HERE", str(tmp_path))
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert says in err and "Traceback" not in err and not out
+
+
+def test_a_json_file_that_fails_to_write_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "run.json"))
+    monkeypatch.setattr(Path, "write_text", refuse)
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot",
+                          "--json", str(tmp_path / "run.json")]) == 2
+    assert "Permission denied" in capsys.readouterr().err
+
+
+def test_plotting_without_matplotlib_says_to_install_it_or_give_no_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--plot", str(tmp_path / "run.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot"]) == 0
 
 
 def test_simulate_takes_the_gateways_weight_flags_by_scorer_name(monkeypatch):

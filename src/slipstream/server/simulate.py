@@ -319,6 +319,15 @@ def comparison(results: dict[str, SimResult]) -> str:
 
 def check_args(args: argparse.Namespace) -> None:
     """Flag combinations that cannot mean anything. Raises ValueError saying what to change."""
+    for flag, path in (("--json", args.json), ("--plot", None if args.no_plot else args.plot)):
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise ValueError(f"{flag} {path}: " + ("a directory; name a file" if path.is_dir()
+                                                  else f"no directory {path.parent} to write it in"))
+    if not args.no_plot:
+        try:
+            import matplotlib  # noqa: F401  (only the test extra installs it)
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib); or give --no-plot") from None
     if args.compare and args.no_autoscaling:
         raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
                          "(one fixed count) contradicts it: drop one of them")
@@ -387,6 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"slipstream simulate: {exc}", file=sys.stderr)
         return 2
+    try:
+        return report(args, result, capped, objective)
+    except OSError as exc:
+        print(f"slipstream simulate: {exc}", file=sys.stderr)
+        return 2
+
+
+def report(args: argparse.Namespace, result: SimResult, capped: int, objective: float) -> int:
+    """One run's table, summary, ``--json`` and ``--plot``. Raises OSError for a file not written."""
     print(table(result, args.report_every))
     print()
     print(summary(result))
