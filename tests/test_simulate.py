@@ -334,6 +334,25 @@ def test_plotting_without_matplotlib_says_to_install_it_or_give_no_plot(tmp_path
     assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot"]) == 0
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--max-output-tokens", "0"], "--max-output-tokens"),
+    (["--max-output-tokens", "-5"], "--max-output-tokens"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+])
+def test_counts_that_must_be_positive_are_argparse_errors(flags, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot", *flags])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--tick", "nan"], ["--tick", "inf"], ["--startup-delay", "nan"],
+                                   ["--startup-delay", "inf"]])
+def test_a_tick_or_startup_delay_that_is_not_finite_is_refused(flags, capsys):
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot", *flags]) == 2
+    assert "finite number" in capsys.readouterr().err
+
+
 def test_simulate_takes_the_gateways_weight_flags_by_scorer_name(monkeypatch):
     built = []
     real = simulate.Cluster

@@ -36,7 +36,7 @@ from slipstream.api_types.autoscaling import CRD_KEYS, POLICIES as SCALING_POLIC
 from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 
 from .cli import HelpFormatter
-from .cli_types import tenant_weights
+from .cli_types import positive_int, tenant_weights
 from .gateway.routing.weights import add_weight_flags, weights_from_args
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.compare import best_fixed, compare_results, compare_rows, compare_table, ms, numbers, tenant_numbers
@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
                                                  "or the Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
     load.add_argument("--time-scale", type=float, default=1.0,
                       help="multiply arrival times by this (0.5: the same requests at twice the rate)")
-    load.add_argument("--max-output-tokens", type=int, default=None,
+    load.add_argument("--max-output-tokens", type=positive_int, default=None,
                       help="cut every output to at most N tokens (default: as the trace says)")
     load.add_argument("--no-cap", action="store_true",
                       help="stop on a request longer than the model's max_model_len instead of capping it")
@@ -123,8 +123,8 @@ def parser() -> argparse.ArgumentParser:
                       help="prefix-groups: mean seconds between a session's turns (exponential)")
     pod = p.add_argument_group("replicas")
     pod.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES), help="cost-model profile")
-    pod.add_argument("--max-num-seqs", type=int, help="per replica (default: the profile's)")
-    pod.add_argument("--max-num-batched-tokens", type=int, help="per replica (default: the profile's)")
+    pod.add_argument("--max-num-seqs", type=positive_int, help="per replica (default: the profile's)")
+    pod.add_argument("--max-num-batched-tokens", type=positive_int, help="per replica (default: the profile's)")
     pod.add_argument("--kv-cache-memory-bytes", type=int, help="per replica (default: the profile's memory "
                                                                  "× 0.9 − weights)")
     pod.add_argument("--startup-delay", type=float, default=60.0,
