@@ -278,6 +278,29 @@ def test_an_unknown_autoscaling_key_gets_the_operators_message_in_the_simulator(
     assert "unknown field(s) targetQueueDepht" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, flags, says", [
+    ("a: [\n", [], "not YAML"),
+    ("spec: 5\n", [], "spec must be an object, got 5"),
+    ("objectives: 5\n", ["--ttft-p90-objective", "1"], "spec.autoscaling.objectives must be an object, got 5"),
+    (b"\xff\xfe\n", [], "not UTF-8"),
+])
+def test_a_bad_autoscaling_file_is_one_line_naming_what_is_wrong(tmp_path, text, flags, says, capsys):
+    path = tmp_path / "isvc.yaml"
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(ValueError, match=says):
+        _simulated_spec("--autoscaling", str(path), *flags)
+    assert cli.main(["simulate", "--autoscaling", str(path), "--no-plot", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_inference_service_without_autoscaling_gets_the_defaults(tmp_path):
+    path = tmp_path / "isvc.yaml"
+    for spec in ({}, {"model": {"uri": "hf://x/y"}}):
+        path.write_text(yaml.safe_dump({"kind": "InferenceService", "spec": spec}))
+        assert _simulated_spec("--autoscaling", str(path)) == _simulated_spec()
+
+
 def test_the_simulator_defaults_are_the_operators_but_for_max_replicas():
     operator = parse_spec({"autoscaling": {"enabled": True, "maxReplicas": 8}}).autoscaling
     assert _simulated_spec() == operator

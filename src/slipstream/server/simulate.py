@@ -171,10 +171,20 @@ def autoscaling_spec(args: argparse.Namespace) -> AutoscalingSpec:
     Raises ValueError for a bad value, an unknown key (named) or a bad file."""
     values: dict[str, Any] = {"maxReplicas": 8}
     if args.autoscaling is not None:
-        data = yaml.safe_load(args.autoscaling.read_text()) or {}
+        try:
+            data = yaml.safe_load(args.autoscaling.read_text()) or {}
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{args.autoscaling}: not UTF-8 text (byte {exc.start})") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{args.autoscaling}: not YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{args.autoscaling}: expected a mapping")
-        data = (data.get("spec") or {}).get("autoscaling", data) if "spec" in data else data.get("autoscaling", data)
+        if "spec" in data:  # an InferenceService: its spec.autoscaling (none: the defaults)
+            if not isinstance(data["spec"] or {}, dict):
+                raise ValueError(f"{args.autoscaling}: spec must be an object, got {data['spec']!r}")
+            data = (data["spec"] or {}).get("autoscaling")
+        else:
+            data = data.get("autoscaling", data)
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"{args.autoscaling}: spec.autoscaling must be an object, got {data!r}")
         values.update(data or {})
@@ -183,8 +193,9 @@ def autoscaling_spec(args: argparse.Namespace) -> AutoscalingSpec:
                    if name in _SPEC_FLAGS and getattr(args, name) is not None})
     if getattr(args, "policy", None) is not None:
         values["policy"] = args.policy
-    if getattr(args, "ttft_p90_objective", None) is not None:
-        values["objectives"] = {**(values.get("objectives") or {}), "ttftP90Seconds": args.ttft_p90_objective}
+    objectives = values.get("objectives")
+    if getattr(args, "ttft_p90_objective", None) is not None and (objectives is None or isinstance(objectives, dict)):
+        values["objectives"] = {**(objectives or {}), "ttftP90Seconds": args.ttft_p90_objective}
     return AutoscalingSpec.from_dict(values)
 
 
