@@ -55,6 +55,31 @@ def test_arrivals_are_finished_requests_plus_the_change_in_held_ones():
     assert interval(after, before, 2.0) is None  # a counter went down: a restart, not demand
 
 
+def pod(name: str, requests: float) -> PodLoad:
+    """A model pod that has answered ``requests`` of 100 prompt tokens each."""
+    return PodLoad(name, 0.0, 0, 0, 0.1, prompt_tokens_total=100.0 * requests, generation_tokens_total=0.0,
+                   requests_total=requests)
+
+
+def test_a_pod_or_gateway_pod_missing_one_scrape_is_not_read_as_its_lifetime_of_demand():
+    """Two long-lived pods at 1 req/s each; one scrape of one of them (or of one of two gateway
+    pods) times out. The sum drops and comes back: neither step is an interval."""
+    for reading in ("pods", "gateway"):
+        state = CapacityState()
+        for k in range(60):
+            now, answered = 2.0 * k, 1e5 + 2.0 * k
+            if reading == "pods":
+                samples, gw = [pod("a", answered), pod("b", answered)][k == 35:], None
+            else:
+                samples, gw = [], gateway(2 * answered) if k != 35 else GatewayLoad(
+                    0.0, 0.0, complete=False, requests_total=answered, prompt_tokens_total=100.0 * answered,
+                    generation_tokens_total=0.0)
+            d = decide(spec(), state, samples, now, 2, Fleet(2), gw, PRIOR)
+            state = d.state
+            assert d.details["demandRequestsPerSecond"] == pytest.approx(2.0 if k else 0.0), (reading, k)
+            assert d.desired_replicas == 2, (reading, k)
+
+
 def test_starting_pods_count_as_capacity_arriving_and_are_not_asked_for_again():
     # Demand needs 4; 1 ready and 3 starting (30 s old of a 60 s start): the count stays 4 even
     # with a backlog, because the starting pods drain it before another pod could arrive.

@@ -286,9 +286,15 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 1. counters -> the interval since the last tick
     found = demand_totals(samples, gateway)
+    readings = pod_readings(samples, objective)
+    if found is not None and found[0] == "gateway" and not gateway.complete:
+        found = None  # a silent gateway pod's counters are missing from the sum: no baseline either
     intervals = [i for i in state.intervals if i[0] > now - max(DEMAND_SECONDS, ATTAINMENT_SECONDS) - _EPS]
     step: Interval | None = None
-    if found is not None and state.totals is not None and state.source == found[0] and state.time is not None:
+    # summed over other pods than last tick (one that missed a scrape, or joined), the totals
+    # differ by a pod's lifetime counts: not an interval
+    same = found is not None and (found[0] != "pods" or set(readings) == set(state.pods))
+    if same and state.totals is not None and state.source == found[0] and state.time is not None:
         step = interval(state.totals, found[1], now - state.time)
     if step is not None:
         intervals.append((now, step.arrivals, step.finished, step.prompt_tokens, step.generation_tokens,
@@ -296,7 +302,6 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     demand = estimate_demand(intervals, now, prior)
 
     # 2. capacity
-    readings = pod_readings(samples, objective)
     work = [w for w in state.work if w[0] > now - ATTAINMENT_SECONDS - _EPS]
     if state.time is not None and readings:
         did: PodWork = pod_work(state.pods, readings, now - state.time)
