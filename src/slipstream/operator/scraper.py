@@ -167,18 +167,25 @@ async def scrape_gateways(
     clock: Callable[[], float] = time.time,
 ) -> GatewayScrape:
     """Read every gateway pod's ``/metrics`` concurrently (as :func:`scrape_pods`) and sum what
-    they hold: ``sample`` is None when none answered, its ``in_flight`` None unless every pod
-    that answered exports it, and ``complete`` False when a pod did not answer.
+    they hold: ``sample`` is None when none answered, its ``in_flight`` and each demand counter
+    None unless every pod that answered exports it, and ``complete`` False when a pod did not
+    answer.
     """
     started = clock()
     results = [r for _, r in await _read_all(targets, timeout, session, read_gateway_load)]
     read = [r for r in results if not isinstance(r, ScrapeFailure)]
     failures = tuple(r for r in results if isinstance(r, ScrapeFailure))
     sample = None
+
+    def total(values: Sequence[float | None]) -> float | None:
+        return None if any(v is None for v in values) else sum(values)
+
     if read:
-        in_flight = [r.in_flight for r in read]
         sample = GatewayLoad(
             waiting=sum(r.waiting for r in read),
-            in_flight=None if any(f is None for f in in_flight) else sum(in_flight),
-            complete=not failures)
+            in_flight=total([r.in_flight for r in read]),
+            complete=not failures,
+            requests_total=total([r.requests_total for r in read]),
+            prompt_tokens_total=total([r.prompt_tokens_total for r in read]),
+            generation_tokens_total=total([r.generation_tokens_total for r in read]))
     return GatewayScrape(started, sample, failures)
