@@ -184,6 +184,29 @@ def test_the_state_survives_json_and_another_policys_state_is_not_read():
     assert type(load_state(spec(policy="queue"), data)).__name__ == "AutoscalerState"
 
 
+@pytest.mark.parametrize("stored", [
+    {"totals": [1, 2]}, {"totals": "x"}, {"needs": [[1]]}, {"needs": [[1, "x"]]}, {"pods": [1, 2]},
+    {"pods": {"a": 5}}, {"pods": {"a": [1, 2]}}, {"intervals": 5}, {"intervals": [[1, 2]]}, {"work": [["a"]]},
+    {"work": [[1, 2, 3, 4, 5, 6]]}, {"capacity": "abc"}, {"capacity": math.nan}, {"capacity": -5.0},
+    {"capacity": 0}, {"startSeconds": math.nan}, {"startSeconds": -10}, {"time": "yesterday"},
+    {"learnedAt": "x"}, {"lastActive": True},
+])
+def test_a_stored_state_that_does_not_read_is_a_fresh_one_not_a_failing_tick(stored):
+    """status.autoscaler as another operator version (or a hand edit) left it: the tick goes on
+    from a fresh state, and the state it writes is JSON again."""
+    data = {**json.loads(json.dumps(run_rate(25.0, 20, Fleet(2), 2).state.to_dict())), **stored}
+    for policy in ("capacity", "queue"):
+        state = load_state(spec(policy=policy), data)
+        assert state == type(state)(), stored
+    assert load_state(spec(), [1, 2]) == CapacityState() and load_state(spec(policy="queue"), "x") == \
+        load_state(spec(policy="queue"), {"observations": [[1]], "recommendations": [[1, "x"]]})
+    tick = Tick(100.0, 2, Fleet(2), [PodLoad("p", 0.0, 1, 1, 0.5)], gateway(10.0))
+    for policy in ("capacity", "queue"):
+        d = policy_decide(spec(policy=policy), load_state(spec(policy=policy), data), tick)
+        assert d.desired_replicas == 2
+        json.dumps(d.state.to_dict(), allow_nan=False)
+
+
 def test_the_policy_entry_point_runs_the_named_policy():
     tick = Tick(0.0, 2, Fleet(2), [PodLoad("p", 0.0, 30, 4, 0.2)], None)
     assert "queue depth" in policy_decide(spec(policy="queue"), None, tick).reason

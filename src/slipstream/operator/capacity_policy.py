@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 from slipstream.api_types.autoscaling import AutoscalingSpec
 from slipstream.api_types.load import GatewayLoad, PodLoad
 
-from .autoscaler import Decision
+from .autoscaler import Decision, stored_number, stored_row
 from .demand import Interval, PodWork, Totals, demand_totals, interval, pod_readings, \
     pod_work, totals_from
 from .fleet import Fleet
@@ -105,18 +105,28 @@ class CapacityState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> CapacityState:
-        """The state :meth:`to_dict` wrote; anything else (None, the queue policy's) is a
+        """The state :meth:`to_dict` wrote; anything else (None, the queue policy's, or one that
+        does not read as the numbers it holds: another operator version's, or edited) is a
         fresh state."""
-        if not data or data.get("policy") != "capacity":
+        if not isinstance(data, Mapping) or data.get("policy") != "capacity":
             return cls()
-        return cls(time=data.get("time"), totals=totals_from(data.get("totals")), source=data.get("source"),
-                   pods={k: tuple(v) for k, v in (data.get("pods") or {}).items()},
-                   intervals=tuple(tuple(i) for i in data.get("intervals") or ()),
-                   work=tuple(tuple(w) for w in data.get("work") or ()),
-                   capacity=data.get("capacity"), learned_at=data.get("learnedAt"),
-                   start_seconds=data.get("startSeconds"),
-                   needs=tuple((t, int(n)) for t, n in data.get("needs") or ()),
-                   last_active=data.get("lastActive"))
+        try:
+            pods = data.get("pods") or {}
+            if not isinstance(pods, Mapping):
+                raise ValueError(f"status.autoscaler.pods: expected an object, got {pods!r}")
+            return cls(time=stored_number(data.get("time")),
+                       totals=totals_from(stored_row(data["totals"], 4) if data.get("totals") else None),
+                       source=data.get("source"),
+                       pods={str(k): stored_row(v, 4) for k, v in pods.items()},
+                       intervals=tuple(stored_row(i, 6) for i in data.get("intervals") or ()),
+                       work=tuple(stored_row(w, 7) for w in data.get("work") or ()),
+                       capacity=stored_number(data.get("capacity"), positive=True),
+                       learned_at=stored_number(data.get("learnedAt")),
+                       start_seconds=stored_number(data.get("startSeconds"), positive=True),
+                       needs=tuple((t, int(n)) for t, n in (stored_row(n, 2) for n in data.get("needs") or ())),
+                       last_active=stored_number(data.get("lastActive")))
+        except (TypeError, ValueError):
+            return cls()
 
 
 @dataclass(frozen=True, slots=True)
