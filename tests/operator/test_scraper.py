@@ -129,6 +129,21 @@ async def test_errors_garbage_and_missing_gauges_are_counted_as_failures(pods):
     assert errors["garbage"].startswith("ValueError")
 
 
+async def test_a_pod_or_gateway_reading_nan_or_infinity_is_a_failure_not_a_load(pods):
+    """A NaN or infinite gauge or counter would crash the policy's arithmetic (and the status's
+    JSON) every tick; such a reading is left out and counted like a garbled one."""
+    targets = [await pods("nan-kv", serving(exposition(2, 3, float("nan")))),
+               await pods("inf-waiting", serving(exposition(float("inf"), 3, 0.4))),
+               await pods("fine", serving(exposition(2, 3, 0.4)))]
+    result = await scrape_pods(targets, timeout=2.0)
+    assert [s.pod for s in result.samples] == ["fine"]
+    errors = {f.pod: f.error for f in result.failures}
+    assert "kv_cache_usage_perc is not a finite number" in errors["nan-kv"]
+    assert "num_requests_waiting is not a finite number" in errors["inf-waiting"]
+    gateway = await pods("gateway", serving(gateway_exposition(float("nan"), {})))
+    assert (await scrape_gateways([gateway])).sample is None
+
+
 async def test_a_session_passed_in_is_used_and_left_open(pods):
     target = await pods("pod", serving(exposition(5, 1, 0.1)))
     async with aiohttp.ClientSession() as session:
