@@ -85,7 +85,8 @@ def test_sim_model_string_parses_options():
 @pytest.mark.parametrize("model, message", [
     ("sim:nope", "unknown simulation profile"),
     ("sim:tiny,speed=2", "unknown key"),
-    ("sim:tiny,time_scale=0", "must be > 0"),
+    ("sim:tiny,time_scale=0", "must be a finite number > 0"),
+    ("sim:tiny,time_scale=inf", "must be a finite number > 0"),
     ("sim:tiny,output_len=9-5", "1 <= A <= B"),
     ("sim:tiny,output_len", "key=value"),
     ("sim:tiny,load_seconds=-1", "0..3600"),

@@ -3,6 +3,7 @@ the loop, the head-of-line example and the command itself."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,38 @@ def test_trace_file_skips_header_and_comments_and_fills_missing_lengths(tmp_path
     path.write_text("1.0,10,5\n2.0,ten\n")
     with pytest.raises(ValueError, match="trace.csv:2"):
         read_trace(path, (1, 1), (1, 1))
+
+
+@pytest.mark.parametrize("line", ["nan 10 10", "inf 10 10", "1e999 10 10"])
+def test_a_trace_time_that_is_not_a_finite_number_names_its_line(tmp_path, line):
+    path = tmp_path / "trace.txt"
+    path.write_text(f"0 10 10\n{line}\n")
+    with pytest.raises(ValueError, match="trace.txt:2"):
+        read_trace(path, (1, 1), (1, 1))
+
+
+@pytest.mark.parametrize("text", ["", "# nothing\n\n", "TIMESTAMP,ContextTokens,GeneratedTokens\n",
+                                  '{"time": 1, "prompt": 10}\n'])
+def test_a_trace_without_arrivals_is_refused(tmp_path, text, capsys):
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="no arrivals"):
+        read_trace(path, (1, 1), (1, 1))
+    assert simulate.main(["--profile", "tiny", "--trace", str(path), "--no-plot"]) == 2
+    assert "no arrivals" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--trace", "TRACE", "--time-scale", "inf"], "time scale"),
+    (["--trace", "TRACE", "--time-scale", "1e308"], "time scale"),
+    (["--rate", "1rps for 5s", "--time-scale", "0.5"], "--time-scale"),
+])
+def test_a_time_scale_must_stretch_a_trace_to_finite_times(tmp_path, flags, says, capsys):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("0 10 10\n5 10 10\n")
+    flags = [str(trace) if f == "TRACE" else f for f in flags]
+    assert simulate.main(["--profile", "tiny", "--no-plot", *flags]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_lengths_are_a_count_or_a_range():
@@ -131,6 +164,14 @@ def test_without_autoscaling_the_count_stays_and_the_queue_only_grows_during_the
     scaled = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(), startup_delay=5.0, tick=1.0)
     better = scaled.run(_overload(then=0.0), duration=30.0)
     assert better.ttft_percentiles(quantiles=(0.99,))[0] < 0.5 * result.ttft_percentiles(quantiles=(0.99,))[0]
+
+
+def test_an_arrival_on_the_last_tick_is_played_not_dropped():
+    """Whole-second traces put the last arrival on a tick: the run ends after it, not before it."""
+    cluster = Cluster(TINY, ReplicaConfig.for_profile(TINY), _spec(enabled=False), initial=1, tick=2.0)
+    result = cluster.run([Arrival(0.0, 10, 10), Arrival(2.0, 10, 10), Arrival(4.0, 10, 10)])
+    assert [r.arrival for r in result.requests] == [0.0, 2.0, 4.0]
+    assert all(r.finished is not None for r in result.requests)
 
 
 def test_from_zero_the_first_arrival_starts_a_replica_all_finish_and_idle_returns_to_zero():
@@ -237,6 +278,29 @@ def test_an_unknown_autoscaling_key_gets_the_operators_message_in_the_simulator(
     assert "unknown field(s) targetQueueDepht" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, flags, says", [
+    ("a: [\n", [], "not YAML"),
+    ("spec: 5\n", [], "spec must be an object, got 5"),
+    ("objectives: 5\n", ["--ttft-p90-objective", "1"], "spec.autoscaling.objectives must be an object, got 5"),
+    (b"\xff\xfe\n", [], "not UTF-8"),
+])
+def test_a_bad_autoscaling_file_is_one_line_naming_what_is_wrong(tmp_path, text, flags, says, capsys):
+    path = tmp_path / "isvc.yaml"
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(ValueError, match=says):
+        _simulated_spec("--autoscaling", str(path), *flags)
+    assert cli.main(["simulate", "--autoscaling", str(path), "--no-plot", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_inference_service_without_autoscaling_gets_the_defaults(tmp_path):
+    path = tmp_path / "isvc.yaml"
+    for spec in ({}, {"model": {"uri": "hf://x/y"}}):
+        path.write_text(yaml.safe_dump({"kind": "InferenceService", "spec": spec}))
+        assert _simulated_spec("--autoscaling", str(path)) == _simulated_spec()
+
+
 def test_the_simulator_defaults_are_the_operators_but_for_max_replicas():
     operator = parse_spec({"autoscaling": {"enabled": True, "maxReplicas": 8}}).autoscaling
     assert _simulated_spec() == operator
@@ -261,6 +325,55 @@ def test_simulate_reports_bad_input_with_exit_code_2(capsys):
     assert "rate schedule" in capsys.readouterr().err
     assert cli.main(["simulate", "--max-replicas", "0", "--no-plot"]) == 2
     assert "maxReplicas" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--json", "NOWHERE/run.json", "--no-plot"], "--json NOWHERE/run.json: no directory"),
+    (["--json", "HERE", "--no-plot"], "--json HERE: a directory"),
+    (["--plot", "NOWHERE/run.png"], "--plot NOWHERE/run.png: no directory"),
+    (["--plot", "HERE"], "--plot HERE: a directory"),
+])
+def test_an_output_file_that_cannot_be_written_is_a_usage_error_before_the_run(tmp_path, flags, says, capsys):
+    flags = [f.replace("NOWHERE", str(tmp_path / "nowhere")).replace("HERE", str(tmp_path)) for f in flags]
+    says = says.replace("NOWHERE", str(tmp_path / "nowhere")).replace("HERE", str(tmp_path))
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert says in err and "Traceback" not in err and not out
+
+
+def test_a_json_file_that_fails_to_write_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "run.json"))
+    monkeypatch.setattr(Path, "write_text", refuse)
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot",
+                          "--json", str(tmp_path / "run.json")]) == 2
+    assert "Permission denied" in capsys.readouterr().err
+
+
+def test_plotting_without_matplotlib_says_to_install_it_or_give_no_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--plot", str(tmp_path / "run.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot"]) == 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-output-tokens", "0"], "--max-output-tokens"),
+    (["--max-output-tokens", "-5"], "--max-output-tokens"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+])
+def test_counts_that_must_be_positive_are_argparse_errors(flags, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot", *flags])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--tick", "nan"], ["--tick", "inf"], ["--startup-delay", "nan"],
+                                   ["--startup-delay", "inf"]])
+def test_a_tick_or_startup_delay_that_is_not_finite_is_refused(flags, capsys):
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot", *flags]) == 2
+    assert "finite number" in capsys.readouterr().err
 
 
 def test_simulate_takes_the_gateways_weight_flags_by_scorer_name(monkeypatch):
@@ -424,7 +537,7 @@ def test_a_bad_tenant_share_is_a_usage_error(text, capsys):
 
 
 def test_compare_without_arrivals_and_a_fixed_count_of_none_are_refused(capsys):
-    with pytest.raises(SystemExit, match="--compare needs arrivals"):
-        simulate.main(["--profile", "tiny", "--no-plot", "--compare", "--rate", "1rps for 1s"])
+    assert simulate.main(["--profile", "tiny", "--no-plot", "--compare", "--rate", "1rps for 1s"]) == 2
+    assert "--compare needs arrivals" in capsys.readouterr().err
     assert simulate.main(["--profile", "tiny", "--no-plot", "--no-autoscaling", "--initial-replicas", "0"]) == 2
     assert "serves nothing" in capsys.readouterr().err

@@ -55,6 +55,31 @@ def test_arrivals_are_finished_requests_plus_the_change_in_held_ones():
     assert interval(after, before, 2.0) is None  # a counter went down: a restart, not demand
 
 
+def pod(name: str, requests: float) -> PodLoad:
+    """A model pod that has answered ``requests`` of 100 prompt tokens each."""
+    return PodLoad(name, 0.0, 0, 0, 0.1, prompt_tokens_total=100.0 * requests, generation_tokens_total=0.0,
+                   requests_total=requests)
+
+
+def test_a_pod_or_gateway_pod_missing_one_scrape_is_not_read_as_its_lifetime_of_demand():
+    """Two long-lived pods at 1 req/s each; one scrape of one of them (or of one of two gateway
+    pods) times out. The sum drops and comes back: neither step is an interval."""
+    for reading in ("pods", "gateway"):
+        state = CapacityState()
+        for k in range(60):
+            now, answered = 2.0 * k, 1e5 + 2.0 * k
+            if reading == "pods":
+                samples, gw = [pod("a", answered), pod("b", answered)][k == 35:], None
+            else:
+                samples, gw = [], gateway(2 * answered) if k != 35 else GatewayLoad(
+                    0.0, 0.0, complete=False, requests_total=answered, prompt_tokens_total=100.0 * answered,
+                    generation_tokens_total=0.0)
+            d = decide(spec(), state, samples, now, 2, Fleet(2), gw, PRIOR)
+            state = d.state
+            assert d.details["demandRequestsPerSecond"] == pytest.approx(2.0 if k else 0.0), (reading, k)
+            assert d.desired_replicas == 2, (reading, k)
+
+
 def test_starting_pods_count_as_capacity_arriving_and_are_not_asked_for_again():
     # Demand needs 4; 1 ready and 3 starting (30 s old of a 60 s start): the count stays 4 even
     # with a backlog, because the starting pods drain it before another pod could arrive.
@@ -157,6 +182,29 @@ def test_the_state_survives_json_and_another_policys_state_is_not_read():
     assert CapacityState.from_dict(data) == d.state
     assert load_state(spec(), {"observations": [[1, 2, 3]]}) == CapacityState()
     assert type(load_state(spec(policy="queue"), data)).__name__ == "AutoscalerState"
+
+
+@pytest.mark.parametrize("stored", [
+    {"totals": [1, 2]}, {"totals": "x"}, {"needs": [[1]]}, {"needs": [[1, "x"]]}, {"pods": [1, 2]},
+    {"pods": {"a": 5}}, {"pods": {"a": [1, 2]}}, {"intervals": 5}, {"intervals": [[1, 2]]}, {"work": [["a"]]},
+    {"work": [[1, 2, 3, 4, 5, 6]]}, {"capacity": "abc"}, {"capacity": math.nan}, {"capacity": -5.0},
+    {"capacity": 0}, {"startSeconds": math.nan}, {"startSeconds": -10}, {"time": "yesterday"},
+    {"learnedAt": "x"}, {"lastActive": True},
+])
+def test_a_stored_state_that_does_not_read_is_a_fresh_one_not_a_failing_tick(stored):
+    """status.autoscaler as another operator version (or a hand edit) left it: the tick goes on
+    from a fresh state, and the state it writes is JSON again."""
+    data = {**json.loads(json.dumps(run_rate(25.0, 20, Fleet(2), 2).state.to_dict())), **stored}
+    for policy in ("capacity", "queue"):
+        state = load_state(spec(policy=policy), data)
+        assert state == type(state)(), stored
+    assert load_state(spec(), [1, 2]) == CapacityState() and load_state(spec(policy="queue"), "x") == \
+        load_state(spec(policy="queue"), {"observations": [[1]], "recommendations": [[1, "x"]]})
+    tick = Tick(100.0, 2, Fleet(2), [PodLoad("p", 0.0, 1, 1, 0.5)], gateway(10.0))
+    for policy in ("capacity", "queue"):
+        d = policy_decide(spec(policy=policy), load_state(spec(policy=policy), data), tick)
+        assert d.desired_replicas == 2
+        json.dumps(d.state.to_dict(), allow_nan=False)
 
 
 def test_the_policy_entry_point_runs_the_named_policy():

@@ -129,6 +129,21 @@ async def test_errors_garbage_and_missing_gauges_are_counted_as_failures(pods):
     assert errors["garbage"].startswith("ValueError")
 
 
+async def test_a_pod_or_gateway_reading_nan_or_infinity_is_a_failure_not_a_load(pods):
+    """A NaN or infinite gauge or counter would crash the policy's arithmetic (and the status's
+    JSON) every tick; such a reading is left out and counted like a garbled one."""
+    targets = [await pods("nan-kv", serving(exposition(2, 3, float("nan")))),
+               await pods("inf-waiting", serving(exposition(float("inf"), 3, 0.4))),
+               await pods("fine", serving(exposition(2, 3, 0.4)))]
+    result = await scrape_pods(targets, timeout=2.0)
+    assert [s.pod for s in result.samples] == ["fine"]
+    errors = {f.pod: f.error for f in result.failures}
+    assert "kv_cache_usage_perc is not a finite number" in errors["nan-kv"]
+    assert "num_requests_waiting is not a finite number" in errors["inf-waiting"]
+    gateway = await pods("gateway", serving(gateway_exposition(float("nan"), {})))
+    assert (await scrape_gateways([gateway])).sample is None
+
+
 async def test_a_session_passed_in_is_used_and_left_open(pods):
     target = await pods("pod", serving(exposition(5, 1, 0.1)))
     async with aiohttp.ClientSession() as session:
@@ -239,12 +254,13 @@ async def test_gateway_pods_are_summed_and_a_silent_one_makes_the_reading_incomp
     a = await pods("gateway-a", serving(gateway_exposition(2, {"http://p1": 1, "http://p2": 3})))
     b = await pods("gateway-b", serving(gateway_exposition(1, {})))
     result = await scrape_gateways([a, b], clock=lambda: 5.0)
-    assert result.sample == GatewayLoad(waiting=3.0, in_flight=4.0, complete=True)
+    # the demand counters too (the capacity policy's demand): summed, None where a pod has none
+    assert result.sample == GatewayLoad(waiting=3.0, in_flight=4.0, complete=True, requests_total=18.0)
     assert result.time == 5.0 and result.failures == ()
 
     down = PodTarget("gateway-c", "127.0.0.1", closed_port())
     result = await scrape_gateways([a, down])
-    assert result.sample == GatewayLoad(waiting=2.0, in_flight=4.0, complete=False)
+    assert result.sample == GatewayLoad(waiting=2.0, in_flight=4.0, complete=False, requests_total=9.0)
     assert [f.pod for f in result.failures] == ["gateway-c"]
     assert (await scrape_gateways([down])).sample is None
     assert (await scrape_gateways([])).sample is None

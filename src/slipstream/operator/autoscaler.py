@@ -21,6 +21,24 @@ HISTORY_LIMIT = 10
 _EPS = 1e-9
 
 
+def stored_number(value: Any, positive: bool = False) -> float | None:
+    """A number read back from ``status.autoscaler`` (None stays None). Raises ValueError for
+    anything but a finite number (> 0 with ``positive``): the state's reader starts afresh."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        raise ValueError(f"status.autoscaler: expected a finite number, got {value!r}")
+    return value
+
+
+def stored_row(values: Any, size: int) -> tuple[float, ...]:
+    """A list of ``size`` numbers read back from ``status.autoscaler``; ValueError otherwise."""
+    if not isinstance(values, (list, tuple)) or len(values) != size or None in values:
+        raise ValueError(f"status.autoscaler: expected {size} numbers, got {values!r}")
+    return tuple(stored_number(v) for v in values)
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """Load seen at one tick, summed over the ready pods: waiting requests and KV-cache use
@@ -71,16 +89,22 @@ class AutoscalerState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> AutoscalerState:
-        if not data:
+        """The state :meth:`to_dict` wrote; None, or one that does not read (another
+        operator version's, or edited), is a fresh state."""
+        if not data or not isinstance(data, Mapping):
             return cls()
-        return cls(
-            observations=tuple(Observation(*o) for o in data.get("observations", ())),
-            recommendations=tuple(Recommendation(t, int(r)) for t, r in data.get("recommendations", ())),
-            tracking_since=data.get("trackingSince"),
-            panic_time=data.get("panicTime"),
-            last_scale_time=data.get("lastScaleTime"),
-            last_active=data.get("lastActive"),
-        )
+        try:
+            return cls(
+                observations=tuple(Observation(*stored_row(o, 3)) for o in data.get("observations") or ()),
+                recommendations=tuple(Recommendation(t, int(r)) for t, r in
+                                      (stored_row(r, 2) for r in data.get("recommendations") or ())),
+                tracking_since=stored_number(data.get("trackingSince")),
+                panic_time=stored_number(data.get("panicTime")),
+                last_scale_time=stored_number(data.get("lastScaleTime")),
+                last_active=stored_number(data.get("lastActive")),
+            )
+        except (TypeError, ValueError):
+            return cls()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 from slipstream.api_types.autoscaling import AutoscalingSpec
 from slipstream.api_types.load import GatewayLoad, PodLoad
 
-from .autoscaler import Decision
+from .autoscaler import Decision, stored_number, stored_row
 from .demand import Interval, PodWork, Totals, demand_totals, interval, pod_readings, \
     pod_work, totals_from
 from .fleet import Fleet
@@ -105,18 +105,28 @@ class CapacityState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> CapacityState:
-        """The state :meth:`to_dict` wrote; anything else (None, the queue policy's) is a
+        """The state :meth:`to_dict` wrote; anything else (None, the queue policy's, or one that
+        does not read as the numbers it holds: another operator version's, or edited) is a
         fresh state."""
-        if not data or data.get("policy") != "capacity":
+        if not isinstance(data, Mapping) or data.get("policy") != "capacity":
             return cls()
-        return cls(time=data.get("time"), totals=totals_from(data.get("totals")), source=data.get("source"),
-                   pods={k: tuple(v) for k, v in (data.get("pods") or {}).items()},
-                   intervals=tuple(tuple(i) for i in data.get("intervals") or ()),
-                   work=tuple(tuple(w) for w in data.get("work") or ()),
-                   capacity=data.get("capacity"), learned_at=data.get("learnedAt"),
-                   start_seconds=data.get("startSeconds"),
-                   needs=tuple((t, int(n)) for t, n in data.get("needs") or ()),
-                   last_active=data.get("lastActive"))
+        try:
+            pods = data.get("pods") or {}
+            if not isinstance(pods, Mapping):
+                raise ValueError(f"status.autoscaler.pods: expected an object, got {pods!r}")
+            return cls(time=stored_number(data.get("time")),
+                       totals=totals_from(stored_row(data["totals"], 4) if data.get("totals") else None),
+                       source=data.get("source"),
+                       pods={str(k): stored_row(v, 4) for k, v in pods.items()},
+                       intervals=tuple(stored_row(i, 6) for i in data.get("intervals") or ()),
+                       work=tuple(stored_row(w, 7) for w in data.get("work") or ()),
+                       capacity=stored_number(data.get("capacity"), positive=True),
+                       learned_at=stored_number(data.get("learnedAt")),
+                       start_seconds=stored_number(data.get("startSeconds"), positive=True),
+                       needs=tuple((t, int(n)) for t, n in (stored_row(n, 2) for n in data.get("needs") or ())),
+                       last_active=stored_number(data.get("lastActive")))
+        except (TypeError, ValueError):
+            return cls()
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,9 +296,15 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 1. counters -> the interval since the last tick
     found = demand_totals(samples, gateway)
+    readings = pod_readings(samples, objective)
+    if found is not None and found[0] == "gateway" and not gateway.complete:
+        found = None  # a silent gateway pod's counters are missing from the sum: no baseline either
     intervals = [i for i in state.intervals if i[0] > now - max(DEMAND_SECONDS, ATTAINMENT_SECONDS) - _EPS]
     step: Interval | None = None
-    if found is not None and state.totals is not None and state.source == found[0] and state.time is not None:
+    # summed over other pods than last tick (one that missed a scrape, or joined), the totals
+    # differ by a pod's lifetime counts: not an interval
+    same = found is not None and (found[0] != "pods" or set(readings) == set(state.pods))
+    if same and state.totals is not None and state.source == found[0] and state.time is not None:
         step = interval(state.totals, found[1], now - state.time)
     if step is not None:
         intervals.append((now, step.arrivals, step.finished, step.prompt_tokens, step.generation_tokens,
@@ -296,7 +312,6 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     demand = estimate_demand(intervals, now, prior)
 
     # 2. capacity
-    readings = pod_readings(samples, objective)
     work = [w for w in state.work if w[0] > now - ATTAINMENT_SECONDS - _EPS]
     if state.time is not None and readings:
         did: PodWork = pod_work(state.pods, readings, now - state.time)

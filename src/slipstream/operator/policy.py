@@ -39,7 +39,8 @@ def load_state(spec: AutoscalingSpec, data: Mapping[str, Any] | None) -> State:
     """The state ``spec.autoscaling.policy`` keeps, from its ``to_dict`` (None or another
     policy's: a fresh one)."""
     if spec.policy == "queue":
-        return AutoscalerState.from_dict(None if (data or {}).get("policy") == "capacity" else data)
+        return AutoscalerState.from_dict(None if isinstance(data, Mapping) and data.get("policy") == "capacity"
+                                         else data)
     return CapacityState.from_dict(data)
 
 

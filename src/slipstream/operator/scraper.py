@@ -8,8 +8,9 @@ A pod that is slow, down or answers nonsense is left out of the tick and named i
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import aiohttp
@@ -109,6 +110,18 @@ async def _fetch(session: aiohttp.ClientSession, target: PodTarget) -> str:
 T = TypeVar("T")
 
 
+def _finite(load: T) -> T:
+    """``load`` (a :class:`PodLoad` or :class:`GatewayLoad`) when every number in it is finite
+    (a histogram's +Inf bound aside). Raises ValueError naming the field: a NaN or infinite
+    reading is a failed scrape, as the policies' arithmetic and the status's JSON take neither."""
+    for f in fields(load):
+        value = getattr(load, f.name)
+        numbers = [count for _, count in value] if f.name == "ttft_buckets" else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+            raise ValueError(f"{f.name} is not a finite number: {value!r}")
+    return load
+
+
 async def _read_all(targets: Sequence[PodTarget], timeout: float, session: aiohttp.ClientSession | None,
                     read: Callable[[str], T]) -> list[tuple[PodTarget, T | ScrapeFailure]]:
     """``read(text)`` of every target's /metrics, concurrently, each within ``timeout`` seconds;
@@ -151,7 +164,7 @@ async def scrape_pods(
     started = clock()
     results = [r if isinstance(r, ScrapeFailure) else replace(r, pod=target.name, time=clock())
                for target, r in await _read_all(targets, timeout, session,
-                                                lambda text: read_pod_load(text, model_name=model_name))]
+                                                lambda text: _finite(read_pod_load(text, model_name=model_name)))]
     return ScrapeResult(
         time=started,
         samples=tuple(r for r in results if isinstance(r, PodLoad)),
@@ -167,18 +180,26 @@ async def scrape_gateways(
     clock: Callable[[], float] = time.time,
 ) -> GatewayScrape:
     """Read every gateway pod's ``/metrics`` concurrently (as :func:`scrape_pods`) and sum what
-    they hold: ``sample`` is None when none answered, its ``in_flight`` None unless every pod
-    that answered exports it, and ``complete`` False when a pod did not answer.
+    they hold: ``sample`` is None when none answered, its ``in_flight`` and each demand counter
+    None unless every pod that answered exports it, and ``complete`` False when a pod did not
+    answer.
     """
     started = clock()
-    results = [r for _, r in await _read_all(targets, timeout, session, read_gateway_load)]
+    results = [r for _, r in await _read_all(targets, timeout, session,
+                                             lambda text: _finite(read_gateway_load(text)))]
     read = [r for r in results if not isinstance(r, ScrapeFailure)]
     failures = tuple(r for r in results if isinstance(r, ScrapeFailure))
     sample = None
+
+    def total(values: Sequence[float | None]) -> float | None:
+        return None if any(v is None for v in values) else sum(values)
+
     if read:
-        in_flight = [r.in_flight for r in read]
         sample = GatewayLoad(
             waiting=sum(r.waiting for r in read),
-            in_flight=None if any(f is None for f in in_flight) else sum(in_flight),
-            complete=not failures)
+            in_flight=total([r.in_flight for r in read]),
+            complete=not failures,
+            requests_total=total([r.requests_total for r in read]),
+            prompt_tokens_total=total([r.prompt_tokens_total for r in read]),
+            generation_tokens_total=total([r.generation_tokens_total for r in read]))
     return GatewayScrape(started, sample, failures)

@@ -36,7 +36,7 @@ from slipstream.api_types.autoscaling import CRD_KEYS, POLICIES as SCALING_POLIC
 from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 
 from .cli import HelpFormatter
-from .cli_types import tenant_weights
+from .cli_types import positive_int, tenant_weights
 from .gateway.routing.weights import add_weight_flags, weights_from_args
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.compare import best_fixed, compare_results, compare_rows, compare_table, ms, numbers, tenant_numbers
@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
                                                  "or the Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
     load.add_argument("--time-scale", type=float, default=1.0,
                       help="multiply arrival times by this (0.5: the same requests at twice the rate)")
-    load.add_argument("--max-output-tokens", type=int, default=None,
+    load.add_argument("--max-output-tokens", type=positive_int, default=None,
                       help="cut every output to at most N tokens (default: as the trace says)")
     load.add_argument("--no-cap", action="store_true",
                       help="stop on a request longer than the model's max_model_len instead of capping it")
@@ -123,8 +123,8 @@ def parser() -> argparse.ArgumentParser:
                       help="prefix-groups: mean seconds between a session's turns (exponential)")
     pod = p.add_argument_group("replicas")
     pod.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES), help="cost-model profile")
-    pod.add_argument("--max-num-seqs", type=int, help="per replica (default: the profile's)")
-    pod.add_argument("--max-num-batched-tokens", type=int, help="per replica (default: the profile's)")
+    pod.add_argument("--max-num-seqs", type=positive_int, help="per replica (default: the profile's)")
+    pod.add_argument("--max-num-batched-tokens", type=positive_int, help="per replica (default: the profile's)")
     pod.add_argument("--kv-cache-memory-bytes", type=int, help="per replica (default: the profile's memory "
                                                                  "× 0.9 − weights)")
     pod.add_argument("--startup-delay", type=float, default=60.0,
@@ -171,10 +171,20 @@ def autoscaling_spec(args: argparse.Namespace) -> AutoscalingSpec:
     Raises ValueError for a bad value, an unknown key (named) or a bad file."""
     values: dict[str, Any] = {"maxReplicas": 8}
     if args.autoscaling is not None:
-        data = yaml.safe_load(args.autoscaling.read_text()) or {}
+        try:
+            data = yaml.safe_load(args.autoscaling.read_text()) or {}
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{args.autoscaling}: not UTF-8 text (byte {exc.start})") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{args.autoscaling}: not YAML: {' '.join(str(exc).split())}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{args.autoscaling}: expected a mapping")
-        data = (data.get("spec") or {}).get("autoscaling", data) if "spec" in data else data.get("autoscaling", data)
+        if "spec" in data:  # an InferenceService: its spec.autoscaling (none: the defaults)
+            if not isinstance(data["spec"] or {}, dict):
+                raise ValueError(f"{args.autoscaling}: spec must be an object, got {data['spec']!r}")
+            data = (data["spec"] or {}).get("autoscaling")
+        else:
+            data = data.get("autoscaling", data)
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"{args.autoscaling}: spec.autoscaling must be an object, got {data!r}")
         values.update(data or {})
@@ -183,8 +193,9 @@ def autoscaling_spec(args: argparse.Namespace) -> AutoscalingSpec:
                    if name in _SPEC_FLAGS and getattr(args, name) is not None})
     if getattr(args, "policy", None) is not None:
         values["policy"] = args.policy
-    if getattr(args, "ttft_p90_objective", None) is not None:
-        values["objectives"] = {**(values.get("objectives") or {}), "ttftP90Seconds": args.ttft_p90_objective}
+    objectives = values.get("objectives")
+    if getattr(args, "ttft_p90_objective", None) is not None and (objectives is None or isinstance(objectives, dict)):
+        values["objectives"] = {**(objectives or {}), "ttftP90Seconds": args.ttft_p90_objective}
     return AutoscalingSpec.from_dict(values)
 
 
@@ -196,6 +207,8 @@ def arrivals(args: argparse.Namespace) -> tuple[list[Arrival], float | None]:
             raise ValueError(f"--workload {args.workload} makes its own arrivals from --rate; drop --trace")
         played = read_trace(args.trace, args.prompt_tokens, args.output_tokens, args.seed)
         return scale_times(played, getattr(args, "time_scale", 1.0)), None
+    if getattr(args, "time_scale", 1.0) != 1.0:
+        raise ValueError("--time-scale stretches a --trace; a --rate schedule takes its rates and durations")
     phases = parse_rate_schedule(args.rate or DEFAULT_RATE)
     duration = sum(p.duration for p in phases)
     if args.workload == "prefix-groups":
@@ -317,6 +330,15 @@ def comparison(results: dict[str, SimResult]) -> str:
 
 def check_args(args: argparse.Namespace) -> None:
     """Flag combinations that cannot mean anything. Raises ValueError saying what to change."""
+    for flag, path in (("--json", args.json), ("--plot", None if args.no_plot else args.plot)):
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise ValueError(f"{flag} {path}: " + ("a directory; name a file" if path.is_dir()
+                                                  else f"no directory {path.parent} to write it in"))
+    if not args.no_plot:
+        try:
+            import matplotlib  # noqa: F401  (only the test extra installs it)
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib); or give --no-plot") from None
     if args.compare and args.no_autoscaling:
         raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
                          "(one fixed count) contradicts it: drop one of them")
@@ -338,8 +360,8 @@ def main_compare(args: argparse.Namespace) -> int:
     routing policy when several, named ``STEM-POLICY.png``)."""
     played, _, capped = capped_arrivals(args)
     if not played:
-        raise SystemExit("slipstream simulate: --compare needs arrivals, and this workload has none "
-                         "(a longer --rate, or a trace with rows)")
+        raise ValueError("--compare needs arrivals, and this workload has none (a longer --rate, or a "
+                         "trace with rows)")
     if capped:
         print(f"{capped} requests capped to max_model_len")
     every: dict[str, dict[str, dict[str, Any]]] = {}
@@ -385,6 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"slipstream simulate: {exc}", file=sys.stderr)
         return 2
+    try:
+        return report(args, result, capped, objective)
+    except OSError as exc:
+        print(f"slipstream simulate: {exc}", file=sys.stderr)
+        return 2
+
+
+def report(args: argparse.Namespace, result: SimResult, capped: int, objective: float) -> int:
+    """One run's table, summary, ``--json`` and ``--plot``. Raises OSError for a file not written."""
     print(table(result, args.report_every))
     print()
     print(summary(result))

@@ -315,8 +315,9 @@ class Cluster:
                  startup_delay: float = 60.0, tick: float = 2.0, initial: int | None = None,
                  routing: str | Router = "round-robin", weights: Mapping[str, float] | None = None,
                  scaler: Scaler | None = None):
-        if tick <= 0 or startup_delay < 0:
-            raise ValueError(f"tick must be > 0 and startup_delay >= 0, got {tick}, {startup_delay}")
+        if not (0 < tick < math.inf and 0 <= startup_delay < math.inf):  # nan too: it never ticks on
+            raise ValueError(f"tick must be a finite number > 0 and startup_delay a finite number >= 0, got "
+                             f"{tick}, {startup_delay}")
         if isinstance(routing, Router) and weights is not None:
             raise ValueError("give the weights to the Router, not beside it")
         self.router = routing if isinstance(routing, Router) else Router(routing, weights=weights)
@@ -459,7 +460,8 @@ class Cluster:
             self._retire_idle_drained(now)
             self._autoscale(now, count, result)
             busy = self.pending or any(not r.idle for r in self.replicas)
-            if now >= end and (not busy or now >= end + drain_limit):
+            # every arrival played: one at exactly a tick is counted on the next tick (bisect_left)
+            if now >= end and i == len(arrivals) and (not busy or now >= end + drain_limit):
                 break
         result.end_time = now
         for replica in self.replicas + self.retired:

@@ -48,8 +48,8 @@ def parse_sim_model(model: str) -> SimOptions:
                 raise ValueError("given twice")
             if key == "time_scale":
                 options[key] = float(value)
-                if not options[key] > 0:
-                    raise ValueError("must be > 0")
+                if not 0 < options[key] < float("inf"):  # inf: steps that never end, a capacity of 0
+                    raise ValueError("must be a finite number > 0")
             elif key == "output_len":
                 low, _, high = value.partition("-")
                 span = (int(low), int(high or low))

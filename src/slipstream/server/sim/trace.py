@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import math
 import random
 import re
 from dataclasses import dataclass, replace
@@ -152,9 +153,9 @@ def read_azure_csv(path: str | Path) -> list[Arrival]:
 
 def scale_times(arrivals: list[Arrival], factor: float) -> list[Arrival]:
     """Every arrival time × ``factor`` (0.5: the same requests in half the time, twice the rate).
-    Raises ValueError unless factor > 0."""
-    if not factor > 0:
-        raise ValueError(f"time scale must be > 0, got {factor}")
+    Raises ValueError unless factor > 0 and the times stay finite."""
+    if not 0 < factor < math.inf or (arrivals and not math.isfinite(arrivals[-1].time * factor)):
+        raise ValueError(f"time scale must be a number > 0 that keeps the times finite, got {factor}")
     return arrivals if factor == 1 else [replace(a, time=a.time * factor) for a in arrivals]
 
 
@@ -184,12 +185,16 @@ def read_trace(path: str | Path, prompt_tokens: tuple[int, int], output_tokens: 
     Azure CSV's header), sorted by time.
 
     Raises ValueError with the line number of a line that does not parse, or naming a file that
-    is not UTF-8 text.
+    is not UTF-8 text or has no arrivals.
     """
     try:
-        return _read_trace(path, prompt_tokens, output_tokens, seed)
+        arrivals = _read_trace(path, prompt_tokens, output_tokens, seed)
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a text trace (byte {exc.start} is not UTF-8)") from None
+    if not arrivals:
+        raise ValueError(f"{path}: no arrivals (expected lines of 'TIME [PROMPT_TOKENS [OUTPUT_TOKENS]]' "
+                         f"or the Azure CSV's rows)")
+    return arrivals
 
 
 def _read_trace(path: str | Path, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int],
@@ -208,7 +213,7 @@ def _read_trace(path: str | Path, prompt_tokens: tuple[int, int], output_tokens:
             time = float(fields[0])
             prompt = int(fields[1]) if len(fields) > 1 else rng.randint(*prompt_tokens)
             output = int(fields[2]) if len(fields) > 2 else rng.randint(*output_tokens)
-            if time < 0 or prompt < 1 or output < 1 or len(fields) > 3:
+            if not 0 <= time < math.inf or prompt < 1 or output < 1 or len(fields) > 3:
                 raise ValueError
         except ValueError:
             raise ValueError(f"{path}:{number}: expected 'TIME [PROMPT_TOKENS [OUTPUT_TOKENS]]' with "
