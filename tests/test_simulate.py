@@ -350,10 +350,15 @@ def test_a_json_file_that_fails_to_write_is_a_one_line_error(tmp_path, monkeypat
     assert "Permission denied" in capsys.readouterr().err
 
 
-def test_plotting_without_matplotlib_says_to_install_it_or_give_no_plot(tmp_path, monkeypatch, capsys):
+def test_plotting_without_matplotlib_says_to_install_it_or_skips_the_default_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.chdir(tmp_path)
     assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--plot", str(tmp_path / "run.png")]) == 2
-    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert "needs matplotlib" in capsys.readouterr().err
+    # the plot nobody asked for is skipped with a note, the run is not refused
+    assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s"]) == 0
+    assert "no plot: matplotlib is not installed" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
     assert simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot"]) == 0
 
 

@@ -154,7 +154,8 @@ def parser() -> argparse.ArgumentParser:
     auto.add_argument("--tick", type=float, default=2.0, help="seconds between autoscaler decisions")
     out = p.add_argument_group("output")
     out.add_argument("--report-every", type=float, default=10.0, help="seconds per printed row")
-    out.add_argument("--plot", type=Path, default=Path("simulate.png"), help="PNG to write")
+    out.add_argument("--plot", type=Path, default=None,
+                     help="PNG to write (default: simulate.png, when matplotlib is installed)")
     out.add_argument("--no-plot", action="store_true", help="write no PNG")
     out.add_argument("--json", type=Path, help="write the run's numbers (with --compare: every row's) as JSON")
     out.add_argument("--compare", action="store_true",
@@ -329,7 +330,16 @@ def comparison(results: dict[str, SimResult]) -> str:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Flag combinations that cannot mean anything. Raises ValueError saying what to change."""
+    """Flag combinations that cannot mean anything. Raises ValueError saying what to change.
+    Settles ``args.plot``: the default plot is skipped, with a note, without matplotlib."""
+    if not args.no_plot and args.plot is None:
+        try:
+            import matplotlib  # noqa: F401  (only the test extra installs it)
+            args.plot = Path("simulate.png")
+        except ImportError:
+            print("slipstream simulate: no plot: matplotlib is not installed (pip install matplotlib)",
+                  file=sys.stderr)
+            args.no_plot = True
     for flag, path in (("--json", args.json), ("--plot", None if args.no_plot else args.plot)):
         if path is not None and (path.is_dir() or not path.parent.is_dir()):
             raise ValueError(f"{flag} {path}: " + ("a directory; name a file" if path.is_dir()
@@ -338,7 +348,7 @@ def check_args(args: argparse.Namespace) -> None:
         try:
             import matplotlib  # noqa: F401  (only the test extra installs it)
         except ImportError:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib); or give --no-plot") from None
+            raise ValueError(f"--plot {args.plot} needs matplotlib (pip install matplotlib)") from None
     if args.compare and args.no_autoscaling:
         raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
                          "(one fixed count) contradicts it: drop one of them")
