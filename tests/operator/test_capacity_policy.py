@@ -221,3 +221,11 @@ def test_fleet_measures_starts_from_creation_to_ready():
             {"metadata": {"name": "c", "deletionTimestamp": "x"}, "status": {}}]
     now = 1767225600.0 + 75  # 2026-01-01T00:01:15Z
     assert fleet_from_pods(pods, now, ["a"]) == Fleet(1, (15.0,), (42.0,))
+
+
+@pytest.mark.parametrize("field", ["tokens_per_second", "generation_weight", "start_seconds", "request_tokens",
+                                   "drain_tokens_per_second"])
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_prior_that_would_divide_by_zero_or_nan_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        CapacityPrior(**{field: value})

@@ -55,6 +55,9 @@ class CapacityPrior:
     drain_tokens_per_second: how fast one busy pod works through a backlog (its throughput
         flat out, above the capacity at the objective, which leaves room for bursts); None:
         2 × ``tokens_per_second``.
+
+    Raises:
+        ValueError: a value that is not a finite number > 0 (it would divide by zero every tick).
     """
 
     tokens_per_second: float = 8000.0
@@ -62,6 +65,13 @@ class CapacityPrior:
     start_seconds: float = 60.0
     request_tokens: float = 1000.0
     drain_tokens_per_second: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_second", "generation_weight", "start_seconds", "request_tokens",
+                     "drain_tokens_per_second"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"capacity prior: {name} must be a finite number > 0, got {value!r}")
 
     @property
     def drain_rate(self) -> float:
