@@ -67,3 +67,37 @@ async def test_a_stream_without_include_usage_is_counted_and_clients_see_no_usag
         chunks = [c async for c in await client.chat.completions.create(**chat(max_tokens=4), stream=True)]
         assert all(c.usage is None for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
         await client.close()
+
+
+async def test_requests_whose_client_left_are_counted_as_arrivals(pods, caplog):
+    """A client that leaves a stream (or is cut while the gateway writes to it) still sent a
+    request: ``gateway_requests_total`` counts it (code 499), so the autoscaler's arrivals do not
+    lose it, and the gateway logs no error for it."""
+    import asyncio
+    import logging
+
+    import aiohttp
+
+    from gateway_helpers import API_KEY, AUTH, chat, metrics, running_gateway, total
+    from slipstream.api_types import metrics as names
+
+    caplog.set_level(logging.INFO)
+    async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        for _ in range(3):
+            async with session.post(url + "/v1/chat/completions", headers=AUTH,
+                                    json=chat(max_tokens=400, ignore_eos=True, stream=True)) as response:
+                events = 0
+                async for line in response.content:
+                    events += line.startswith(b"data: ")
+                    if events == 10:
+                        break
+        for _ in range(100):  # the gateway sees each client go
+            if not gateway.queue.in_flight_by_tenant():
+                break
+            await asyncio.sleep(0.05)
+        samples = await metrics(session, url)
+        assert total(samples, names.GATEWAY_REQUESTS + "_total") == 3, samples
+        assert total(samples, names.GATEWAY_REQUESTS + "_total", code="499") \
+            + total(samples, names.GATEWAY_REQUESTS + "_total", code="200") == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -79,7 +79,7 @@ class GatewayMetrics:
     def __init__(self, endpoints: EndpointSet, queue: WaitQueue):
         self.registry = r = CollectorRegistry(auto_describe=True)
         r.register(_EndpointCollector(endpoints, queue))
-        self.requests = Counter(names.GATEWAY_REQUESTS, "Requests answered by the gateway, by HTTP status",
+        self.requests = Counter(names.GATEWAY_REQUESTS, "Requests answered by the gateway, by HTTP status (499: the client left first)",
                                 ["code"], registry=r)
         self.prompt_tokens = Counter(names.GATEWAY_PROMPT_TOKENS,
                                      "Prompt tokens of the answered requests (their usage), the autoscaler's "

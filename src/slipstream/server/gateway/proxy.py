@@ -60,6 +60,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405:
                 413: "invalid_request_error", 429: "rate_limit_error", 502: "server_error",
                 503: "service_unavailable_error"}
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+CLIENT_CLOSED = 499  # the requests counter's code for a client that left before its answer (nginx's)
 
 
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
@@ -141,9 +142,14 @@ class Proxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
         request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
-        response = await self._handle(request, request_id, start)
-        self.metrics.requests.labels(str(response.status)).inc()
-        return response
+        code = CLIENT_CLOSED  # unless an answer comes back: the client left (its handler was cancelled)
+        try:
+            response = await self._handle(request, request_id, start)
+            code = response.status
+            return response
+        finally:
+            # every request counts, the ones whose client left too: the autoscaler's arrivals
+            self.metrics.requests.labels(str(code)).inc()
 
     async def _handle(self, request: web.Request, request_id: str, start: float) -> web.StreamResponse:
         body = await request.read()  # bounded by client_max_size (413 past it)
@@ -359,6 +365,9 @@ class Proxy:
             elif upstream.status >= 400:
                 self.token_limits.charge(tenant, -charged, time.monotonic())
             return response
+        except ConnectionResetError:  # the client left while a chunk was written to it
+            log.info("request %s: the client left during the response", request_id)
+            return response  # aiohttp finishes a response whose connection is gone quietly
         finally:
             if not settled and upstream.status < 400:
                 # cut short: a body not streamed was generated whole (its usage header says how
