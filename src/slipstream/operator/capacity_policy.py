@@ -274,7 +274,9 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     Rules, in order:
 
     1. Demand (:func:`estimate_demand`): arrivals = finished + Δ held, from the gateway's
-       counters, else the pods' own (:mod:`.demand`).
+       counters, else the pods' own (:mod:`.demand`). Counters are summed over pods, so a tick
+       is an interval only when the same pods answered at both ends (every gateway pod, or the
+       same model pods): else one pod's lifetime would read as a tick's demand.
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
        pods' counters and TTFT histograms (:func:`learn_capacity`); a window in which a pod
        was starting only raises it (a backlog built while pods start says nothing about the
