@@ -437,7 +437,7 @@ def test_a_pinned_revision_evicted_from_the_cache_is_an_error_naming_it_and_sayi
     monkeypatch.setenv(revision_file.REVISION_FILE_ENV, str(pin))
     hub.requests.clear()
     with pytest.raises(ModelSourceError, match=rf"revision {old}, which the revision file names \(in a pod: what its "
-                                               "download step fetched\), is not in the model cache") as info:
+                                               r"download step fetched\), is not in the model cache") as info:
         resolve_model_path("hf://org/evicted")
     assert info.value.reason == "NotCached" and "In a pod, recreate it (kubectl delete pod)" in str(info.value)
     assert "to go online" not in str(info.value) and hub.requests == []  # online would not bring it back
