@@ -18,9 +18,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import aiohttp
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -127,3 +128,52 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 def chat(content: str = "hello", max_tokens: int = 8, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def fake_pod(host: str, v1: Handler, ready: Handler | None = None) -> AsyncIterator[str]:
+    """An in-process 'pod' on ``host`` (a loopback address) for what a real one will not do on
+    cue: ``v1`` answers every ``/v1/...`` request, ``ready`` its ``/ready`` (default: 200), and
+    its ``/metrics`` is idle throughout. Yields its URL."""
+    async def metrics_page(request: web.Request) -> web.Response:
+        return web.Response(text="slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
+                                 "slipstream:kv_cache_usage_perc 0\n")
+
+    async def always_ready(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/ready", ready or always_ready)
+    app.router.add_route("*", "/v1/{tail:.*}", v1)
+    server = TestServer(app, host=host, port=0)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+async def leave_stream(session: aiohttp.ClientSession, url: str, events: int, headers: dict,
+                       before_leaving: Callable[[], object] = lambda: None) -> object:
+    """Stream a 400-token chat completion through ``url`` and leave after ``events`` data events;
+    returns what ``before_leaving()`` (called while the stream is still open) returned."""
+    body = chat(max_tokens=400, ignore_eos=True, stream=True)
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
+        seen = 0
+        async for line in response.content:
+            seen += line.startswith(b"data: ")
+            if seen == events:
+                return before_leaving()
+    raise AssertionError(f"the stream ended after {seen} of {events} events")
+
+
+async def until_none_in_flight(gateway: Gateway) -> None:
+    """Wait (up to 5 s) until the gateway has seen every client go."""
+    for _ in range(100):
+        if not gateway.queue.in_flight_by_tenant():
+            return
+        await asyncio.sleep(0.05)

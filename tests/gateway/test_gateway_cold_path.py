@@ -12,9 +12,8 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from gateway_helpers import API_KEY, AUTH, MODEL, chat, metrics, running_gateway, total
+from gateway_helpers import API_KEY, AUTH, MODEL, chat, fake_pod, metrics, running_gateway, total
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 SUCCESS = "slipstream:request_success_total"
@@ -81,8 +80,6 @@ async def holding_endpoint():
     prompts in the order they arrived, release(prompt))."""
     arrived: list[str] = []
     gates: dict[str, asyncio.Event] = {}
-    metrics_text = ("slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
-                    "slipstream:kv_cache_usage_perc 0\n")
 
     async def completions(request: web.Request) -> web.Response:
         prompt = (await request.json())["messages"][0]["content"]
@@ -93,24 +90,12 @@ async def holding_endpoint():
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
-    async def metrics_page(request: web.Request) -> web.Response:
-        return web.Response(text=metrics_text)
-
-    async def ready(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics_page)
-    app.router.add_get("/ready", ready)
-    app.router.add_post("/v1/chat/completions", completions)
-    server = TestServer(app, host="127.0.0.43", port=0)
-    await server.start_server()
-    try:
-        yield str(server.make_url("")).rstrip("/"), arrived, lambda p: gates.setdefault(p, asyncio.Event()).set()
-    finally:
-        for gate in gates.values():
-            gate.set()
-        await server.close()
+    async with fake_pod("127.0.0.43", completions) as url:
+        try:
+            yield url, arrived, lambda p: gates.setdefault(p, asyncio.Event()).set()
+        finally:
+            for gate in gates.values():
+                gate.set()
 
 
 async def test_a_full_endpoint_holds_requests_in_the_gateway_and_sends_them_on_in_arrival_order():
@@ -139,8 +124,6 @@ async def draining_endpoint(status: int = 503):
     ``status`` 429, one whose own queue is full: every /v1 request gets 429 and /ready stays 200.
     Its /metrics is idle throughout. Yields (url, paths of the /v1 requests it got)."""
     hits: list[str] = []
-    metrics_text = ("slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
-                    "slipstream:kv_cache_usage_perc 0\n")
     code, kind = ("draining", "service_unavailable_error") if status == 503 else ("rate_limit_exceeded",
                                                                                   "rate_limit_error")
 
@@ -152,19 +135,8 @@ async def draining_endpoint(status: int = 503):
     async def ready(request: web.Request) -> web.Response:
         return web.json_response({}, status=503 if hits and status == 503 else 200)
 
-    async def metrics_page(request: web.Request) -> web.Response:
-        return web.Response(text=metrics_text)
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics_page)
-    app.router.add_get("/ready", ready)
-    app.router.add_route("*", "/v1/{tail:.*}", v1)
-    server = TestServer(app, host="127.0.0.41", port=0)
-    await server.start_server()
-    try:
-        yield str(server.make_url("")).rstrip("/"), hits
-    finally:
-        await server.close()
+    async with fake_pod("127.0.0.41", v1, ready) as url:
+        yield url, hits
 
 
 async def test_a_503_before_the_first_byte_is_retried_on_another_endpoint(pods):

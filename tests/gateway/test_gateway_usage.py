@@ -73,29 +73,19 @@ async def test_requests_whose_client_left_are_counted_as_arrivals(pods, caplog):
     """A client that leaves a stream (or is cut while the gateway writes to it) still sent a
     request: ``gateway_requests_total`` counts it (code 499), so the autoscaler's arrivals do not
     lose it, and the gateway logs no error for it."""
-    import asyncio
     import logging
 
     import aiohttp
 
-    from gateway_helpers import API_KEY, AUTH, chat, metrics, running_gateway, total
+    from gateway_helpers import API_KEY, AUTH, leave_stream, metrics, running_gateway, total, until_none_in_flight
     from slipstream.api_types import metrics as names
 
     caplog.set_level(logging.INFO)
     async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY) as (url, gateway), \
             aiohttp.ClientSession() as session:
         for _ in range(3):
-            async with session.post(url + "/v1/chat/completions", headers=AUTH,
-                                    json=chat(max_tokens=400, ignore_eos=True, stream=True)) as response:
-                events = 0
-                async for line in response.content:
-                    events += line.startswith(b"data: ")
-                    if events == 10:
-                        break
-        for _ in range(100):  # the gateway sees each client go
-            if not gateway.queue.in_flight_by_tenant():
-                break
-            await asyncio.sleep(0.05)
+            await leave_stream(session, url, 10, AUTH)
+        await until_none_in_flight(gateway)
         samples = await metrics(session, url)
         assert total(samples, names.GATEWAY_REQUESTS + "_total") == 3, samples
         assert total(samples, names.GATEWAY_REQUESTS + "_total", code="499") \

@@ -9,9 +9,9 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from gateway_helpers import API_KEY, AUTH, MODEL, chat, metrics, running_gateway, total
+from gateway_helpers import API_KEY, AUTH, MODEL, chat, fake_pod, leave_stream, metrics, running_gateway, total, \
+    until_none_in_flight
 from slipstream.api_types import metrics as names
 from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, USAGE_HEADER
 
@@ -159,18 +159,8 @@ async def test_a_stream_the_client_leaves_is_charged_what_it_was_sent(pods):
                                tenant_token_limits={"leaver": 10**6}) as (url, gateway), \
             aiohttp.ClientSession() as session:
         spent = charges(gateway.proxy.token_limits)
-        body = chat(max_tokens=400, ignore_eos=True, stream=True)
-        async with session.post(url + "/v1/chat/completions", json=body,
-                                headers={**AUTH, FAIRNESS_ID_HEADER: "leaver"}) as response:
-            events = 0
-            async for line in response.content:
-                events += line.startswith(b"data: ")
-                if events == 20:
-                    break
-        for _ in range(100):  # the gateway sees the client go
-            if not gateway.queue.in_flight_by_tenant():
-                break
-            await asyncio.sleep(0.05)
+        await leave_stream(session, url, 20, {**AUTH, FAIRNESS_ID_HEADER: "leaver"})
+        await until_none_in_flight(gateway)
         assert 20 <= spent["leaver"] < 400  # not the reservation's 400 output tokens, and not nothing
 
 
@@ -201,19 +191,10 @@ async def test_a_stream_the_client_leaves_counts_its_events_in_the_fair_share_to
     async with running_gateway(endpoints=(pods["a"].url,), api_key=API_KEY) as (url, gateway), \
             aiohttp.ClientSession() as session:
         served = gateway.queue.service.served
-        body = chat(max_tokens=400, ignore_eos=True, stream=True)
-        async with session.post(url + "/v1/chat/completions", json=body,
-                                headers={**AUTH, FAIRNESS_ID_HEADER: "leaver"}) as response:
-            events = 0
-            async for line in response.content:
-                events += line.startswith(b"data: ")
-                if events == 20:
-                    break
-            prompt = served("leaver")  # the prompt estimate, charged when the request got its slot
-        for _ in range(100):  # the gateway sees the client go
-            if not gateway.queue.in_flight_by_tenant():
-                break
-            await asyncio.sleep(0.05)
+        # the prompt estimate, charged when the request got its slot
+        prompt = await leave_stream(session, url, 20, {**AUTH, FAIRNESS_ID_HEADER: "leaver"},
+                                    lambda: served("leaver"))
+        await until_none_in_flight(gateway)
         assert served("leaver") >= prompt + 2 * 20, (prompt, served("leaver"))
 
 
@@ -234,34 +215,15 @@ async def test_a_response_the_client_leaves_mid_body_is_charged_the_usage_its_he
         await asyncio.sleep(30)  # the rest of a long body, still on its way
         return response
 
-    async def metrics_page(request: web.Request) -> web.Response:
-        return web.Response(text="slipstream:num_requests_waiting 0\nslipstream:num_requests_running 0\n"
-                                 "slipstream:kv_cache_usage_perc 0\n")
-
-    async def ready(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics_page)
-    app.router.add_get("/ready", ready)
-    app.router.add_post("/v1/chat/completions", completions)
-    pod = TestServer(app, host="127.0.0.44", port=0)
-    await pod.start_server()
-    try:
-        async with running_gateway(endpoints=(str(pod.make_url("")).rstrip("/"),),
-                                   tenant_token_limits={"leaver": 10**6}) as (url, gateway), \
-                aiohttp.ClientSession() as session:
-            spent = charges(gateway.proxy.token_limits)
-            async with session.post(url + "/v1/chat/completions", json=chat(max_tokens=400),
-                                    headers={FAIRNESS_ID_HEADER: "leaver"}) as response:
-                assert response.status == 200
-                await stalled.wait()
-                response.close()  # the client leaves
-            for _ in range(100):
-                if not gateway.queue.in_flight_by_tenant():
-                    break
-                await asyncio.sleep(0.05)
-            assert spent["leaver"] == usage["total_tokens"]
-            assert gateway.queue.service.served("leaver") >= 2 * usage["completion_tokens"]
-    finally:
-        await pod.close()
+    async with fake_pod("127.0.0.44", completions) as pod, \
+            running_gateway(endpoints=(pod,), tenant_token_limits={"leaver": 10**6}) as (url, gateway), \
+            aiohttp.ClientSession() as session:
+        spent = charges(gateway.proxy.token_limits)
+        async with session.post(url + "/v1/chat/completions", json=chat(max_tokens=400),
+                                headers={FAIRNESS_ID_HEADER: "leaver"}) as response:
+            assert response.status == 200
+            await stalled.wait()
+            response.close()  # the client leaves
+        await until_none_in_flight(gateway)
+        assert spent["leaver"] == usage["total_tokens"]
+        assert gateway.queue.service.served("leaver") >= 2 * usage["completion_tokens"]
