@@ -332,23 +332,20 @@ def comparison(results: dict[str, SimResult]) -> str:
 def check_args(args: argparse.Namespace) -> None:
     """Flag combinations that cannot mean anything. Raises ValueError saying what to change.
     Settles ``args.plot``: the default plot is skipped, with a note, without matplotlib."""
-    if not args.no_plot and args.plot is None:
-        try:
-            import matplotlib  # noqa: F401  (only the test extra installs it)
-            args.plot = Path("simulate.png")
-        except ImportError:
-            print("slipstream simulate: no plot: matplotlib is not installed (pip install matplotlib)",
-                  file=sys.stderr)
-            args.no_plot = True
-    for flag, path in (("--json", args.json), ("--plot", None if args.no_plot else args.plot)):
-        if path is not None and (path.is_dir() or not path.parent.is_dir()):
-            raise ValueError(f"{flag} {path}: " + ("a directory; name a file" if path.is_dir()
-                                                  else f"no directory {path.parent} to write it in"))
     if not args.no_plot:
         try:
             import matplotlib  # noqa: F401  (only the test extra installs it)
         except ImportError:
-            raise ValueError(f"--plot {args.plot} needs matplotlib (pip install matplotlib)") from None
+            if args.plot is not None:
+                raise ValueError(f"--plot {args.plot} needs matplotlib (pip install matplotlib)") from None
+            print("slipstream simulate: no plot: matplotlib is not installed (pip install matplotlib)",
+                  file=sys.stderr)
+            args.no_plot = True
+        args.plot = args.plot or Path("simulate.png")
+    for flag, path in (("--json", args.json), ("--plot", None if args.no_plot else args.plot)):
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise ValueError(f"{flag} {path}: " + ("a directory; name a file" if path.is_dir()
+                                                  else f"no directory {path.parent} to write it in"))
     if args.compare and args.no_autoscaling:
         raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
                          "(one fixed count) contradicts it: drop one of them")
@@ -413,13 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         _, _, capped = capped_arrivals(args)
         result = run(args)
-        objective = autoscaling_spec(args).objectives.ttft_p90_seconds
-    except (ValueError, OSError) as exc:
-        print(f"slipstream simulate: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return report(args, result, capped, objective)
-    except OSError as exc:
+        return report(args, result, capped, autoscaling_spec(args).objectives.ttft_p90_seconds)
+    except (ValueError, OSError) as exc:  # a bad flag or input, or a file not written
         print(f"slipstream simulate: {exc}", file=sys.stderr)
         return 2
 
