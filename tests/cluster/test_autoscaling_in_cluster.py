@@ -453,6 +453,8 @@ async def test_a_burst_through_the_gateway_peaks_at_the_replicas_needed_plus_one
     starts = [part["created → Ready"] for part in parts]
     memory = (get(cluster, "infsvc", name, "-n", NAMESPACE).get("status") or {}).get("autoscaler") or {}
     assert min(starts) <= memory.get("startSeconds", -1) <= max(starts), (memory.get("startSeconds"), starts)
+    # with a gateway in front, demand is read from its counters, not the model pods' (README)
+    assert memory.get("source") == "gateway", memory.get("source")
 
 
 async def watch_replicas(cluster, name: str, load: SliceLoad) -> None:
