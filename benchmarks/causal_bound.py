@@ -1,0 +1,303 @@
+"""Lower bounds on the replica-hours of a schedule that meets a TTFT p90 objective, by what the
+schedule may know of the future (issue 33: is 0.85 × the cheapest fixed count reachable by a
+policy that sees only the past?).
+
+Usage: ``python benchmarks/causal_bound.py SIMULATE_ARGS`` (``slipstream simulate``'s trace,
+profile and objective flags), e.g. ``python benchmarks/causal_bound.py --trace
+../shared/traces/azure-llm-2023-code.csv --max-output-tokens 512 --profile llama3-8b-l4
+--ttft-p90-objective 8 --max-replicas 10`` (about a minute). Not part of ``make test``; the
+numbers are in benchmarks/README.md ("Autoscaling", the L4 paragraph).
+
+The model is the clairvoyant row's (:mod:`slipstream.server.sim.clairvoyant`): each minute's
+arrivals played alone on n ready replicas, n = 1 … ``--max-replicas``, starting with no backlog;
+``misses[m][n - 1]`` counts minute m's requests whose TTFT is past the objective there. A
+schedule gives minute m ``n[m]`` ready replicas; a pod takes ``--startup-delay`` (the issue's
+60 s: one minute) to start and is paid for while it starts, so minute m pays ``max(n[m],
+n[m+1])`` pods. The objective holds when the misses add up to at most a tenth of the requests
+(nearest-rank p90). Rows, after the fixed counts and the clairvoyant's per-minute counts:
+
+* **bound: foresight** — any schedule: the exact minimum (dynamic programming over minutes ×
+  misses) of the pod-minutes paid. Below the clairvoyant's counts: it spends the tenth of late
+  requests where that saves most.
+* **bound: no foresight of a lull's end** — a lull is a gap between arrivals longer than a
+  pod's start; a policy that sees only the past cannot tell, while no request arrives, whether
+  the next comes in a second or in three minutes, so if it does not add pods while nothing
+  arrives, the pods ready when a lull ends were paid for through the whole lull. The same exact
+  minimum with each lull's part of a minute paid at the count of the minute the lull ends in.
+* **bound: no foresight of a minute** — a policy decides minute m's count when minute m - 1
+  begins (a start ahead), from minutes ≤ m - 2. Where a minute's need is not predictable from
+  those (the correlations printed last), its count is independent of its need except through
+  what is known: whether a lull ends in it. Counts dealt at random within those two groups
+  cost each minute its group's mean misses; the fewest pod-seconds whose expected misses stay
+  within the tenth (lulls paid as above, starts ahead not paid).
+* **best of N causal rules** — schedules from the past only (:func:`causal_rules`), tuned on
+  the very trace they are scored on: the cheapest that meets.
+
+Each bound takes the minute-alone misses, without backlogs carried between minutes, so it is at
+most what the same schedule pays in the full simulation (the clairvoyant row of ``--compare``
+shows carried backlogs making the per-minute counts miss overall).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+
+import numpy as np
+
+from slipstream.server import simulate
+from slipstream.server.sim.clairvoyant import MINUTE
+
+INF = math.inf
+
+
+def minute_misses(played, make, objective: float, most: int) -> tuple[list[list[int]], list[int]]:
+    """``misses[m][n - 1]``: minute m's requests with TTFT > ``objective`` (or none) when played
+    alone on n replicas; and the requests in each minute."""
+    minutes = int(max(a.time for a in played) // MINUTE) + 1
+    by_minute = [[] for _ in range(minutes)]
+    for a in played:
+        by_minute[int(a.time // MINUTE)].append(a)
+    misses, sizes = [], []
+    for m, these in enumerate(by_minute):
+        row = []
+        shifted = [replace(a, time=a.time - m * MINUTE) for a in these]
+        for n in range(1, most + 1):
+            if row and row[-1] == 0:
+                row.append(0)
+                continue
+            result = make(n).run(shifted, MINUTE) if shifted else None
+            late = 0 if result is None else sum(1 for r in result.requests if r.ttft is None or r.ttft > objective)
+            row.append(late)
+        misses.append(row)
+        sizes.append(len(these))
+    return misses, sizes
+
+
+def lulls(times: list[float], longer_than: float) -> list[tuple[float, float]]:
+    """Gaps (start, end) between consecutive arrivals longer than ``longer_than`` seconds."""
+    return [(a, b) for a, b in zip(times, times[1:]) if b - a > longer_than]
+
+
+def lull_overlap(gaps: list[tuple[float, float]], minutes: int) -> tuple[list[float], list[int | None]]:
+    """Per minute: seconds of it inside a lull, and the minute in which that lull ends (None
+    outside lulls). Lulls are longer than a minute, so a minute holds at most the end of one and
+    the start of the next; the one it overlaps more is kept (the other's part is under a minute
+    apart: a lower bound either way)."""
+    overlap, ends = [0.0] * minutes, [None] * minutes
+    for a, b in gaps:
+        end_minute = int(b // MINUTE)
+        for m in range(int(a // MINUTE), end_minute + 1):
+            seconds = max(0.0, min(b, (m + 1) * MINUTE) - max(a, m * MINUTE))
+            if m == end_minute or seconds <= overlap[m]:
+                continue  # the end minute pays its own count for its lull part anyway
+            overlap[m], ends[m] = seconds, end_minute
+    return overlap, ends
+
+
+def bound(misses: list[list[int]], budget: int, overlap: list[float] | None = None,
+          ends: list[int | None] | None = None) -> tuple[float, list[int]]:
+    """The fewest pod-seconds of a schedule (n[m] in 1..len(misses[m])) whose misses add up to
+    at most ``budget``, minute m paying ``max(n[m], n[m+1])`` pods and, for its ``overlap[m]``
+    seconds in a lull ending in minute ``ends[m]``, ``max(n[m], n[m+1], n[ends[m]])``. Returns
+    (pod-seconds, the schedule). Dynamic programming backwards over minutes: the state is the
+    next minute's count, the count of the minute that the lull the previous minute is in ends
+    in (0: none), and the misses of the minutes after."""
+    most, minutes = len(misses[0]), len(misses)
+    overlap = overlap or [0.0] * minutes
+    ends = ends or [None] * minutes
+    best: dict[tuple[int, int], np.ndarray] = {(0, 0): np.zeros(budget + 1)}
+    steps = []  # per minute (backwards): state -> (count, the later state) per misses used
+    for m in range(minutes - 1, -1, -1):
+        nxt: dict[tuple[int, int], np.ndarray] = {}
+        step: dict[tuple[int, int], list[np.ndarray]] = {}
+        for later, future in best.items():
+            next_n, floor = later
+            for n in range(1, most + 1):
+                late = misses[m][n - 1]
+                if late > budget:
+                    continue
+                paid = max(n, next_n) * (MINUTE - overlap[m]) + max(n, next_n, floor) * overlap[m]
+                if m == 0 or ends[m - 1] is None:
+                    key = (n, 0)
+                elif ends[m - 1] == m:
+                    key = (n, n)
+                else:  # minute m lies inside the same lull
+                    key = (n, floor)
+                total = np.full(budget + 1, INF)
+                total[late:] = future[:budget + 1 - late] + paid
+                if key not in nxt:
+                    nxt[key] = total
+                    step[key] = [np.full(budget + 1, n), np.full(budget + 1, 0, dtype=object)]
+                    step[key][1][:] = [later] * (budget + 1)
+                    continue
+                better = total < nxt[key]
+                nxt[key][better] = total[better]
+                step[key][0][better] = n
+                for i in np.flatnonzero(better):
+                    step[key][1][i] = later
+        best = nxt
+        steps.append(step)
+    key, used = min(((k, int(np.argmin(v))) for k, v in best.items()), key=lambda kv: best[kv[0]][kv[1]])
+    total = float(best[key][used])
+    schedule = []
+    for step in reversed(steps):  # minute 0 first
+        n, later = int(step[key][0][used]), step[key][1][used]
+        schedule.append(n)
+        used -= misses[len(schedule) - 1][n - 1]
+        key = later
+    return total, schedule
+
+
+def paid_seconds(schedule: list[int], overlap: list[float], ends: list[int | None]) -> float:
+    """Pod-seconds of ``schedule`` by the rule :func:`bound` minimizes (to check it)."""
+    total = 0.0
+    for m, n in enumerate(schedule):
+        after = schedule[m + 1] if m + 1 < len(schedule) else 0
+        floor = schedule[ends[m]] if ends[m] is not None else 0
+        total += max(n, after) * (MINUTE - overlap[m]) + max(n, after, floor) * overlap[m]
+    return total
+
+
+def blind_bound(misses: list[list[int]], sizes: list[int], budget: int, overlap: list[float],
+                ends: list[int | None]) -> tuple[float, dict[str, dict[int, int]]]:
+    """The fewest pod-seconds when a busy minute's count cannot depend on that minute's own need,
+    only on whether a lull ends in it: within each group (lull ends in it, or not) counts are
+    dealt at random, so a count k costs each minute of the group the group's mean misses at k, and
+    the expected misses must stay within ``budget``. A minute pays its count for its own seconds
+    and, where a lull ends in it, for that lull (the lull's count is its end minute's, as in
+    :func:`bound`); no start ahead is paid. Two counts per group suffice (the mean misses fall
+    with k), so every pair and split is tried. Returns (pod-seconds, {group: {count: minutes}})."""
+    lull_seconds = [0.0] * len(misses)
+    for m, end in enumerate(ends):
+        if end is not None:
+            lull_seconds[end] += overlap[m]
+    most = len(misses[0])
+    groups = {"after a lull": [m for m in range(len(misses)) if sizes[m] and lull_seconds[m]],
+              "other": [m for m in range(len(misses)) if sizes[m] and not lull_seconds[m]]}
+    options = {}
+    for name, group in groups.items():
+        weight = sum(MINUTE - overlap[m] + lull_seconds[m] for m in group) / max(1, len(group))
+        mean = [sum(misses[m][k - 1] for m in group) / max(1, len(group)) for k in range(1, most + 1)]
+        options[name] = list(
+            ((len(group) - more) * mean[low - 1] + more * mean[high - 1],
+             ((len(group) - more) * low + more * high) * weight,
+             {k: v for k, v in ((low, len(group) - more), (high, more)) if v})
+            for low in range(1, most + 1) for high in range(low, most + 1)
+            for more in (range(len(group) + 1) if high > low else (0,)))
+        options[name].sort(key=lambda option: option[:2])
+    best: tuple[float, dict[str, dict[int, int]]] = (math.inf, {})
+    cheapest_other: list[tuple[float, float, dict[int, int]]] = []  # by misses, the cheapest so far
+    for late, paid, given in options["other"]:
+        if not cheapest_other or paid < cheapest_other[-1][1]:
+            cheapest_other.append((late, paid, given))
+    for late, paid, given in options["after a lull"]:
+        room = budget - late
+        fits = [o for o in cheapest_other if o[0] <= room]
+        if fits and paid + fits[-1][1] < best[0]:
+            best = (paid + fits[-1][1], {"after a lull": given, "other": fits[-1][2]})
+    return best
+
+
+def need(misses: list[list[int]], sizes: list[int]) -> list[int]:
+    """Per minute, the fewest replicas that keep its own p90 within the objective (at most a
+    tenth of its requests late): the clairvoyant row's counts."""
+    return [next((n for n, late in enumerate(row, 1) if late <= 0.1 * size), len(row))
+            for row, size in zip(misses, sizes)]
+
+
+def correlation(xs: list[float], ys: list[float]) -> float:
+    """Pearson's r of two equal-length series (nan when either is constant)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
+
+
+def causal_rules(sizes: list[int], tokens: list[int], most: int):
+    """Schedules a policy that sees only the past could follow, by their parameters. The count
+    for minute m is decided when minute m - 1 begins (a start ahead), from minutes ≤ m - 2:
+    ``lull`` pods when minute m - 2 had no arrival, else the larger of ``floor`` and the
+    ``q``-quantile of the last ``w`` known minutes' prompt tokens ÷ ``per_pod`` (tokens one pod
+    serves in a minute within the objective), at most ``most``; ``floor`` before any minute is
+    known."""
+    for w in range(1, 11):
+        for q in (0.5, 0.75, 0.9, 1.0):
+            for per_pod in (round(20_000 * 1.5 ** k) for k in range(13)):  # 20k … 2.6M tokens/minute
+                for floor in range(1, most - 1):
+                    for lull in range(1, most + 1):
+                        schedule = []
+                        for m in range(len(sizes)):
+                            known = sorted(tokens[max(0, m - 1 - w):max(0, m - 1)])
+                            if m >= 2 and sizes[m - 2] == 0:
+                                schedule.append(lull)
+                            elif not known:
+                                schedule.append(floor)
+                            else:
+                                top = known[min(len(known) - 1, max(0, math.ceil(q * len(known)) - 1))]
+                                schedule.append(min(most, max(floor, math.ceil(top / per_pod))))
+                        yield (w, q, per_pod, floor, lull), schedule
+
+
+def main(argv: list[str]) -> int:
+    args = simulate.parser().parse_args(argv + ["--no-plot"])
+    simulate.check_args(args)
+    played, _, _ = simulate.capped_arrivals(args)
+    spec = simulate.autoscaling_spec(args).model_copy(update={"enabled": False})
+    objective, most = spec.objectives.ttft_p90_seconds, spec.max_replicas
+    misses, sizes = minute_misses(played, lambda n: simulate.cluster(args, spec, initial=n), objective, most)
+    minutes, requests = len(misses), len(played)
+    budget = requests - math.ceil(0.9 * requests)  # nearest-rank p90: this many may miss
+    gaps = lulls([a.time for a in played], args.startup_delay)
+    overlap, ends = lull_overlap(gaps, minutes)
+    none = ([0.0] * minutes, [None] * minutes)
+
+    def row(name: str, schedule: list[int], where=none) -> None:
+        late = sum(misses[m][n - 1] for m, n in enumerate(schedule))
+        print(f"{name:<44} {paid_seconds(schedule, *where) / 3600:9.2f} {late:5d} "
+              f"{'yes' if late <= budget else 'no':>4}  {' '.join(map(str, schedule))}")
+
+    print(f"{requests} requests in {minutes} minutes; at most {budget} may miss the {objective:g} s objective; "
+          f"{len(gaps)} lulls longer than a {args.startup_delay:g} s start, {sum(b - a for a, b in gaps):.0f} s")
+    print(f"{'schedule (minute model)':<44} {'replica_h':>9} {'late':>5} {'met':>4}  per-minute replicas")
+    for n in range(1, most + 1):
+        row(f"fixed-{n}", [n] * minutes)
+        if sum(r[n - 1] for r in misses) <= budget:
+            break
+    counts = need(misses, sizes)
+    row("clairvoyant (each minute's own p90)", counts)
+    _, schedule = bound(misses, budget)
+    row("bound: foresight", schedule)
+    _, schedule = bound(misses, budget, overlap, ends)
+    row("bound: no foresight of a lull's end", schedule, (overlap, ends))
+    paid, given = blind_bound(misses, sizes, budget, overlap, ends)
+    print(f"{'bound: no foresight of a minute':<44} {paid / 3600:9.2f} {'':>5} {'':>4}  busy minutes: "
+          + "; ".join(f"{group}: " + ", ".join(f"{v} minutes at {k}" for k, v in sorted(counts.items()))
+                      for group, counts in given.items()))
+    tokens = [0] * minutes
+    for a in played:
+        tokens[int(a.time // MINUTE)] += a.prompt_tokens
+    tried, cheapest = 0, None
+    for params, schedule in causal_rules(sizes, tokens, most):
+        tried += 1
+        late = sum(misses[m][n - 1] for m, n in enumerate(schedule))
+        paid = paid_seconds(schedule, *none)
+        if late <= budget and (cheapest is None or paid < cheapest[0]):
+            cheapest = (paid, params, schedule)
+    if cheapest is not None:
+        w, q, per_pod, floor, lull = cheapest[1]
+        row(f"best of {tried} causal rules (w={w} q={q} per_pod={per_pod} floor={floor} lull={lull})",
+            cheapest[2])
+    else:
+        print(f"none of {tried} causal rules meets the objective")
+    busy = [m for m in range(minutes) if sizes[m]]
+    for lag in (1, 2, 3):
+        pairs = [(counts[m], counts[m - lag]) for m in busy if m >= lag and sizes[m - lag]]
+        print(f"a busy minute's need against the need {lag} minute(s) before: r = "
+              f"{correlation(*zip(*pairs)):+.2f} ({len(pairs)} pairs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
