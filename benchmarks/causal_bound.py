@@ -6,7 +6,7 @@ Usage: ``python benchmarks/causal_bound.py SIMULATE_ARGS`` (``slipstream simulat
 profile and objective flags), e.g. ``python benchmarks/causal_bound.py --trace
 ../shared/traces/azure-llm-2023-code.csv --max-output-tokens 512 --profile llama3-8b-l4
 --ttft-p90-objective 8 --max-replicas 10`` (about a minute). Not part of ``make test``; the
-numbers are in benchmarks/README.md ("Autoscaling", the L4 paragraph).
+numbers are in benchmarks/README.md ("What a policy without foresight can reach on L4").
 
 The model is the clairvoyant row's (:mod:`slipstream.server.sim.clairvoyant`): each minute's
 arrivals played alone on n ready replicas, n = 1 … ``--max-replicas``, starting with no backlog;
