@@ -30,8 +30,10 @@ n[m+1])`` pods. The objective holds when the misses add up to at most a tenth of
   what is known: whether a lull ends in it. Counts dealt at random within those two groups
   cost each minute its group's mean misses; the fewest pod-seconds whose expected misses stay
   within the tenth (lulls paid as above, starts ahead not paid).
-* **best of N causal rules** — schedules from the past only (:func:`causal_rules`), tuned on
-  the very trace they are scored on: the cheapest that meets.
+* **best of N rules …** — schedules from the past only, tuned on the very trace they are
+  scored on: the cheapest that meets, of two families (:func:`quantile_rules`, sizing up after
+  heavy minutes; :func:`threshold_rules`, one count after heavy minutes and one after light ones,
+  which can bet on a heavy minute being followed by a lighter one).
 
 Each bound takes the minute-alone misses, without backlogs carried between minutes, so it is at
 most what the same schedule pays in the full simulation (the clairvoyant row of ``--compare``
@@ -215,13 +217,12 @@ def correlation(xs: list[float], ys: list[float]) -> float:
     return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
 
 
-def causal_rules(sizes: list[int], tokens: list[int], most: int):
-    """Schedules a policy that sees only the past could follow, by their parameters. The count
-    for minute m is decided when minute m - 1 begins (a start ahead), from minutes ≤ m - 2:
-    ``lull`` pods when minute m - 2 had no arrival, else the larger of ``floor`` and the
-    ``q``-quantile of the last ``w`` known minutes' prompt tokens ÷ ``per_pod`` (tokens one pod
-    serves in a minute within the objective), at most ``most``; ``floor`` before any minute is
-    known."""
+def quantile_rules(sizes: list[int], tokens: list[int], most: int):
+    """Schedules that size up after heavy minutes, by their parameters. The count for minute m is
+    decided when minute m - 1 begins (a start ahead), from minutes ≤ m - 2: ``lull`` pods when
+    minute m - 2 had no arrival, else the larger of ``floor`` and the ``q``-quantile of the last
+    ``w`` known minutes' prompt tokens ÷ ``per_pod`` (tokens one pod serves in a minute within
+    the objective), at most ``most``; ``floor`` before any minute is known."""
     for w in range(1, 11):
         for q in (0.5, 0.75, 0.9, 1.0):
             for per_pod in (round(20_000 * 1.5 ** k) for k in range(13)):  # 20k … 2.6M tokens/minute
@@ -237,7 +238,32 @@ def causal_rules(sizes: list[int], tokens: list[int], most: int):
                             else:
                                 top = known[min(len(known) - 1, max(0, math.ceil(q * len(known)) - 1))]
                                 schedule.append(min(most, max(floor, math.ceil(top / per_pod))))
-                        yield (w, q, per_pod, floor, lull), schedule
+                        yield f"w={w} q={q} per_pod={per_pod} floor={floor} lull={lull}", schedule
+
+
+def threshold_rules(sizes: list[int], tokens: list[int], most: int):
+    """Schedules with one count after a heavy minute and another after a light one, either way
+    round (so a policy may bet on a heavy minute being followed by a lighter one, as the
+    correlations suggest): minute m gets ``heavy`` pods when minute m - ``lag`` (2 or 3: known a
+    start ahead) had more prompt tokens than ``over``, else ``light``; ``lull`` when it had no
+    arrival; ``light`` before any is known. ``over``: the 5%, 10%, … 95% points of the busy
+    minutes' prompt tokens."""
+    busy = sorted(t for t, size in zip(tokens, sizes) if size)
+    points = sorted({busy[len(busy) * i // 20] for i in range(1, 20)}) if busy else [0]
+    for lag in (2, 3):
+        for over in points:
+            for heavy in range(1, most + 1):
+                for light in range(1, most + 1):
+                    for lull in range(1, most + 1):
+                        schedule = []
+                        for m in range(len(sizes)):
+                            if m < lag:
+                                schedule.append(light)
+                            elif sizes[m - lag] == 0:
+                                schedule.append(lull)
+                            else:
+                                schedule.append(heavy if tokens[m - lag] > over else light)
+                        yield f"lag={lag} over={over} heavy={heavy} light={light} lull={lull}", schedule
 
 
 def main(argv: list[str]) -> int:
@@ -278,19 +304,19 @@ def main(argv: list[str]) -> int:
     tokens = [0] * minutes
     for a in played:
         tokens[int(a.time // MINUTE)] += a.prompt_tokens
-    tried, cheapest = 0, None
-    for params, schedule in causal_rules(sizes, tokens, most):
-        tried += 1
-        late = sum(misses[m][n - 1] for m, n in enumerate(schedule))
-        paid = paid_seconds(schedule, *none)
-        if late <= budget and (cheapest is None or paid < cheapest[0]):
-            cheapest = (paid, params, schedule)
-    if cheapest is not None:
-        w, q, per_pod, floor, lull = cheapest[1]
-        row(f"best of {tried} causal rules (w={w} q={q} per_pod={per_pod} floor={floor} lull={lull})",
-            cheapest[2])
-    else:
-        print(f"none of {tried} causal rules meets the objective")
+    for family, rules in (("sizing up after heavy minutes", quantile_rules),
+                          ("a count after heavy and one after light minutes", threshold_rules)):
+        tried, cheapest = 0, None
+        for params, schedule in rules(sizes, tokens, most):
+            tried += 1
+            late = sum(misses[m][n - 1] for m, n in enumerate(schedule))
+            paid = paid_seconds(schedule, *none)
+            if late <= budget and (cheapest is None or paid < cheapest[0]):
+                cheapest = (paid, params, schedule)
+        if cheapest is None:
+            print(f"none of {tried} rules {family} meets the objective")
+        else:
+            row(f"best of {tried} rules {family} ({cheapest[1]})", cheapest[2])
     busy = [m for m in range(minutes) if sizes[m]]
     for lag in (1, 2, 3):
         pairs = [(counts[m], counts[m - lag]) for m in busy if m >= lag and sizes[m - lag]]
