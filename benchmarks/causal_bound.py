@@ -293,9 +293,26 @@ def learned_level_rules(misses: list[list[int]], sizes: list[int]):
 
 def main(argv: list[str]) -> int:
     args = simulate.parser().parse_args(argv + ["--no-plot"])
+    try:
+        played, spec = arrivals(args)
+    except (ValueError, OSError) as exc:  # a bad flag, schedule or trace file: one line, as simulate says it
+        print(f"causal_bound.py: {exc}", file=sys.stderr)
+        return 2
+    return report(args, played, spec)
+
+
+def arrivals(args):
+    """The capped arrivals ``args`` ask for and their autoscaling spec. Raises ValueError (or
+    OSError) for a bad flag, schedule or trace, and for a workload with no arrivals."""
     simulate.check_args(args)
     played, _, _ = simulate.capped_arrivals(args)
-    spec = simulate.autoscaling_spec(args).model_copy(update={"enabled": False})
+    if not played:
+        raise ValueError("no arrivals to bound (a longer --rate, or a trace with rows)")
+    return played, simulate.autoscaling_spec(args).model_copy(update={"enabled": False})
+
+
+def report(args, played, spec) -> int:
+    """The table of main()."""
     objective, most = spec.objectives.ttft_p90_seconds, spec.max_replicas
     misses, sizes = minute_misses(played, lambda n: simulate.cluster(args, spec, initial=n), objective, most)
     minutes, requests = len(misses), len(played)

@@ -80,3 +80,13 @@ def test_no_foresight_of_a_minute_deals_counts_without_regard_to_need():
     # with 2.5 late allowed on average, one minute may get 1 pod (mean misses at 1 pod: 2.5)
     paid, given = cb.blind_bound(misses, [10, 10], 3, [0.0, 0.0], [None, None])
     assert paid == 60 * 3 and given["other"] == {1: 1, 2: 1}
+
+
+@pytest.mark.parametrize("argv", [["--trace", "{tmp}/missing.txt"], ["--trace", "{tmp}/empty.txt"],
+                                  ["--rate", "0rps for 60s"], ["--time-scale", "0.5"],
+                                  ["--max-replicas", "0"]])
+def test_a_bad_input_is_one_line_and_exit_2(argv, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    assert cb.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("causal_bound.py: ") and "\n" not in err
