@@ -143,8 +143,11 @@ def bound(misses: list[list[int]], budget: int, overlap: list[float] | None = No
                     step[key][1][i] = later
         best = nxt
         steps.append(step)
-    key, used = min(((k, int(np.argmin(v))) for k, v in best.items()), key=lambda kv: best[kv[0]][kv[1]])
-    total = float(best[key][used])
+    key, used = min(((k, int(np.argmin(v))) for k, v in best.items()), key=lambda kv: best[kv[0]][kv[1]],
+                    default=(None, 0))
+    total = INF if key is None else float(best[key][used])
+    if total == INF:
+        raise ValueError(f"no schedule of 1 … {most} replicas a minute keeps the misses within {budget}")
     schedule = []
     for step in reversed(steps):  # minute 0 first
         n, later = int(step[key][0][used]), step[key][1][used]
@@ -335,14 +338,24 @@ def report(args, played, spec) -> int:
             break
     counts = need(misses, sizes)
     row("clairvoyant (each minute's own p90)", counts)
+    fewest = sum(min(r) for r in misses)
+    if fewest > budget:  # nothing meets: the bounds below have no schedule to find
+        print(f"causal_bound.py: no schedule of 1 … {most} replicas a minute meets the {objective:g} s objective "
+              f"({fewest} of {requests} late at best, {budget} allowed): raise --max-replicas or loosen "
+              f"--ttft-p90-objective", file=sys.stderr)
+        return 1
     _, schedule = bound(misses, budget)
     row("bound: foresight", schedule)
     _, schedule = bound(misses, budget, overlap, ends)
     row("bound: no foresight of a lull's end", schedule, (overlap, ends))
     paid, given = blind_bound(misses, sizes, budget, overlap, ends)
-    print(f"{'bound: no foresight of a minute':<44} {paid / 3600:9.2f} {'':>5} {'':>4}  busy minutes: "
-          + "; ".join(f"{group}: " + ", ".join(f"{v} minutes at {k}" for k, v in sorted(counts.items()))
-                      for group, counts in given.items()))
+    if paid == INF:  # the group means miss more than the budget at every count (misses not falling with n)
+        print(f"{'bound: no foresight of a minute':<44} {'-':>9} {'':>5} {'no':>4}  no counts dealt without "
+              f"regard to need keep the expected misses within {budget}")
+    else:
+        print(f"{'bound: no foresight of a minute':<44} {paid / 3600:9.2f} {'':>5} {'':>4}  busy minutes: "
+              + "; ".join(f"{group}: " + ", ".join(f"{v} minutes at {k}" for k, v in sorted(counts.items()))
+                          for group, counts in given.items()))
     tokens = [0] * minutes
     for a in played:
         tokens[int(a.time // MINUTE)] += a.prompt_tokens

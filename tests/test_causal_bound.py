@@ -90,3 +90,21 @@ def test_a_bad_input_is_one_line_and_exit_2(argv, tmp_path, capsys):
     assert cb.main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("causal_bound.py: ") and "\n" not in err
+
+
+def test_no_schedule_within_the_budget_is_an_error_not_an_index():
+    # 3 late at best (one pod too few in minute 0, whatever the count), 2 allowed
+    with pytest.raises(ValueError, match="no schedule"):
+        cb.bound([[5, 3], [0, 0]], 2)
+    with pytest.raises(ValueError, match="no schedule"):
+        cb.bound([[5, 3], [0, 0]], 2, [0.0, 0.0], [None, None])
+
+
+def test_an_objective_no_count_meets_is_one_line_and_exit_1(tmp_path, capsys):
+    trace = tmp_path / "three.txt"
+    trace.write_text("0.5 100 10\n1.0 200 20\n30.0 300 30\n")
+    assert cb.main(["--trace", str(trace), "--ttft-p90-objective", "0.000001", "--max-replicas", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "fixed-2" in captured.out and "Traceback" not in captured.err
+    err = captured.err.strip()
+    assert err.startswith("causal_bound.py: no schedule of 1 … 2 replicas") and "\n" not in err
