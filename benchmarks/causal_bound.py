@@ -379,8 +379,10 @@ def report(args, played, spec) -> int:
     busy = [m for m in range(minutes) if sizes[m]]
     for lag in (1, 2, 3):
         pairs = [(counts[m], counts[m - lag]) for m in busy if m >= lag and sizes[m - lag]]
+        r = correlation(*zip(*pairs)) if len(pairs) >= 2 else math.nan
         print(f"a busy minute's need against the need {lag} minute(s) before: r = "
-              f"{correlation(*zip(*pairs)):+.2f} ({len(pairs)} pairs)")
+              + (f"{r:+.2f}" if not math.isnan(r) else "undefined (too few pairs, or a need that does not vary)")
+              + f" ({len(pairs)} pairs)")
     return 0
 
 

@@ -108,3 +108,13 @@ def test_an_objective_no_count_meets_is_one_line_and_exit_1(tmp_path, capsys):
     assert "fixed-2" in captured.out and "Traceback" not in captured.err
     err = captured.err.strip()
     assert err.startswith("causal_bound.py: no schedule of 1 … 2 replicas") and "\n" not in err
+
+
+def test_a_trace_too_short_for_correlations_still_prints_its_table(tmp_path, capsys):
+    # one busy minute: no pair of busy minutes to correlate
+    trace = tmp_path / "three.txt"
+    trace.write_text("0.5 100 10\n1.0 200 20\n30.0 300 30\n")
+    assert cb.main(["--trace", str(trace), "--max-replicas", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "bound: foresight" in out
+    assert "need 1 minute(s) before: r = undefined (too few pairs, or a need that does not vary) (0 pairs)" in out
