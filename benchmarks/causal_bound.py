@@ -232,7 +232,7 @@ def quantile_rules(sizes: list[int], tokens: list[int], most: int):
     for w in range(1, 11):
         for q in (0.5, 0.75, 0.9, 1.0):
             for per_pod in (round(20_000 * 1.5 ** k) for k in range(13)):  # 20k … 2.6M tokens/minute
-                for floor in range(1, most - 1):
+                for floor in range(1, most + 1):
                     for lull in range(1, most + 1):
                         schedule = []
                         for m in range(len(sizes)):

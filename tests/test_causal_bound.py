@@ -118,3 +118,12 @@ def test_a_trace_too_short_for_correlations_still_prints_its_table(tmp_path, cap
     out = capsys.readouterr().out
     assert "bound: foresight" in out
     assert "need 1 minute(s) before: r = undefined (too few pairs, or a need that does not vary) (0 pairs)" in out
+
+
+@pytest.mark.parametrize("most", [1, 2, 3])
+def test_the_causal_rules_include_every_floor_up_to_the_most(most):
+    # a floor of most is the fixed count most, a rule that sees only the past: with --max-replicas
+    # 2 the rules were none at all ("none of 0 causal rules meets") where fixed 2 met
+    rules = list(cb.causal_rules([1, 1, 1], [10, 10, 10], most))
+    assert rules and {params[3] for params, _ in rules} == set(range(1, most + 1))
+    assert [most] * 3 in [schedule for _, schedule in rules]
