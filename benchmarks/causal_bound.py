@@ -295,7 +295,9 @@ def learned_level_rules(misses: list[list[int]], sizes: list[int]):
 
 
 def main(argv: list[str]) -> int:
-    args = simulate.parser().parse_args(argv + ["--no-plot"])
+    parser = simulate.parser()
+    parser.prog = "causal_bound.py"  # its errors are this script's, not slipstream simulate's
+    args = parser.parse_args(argv + ["--no-plot"])
     try:
         played, spec = arrivals(args)
     except (ValueError, OSError) as exc:  # a bad flag, schedule or trace file: one line, as simulate says it

@@ -127,3 +127,11 @@ def test_the_causal_rules_include_every_floor_up_to_the_most(most):
     rules = list(cb.causal_rules([1, 1, 1], [10, 10, 10], most))
     assert rules and {params[3] for params, _ in rules} == set(range(1, most + 1))
     assert [most] * 3 in [schedule for _, schedule in rules]
+
+
+def test_an_unknown_flag_is_named_as_this_scripts_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cb.main(["--bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: causal_bound.py ") and "causal_bound.py: error: unrecognized arguments: --bogus" in err
