@@ -30,6 +30,10 @@ n[m+1])`` pods. The objective holds when the misses add up to at most a tenth of
   what is known: whether a lull ends in it. Counts dealt at random within those two groups
   cost each minute its group's mean misses; the fewest pod-seconds whose expected misses stay
   within the tenth (lulls paid as above, starts ahead not paid).
+* **bound: one bit, minute m-L needed 1 pod** — the same with one bit of the past known a
+  start ahead as well (whether minute m - L, L = 2 or 3, was quiet enough for one pod): the
+  groups split on it. It prices what the negative correlations are worth to a policy that bets
+  on them; still an expectation over which minutes of a group get which count.
 * **best of N rules …** — schedules from the past only, tuned on the very trace they are
   scored on: the cheapest that meets, of two families (:func:`quantile_rules`, sizing up after
   heavy minutes; :func:`threshold_rules`, one count after heavy minutes and one after light ones,
@@ -167,44 +171,55 @@ def paid_seconds(schedule: list[int], overlap: list[float], ends: list[int | Non
     return total
 
 
+def pareto(options: list[tuple[float, float, dict]]) -> list[tuple[float, float, dict]]:
+    """The options (misses, paid, what) that no other beats on both: by misses, each cheaper."""
+    front: list[tuple[float, float, dict]] = []
+    for option in sorted(options, key=lambda o: o[:2]):
+        if not front or option[1] < front[-1][1]:
+            front.append(option)
+    return front
+
+
 def blind_bound(misses: list[list[int]], sizes: list[int], budget: int, overlap: list[float],
-                ends: list[int | None]) -> tuple[float, dict[str, dict[int, int]]]:
+                ends: list[int | None], known: list[bool] | None = None,
+                ) -> tuple[float, dict[str, dict[int, int]]]:
     """The fewest pod-seconds when a busy minute's count cannot depend on that minute's own need,
-    only on whether a lull ends in it: within each group (lull ends in it, or not) counts are
-    dealt at random, so a count k costs each minute of the group the group's mean misses at k, and
-    the expected misses must stay within ``budget``. A minute pays its count for its own seconds
-    and, where a lull ends in it, for that lull (the lull's count is its end minute's, as in
-    :func:`bound`); no start ahead is paid. Two counts per group suffice (the mean misses fall
-    with k), so every pair and split is tried. Returns (pod-seconds, {group: {count: minutes}})."""
+    only on what is known of it: whether a lull ends in it and, when given, ``known[m]`` (one bit
+    of the past). Within each group counts are dealt at random, so a count k costs each minute of
+    the group the group's mean misses at k, and the expected misses must stay within ``budget``.
+    A minute pays its count for its own seconds and, where a lull ends in it, for that lull (the
+    lull's count is its end minute's, as in :func:`bound`); no start ahead is paid. Two counts per
+    group suffice (the mean misses fall with k): every pair and split is tried, and the groups are
+    joined on their Pareto fronts. Returns (pod-seconds, {group: {count: minutes}}); math.inf when
+    no dealing fits."""
     lull_seconds = [0.0] * len(misses)
     for m, end in enumerate(ends):
         if end is not None:
             lull_seconds[end] += overlap[m]
     most = len(misses[0])
-    groups = {"after a lull": [m for m in range(len(misses)) if sizes[m] and lull_seconds[m]],
-              "other": [m for m in range(len(misses)) if sizes[m] and not lull_seconds[m]]}
-    options = {}
+    groups: dict[str, list[int]] = {}
+    for m in range(len(misses)):
+        if sizes[m]:
+            name = "after a lull" if lull_seconds[m] else "other"
+            if known is not None:
+                name += ", bit set" if known[m] else ", bit clear"
+            groups.setdefault(name, []).append(m)
+    joined: list[tuple[float, float, dict]] = [(0.0, 0.0, {})]
     for name, group in groups.items():
-        weight = sum(MINUTE - overlap[m] + lull_seconds[m] for m in group) / max(1, len(group))
-        mean = [sum(misses[m][k - 1] for m in group) / max(1, len(group)) for k in range(1, most + 1)]
-        options[name] = list(
+        weight = sum(MINUTE - overlap[m] + lull_seconds[m] for m in group) / len(group)
+        mean = [sum(misses[m][k - 1] for m in group) / len(group) for k in range(1, most + 1)]
+        options = pareto([
             ((len(group) - more) * mean[low - 1] + more * mean[high - 1],
              ((len(group) - more) * low + more * high) * weight,
              {k: v for k, v in ((low, len(group) - more), (high, more)) if v})
             for low in range(1, most + 1) for high in range(low, most + 1)
-            for more in (range(len(group) + 1) if high > low else (0,)))
-        options[name].sort(key=lambda option: option[:2])
-    best: tuple[float, dict[str, dict[int, int]]] = (math.inf, {})
-    cheapest_other: list[tuple[float, float, dict[int, int]]] = []  # by misses, the cheapest so far
-    for late, paid, given in options["other"]:
-        if not cheapest_other or paid < cheapest_other[-1][1]:
-            cheapest_other.append((late, paid, given))
-    for late, paid, given in options["after a lull"]:
-        room = budget - late
-        fits = [o for o in cheapest_other if o[0] <= room]
-        if fits and paid + fits[-1][1] < best[0]:
-            best = (paid + fits[-1][1], {"after a lull": given, "other": fits[-1][2]})
-    return best
+            for more in (range(len(group) + 1) if high > low else (0,))])
+        joined = pareto([(late + l2, paid + p2, {**given, name: g2}) for late, paid, given in joined
+                         for l2, p2, g2 in options if late + l2 <= budget + 1e-9])
+    if not joined:
+        return math.inf, {}
+    _, paid, given = min(joined, key=lambda o: o[1])
+    return paid, given
 
 
 def need(misses: list[list[int]], sizes: list[int]) -> list[int]:
@@ -356,8 +371,15 @@ def report(args, played, spec) -> int:
               f"regard to need keep the expected misses within {budget}")
     else:
         print(f"{'bound: no foresight of a minute':<44} {paid / 3600:9.2f} {'':>5} {'':>4}  busy minutes: "
-              + "; ".join(f"{group}: " + ", ".join(f"{v} minutes at {k}" for k, v in sorted(counts.items()))
-                          for group, counts in given.items()))
+              + "; ".join(f"{group}: " + ", ".join(f"{v} minutes at {k}" for k, v in sorted(c.items()))
+                          for group, c in given.items()))
+    for lag in (2, 3):  # one bit known a start ahead: the minute lag before was quiet (needed 1 pod)
+        bit = [m >= lag and sizes[m - lag] > 0 and counts[m - lag] <= 1 for m in range(minutes)]
+        paid, given = blind_bound(misses, sizes, budget, overlap, ends, bit)
+        name = f"bound: one bit, minute m-{lag} needed 1 pod"
+        print(f"{name:<44} {'-' if paid == INF else f'{paid / 3600:.2f}':>9} {'':>5} {'':>4}  busy minutes: "
+              + "; ".join(f"{group}: " + ", ".join(f"{v} at {k}" for k, v in sorted(c.items()))
+                          for group, c in given.items()))
     tokens = [0] * minutes
     for a in played:
         tokens[int(a.time // MINUTE)] += a.prompt_tokens
@@ -374,7 +396,9 @@ def report(args, played, spec) -> int:
                 cheapest = (paid, params, schedule)
             if closest is None or (late, paid) < closest[0]:
                 closest = ((late, paid), params, schedule)
-        if cheapest is None:
+        if closest is None:
+            print(f"no rules {family} for this run")
+        elif cheapest is None:
             row(f"none of {tried} rules {family} meets; fewest late ({closest[1]})", closest[2])
         else:
             row(f"best of {tried} rules {family} ({cheapest[1]})", cheapest[2])

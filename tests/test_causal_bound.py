@@ -124,8 +124,9 @@ def test_a_trace_too_short_for_correlations_still_prints_its_table(tmp_path, cap
 def test_the_causal_rules_include_every_floor_up_to_the_most(most):
     # a floor of most is the fixed count most, a rule that sees only the past: with --max-replicas
     # 2 the rules were none at all ("none of 0 causal rules meets") where fixed 2 met
-    rules = list(cb.causal_rules([1, 1, 1], [10, 10, 10], most))
-    assert rules and {params[3] for params, _ in rules} == set(range(1, most + 1))
+    rules = list(cb.quantile_rules([1, 1, 1], [10, 10, 10], most))
+    floors = {int(params.split("floor=")[1].split()[0]) for params, _ in rules}
+    assert rules and floors == set(range(1, most + 1))
     assert [most] * 3 in [schedule for _, schedule in rules]
 
 
