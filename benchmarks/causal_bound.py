@@ -49,38 +49,38 @@ shows carried backlogs making the per-minute counts miss overall).
 from __future__ import annotations
 
 import math
+import statistics
 import sys
-from dataclasses import replace
 
 import numpy as np
 
 from slipstream.server import simulate
-from slipstream.server.sim.clairvoyant import MINUTE
+from slipstream.server.sim.clairvoyant import MINUTE, by_minute
 
 INF = math.inf
 
 
 def minute_misses(played, make, objective: float, most: int) -> tuple[list[list[int]], list[int]]:
     """``misses[m][n - 1]``: minute m's requests with TTFT > ``objective`` (or none) when played
-    alone on n replicas; and the requests in each minute."""
-    minutes = int(max(a.time for a in played) // MINUTE) + 1
-    by_minute = [[] for _ in range(minutes)]
-    for a in played:
-        by_minute[int(a.time // MINUTE)].append(a)
+    alone on n replicas (:func:`~slipstream.server.sim.clairvoyant.by_minute`, as the clairvoyant
+    row plays them); and the requests in each minute."""
     misses, sizes = [], []
-    for m, these in enumerate(by_minute):
+    for these in by_minute(played):
         row = []
-        shifted = [replace(a, time=a.time - m * MINUTE) for a in these]
         for n in range(1, most + 1):
             if row and row[-1] == 0:
                 row.append(0)
                 continue
-            result = make(n).run(shifted, MINUTE) if shifted else None
-            late = 0 if result is None else sum(1 for r in result.requests if r.ttft is None or r.ttft > objective)
-            row.append(late)
+            result = make(n).run(these, MINUTE) if these else None
+            row.append(0 if result is None else sum(1 for r in result.requests if r.ttft is None or r.ttft > objective))
         misses.append(row)
         sizes.append(len(these))
     return misses, sizes
+
+
+def late(misses: list[list[int]], schedule: list[int]) -> int:
+    """Requests past the objective under ``schedule`` (replicas per minute)."""
+    return sum(misses[m][n - 1] for m, n in enumerate(schedule))
 
 
 def lulls(times: list[float], longer_than: float) -> list[tuple[float, float]]:
@@ -229,15 +229,6 @@ def need(misses: list[list[int]], sizes: list[int]) -> list[int]:
             for row, size in zip(misses, sizes)]
 
 
-def correlation(xs: list[float], ys: list[float]) -> float:
-    """Pearson's r of two equal-length series (nan when either is constant)."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
-
-
 def quantile_rules(sizes: list[int], tokens: list[int], most: int):
     """Schedules that size up after heavy minutes, by their parameters. The count for minute m is
     decided when minute m - 1 begins (a start ahead), from minutes ≤ m - 2: ``lull`` pods when
@@ -342,9 +333,19 @@ def report(args, played, spec) -> int:
     none = ([0.0] * minutes, [None] * minutes)
 
     def row(name: str, schedule: list[int], where=none) -> None:
-        late = sum(misses[m][n - 1] for m, n in enumerate(schedule))
-        print(f"{name:<44} {paid_seconds(schedule, *where) / 3600:9.2f} {late:5d} "
-              f"{'yes' if late <= budget else 'no':>4}  {' '.join(map(str, schedule))}")
+        missed = late(misses, schedule)
+        print(f"{name:<44} {paid_seconds(schedule, *where) / 3600:9.2f} {missed:5d} "
+              f"{'yes' if missed <= budget else 'no':>4}  {' '.join(map(str, schedule))}")
+
+    def blind_row(name: str, known: list[bool] | None = None) -> None:
+        paid, given = blind_bound(misses, sizes, budget, overlap, ends, known)
+        if paid == INF:  # the group means miss more than the budget at every count (misses not falling with n)
+            print(f"{name:<44} {'-':>9} {'':>5} {'no':>4}  no counts dealt without regard to need keep the "
+                  f"expected misses within {budget}")
+        else:
+            print(f"{name:<44} {paid / 3600:9.2f} {'':>5} {'':>4}  busy minutes: "
+                  + "; ".join(f"{group}: " + ", ".join(f"{v} at {k}" for k, v in sorted(c.items()))
+                              for group, c in given.items()))
 
     print(f"{requests} requests in {minutes} minutes; at most {budget} may miss the {objective:g} s objective; "
           f"{len(gaps)} lulls longer than a {args.startup_delay:g} s start, {sum(b - a for a, b in gaps):.0f} s")
@@ -365,21 +366,10 @@ def report(args, played, spec) -> int:
     row("bound: foresight", schedule)
     _, schedule = bound(misses, budget, overlap, ends)
     row("bound: no foresight of a lull's end", schedule, (overlap, ends))
-    paid, given = blind_bound(misses, sizes, budget, overlap, ends)
-    if paid == INF:  # the group means miss more than the budget at every count (misses not falling with n)
-        print(f"{'bound: no foresight of a minute':<44} {'-':>9} {'':>5} {'no':>4}  no counts dealt without "
-              f"regard to need keep the expected misses within {budget}")
-    else:
-        print(f"{'bound: no foresight of a minute':<44} {paid / 3600:9.2f} {'':>5} {'':>4}  busy minutes: "
-              + "; ".join(f"{group}: " + ", ".join(f"{v} minutes at {k}" for k, v in sorted(c.items()))
-                          for group, c in given.items()))
+    blind_row("bound: no foresight of a minute")
     for lag in (2, 3):  # one bit known a start ahead: the minute lag before was quiet (needed 1 pod)
-        bit = [m >= lag and sizes[m - lag] > 0 and counts[m - lag] <= 1 for m in range(minutes)]
-        paid, given = blind_bound(misses, sizes, budget, overlap, ends, bit)
-        name = f"bound: one bit, minute m-{lag} needed 1 pod"
-        print(f"{name:<44} {'-' if paid == INF else f'{paid / 3600:.2f}':>9} {'':>5} {'':>4}  busy minutes: "
-              + "; ".join(f"{group}: " + ", ".join(f"{v} at {k}" for k, v in sorted(c.items()))
-                          for group, c in given.items()))
+        blind_row(f"bound: one bit, minute m-{lag} needed 1 pod",
+                  [m >= lag and sizes[m - lag] > 0 and counts[m - lag] <= 1 for m in range(minutes)])
     tokens = [0] * minutes
     for a in played:
         tokens[int(a.time // MINUTE)] += a.prompt_tokens
@@ -390,12 +380,11 @@ def report(args, played, spec) -> int:
         tried, cheapest, closest = 0, None, None
         for params, schedule in rules():
             tried += 1
-            late = sum(misses[m][n - 1] for m, n in enumerate(schedule))
-            paid = paid_seconds(schedule, *none)
-            if late <= budget and (cheapest is None or paid < cheapest[0]):
+            missed, paid = late(misses, schedule), paid_seconds(schedule, *none)
+            if missed <= budget and (cheapest is None or paid < cheapest[0]):
                 cheapest = (paid, params, schedule)
-            if closest is None or (late, paid) < closest[0]:
-                closest = ((late, paid), params, schedule)
+            if closest is None or (missed, paid) < closest[0]:
+                closest = ((missed, paid), params, schedule)
         if closest is None:
             print(f"no rules {family} for this run")
         elif cheapest is None:
@@ -405,10 +394,12 @@ def report(args, played, spec) -> int:
     busy = [m for m in range(minutes) if sizes[m]]
     for lag in (1, 2, 3):
         pairs = [(counts[m], counts[m - lag]) for m in busy if m >= lag and sizes[m - lag]]
-        r = correlation(*zip(*pairs)) if len(pairs) >= 2 else math.nan
+        try:
+            r = f"{statistics.correlation(*zip(*pairs)):+.2f}" if len(pairs) >= 2 else None
+        except statistics.StatisticsError:  # a need that does not vary
+            r = None
         print(f"a busy minute's need against the need {lag} minute(s) before: r = "
-              + (f"{r:+.2f}" if not math.isnan(r) else "undefined (too few pairs, or a need that does not vary)")
-              + f" ({len(pairs)} pairs)")
+              f"{r or 'undefined (too few pairs, or a need that does not vary)'} ({len(pairs)} pairs)")
     return 0
 
 

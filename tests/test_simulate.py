@@ -14,6 +14,7 @@ from slipstream.api_types.autoscaling import CRD_KEYS, AutoscalingSpec
 from slipstream.operator.spec import SpecError, parse_spec
 from slipstream.server import cli, simulate
 from slipstream.server.sim import compare as sim_compare
+from slipstream.server.sim.clairvoyant import by_minute
 from slipstream.server.sim.cluster import Cluster, ReplicaConfig, SimRequest, VirtualReplica
 from slipstream.server.sim.cost_model import PROFILES, batch_shape, step_time
 from slipstream.server.sim.head_of_line import continuous_batching, static_batching
@@ -471,6 +472,13 @@ def test_compare_runs_every_scaler_on_the_same_arrivals_and_fixed_counts_up_to_t
     table = capsys.readouterr().out
     assert table.splitlines()[0].split()[:3] == ["scaler", "attain%", "ttft_p50_ms"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_minute_is_played_from_its_own_start_and_empty_minutes_are_kept():
+    arrivals = [Arrival(5.0, 10, 1), Arrival(65.0, 10, 1), Arrival(130.5, 10, 1), Arrival(250.0, 10, 1)]
+    minutes = by_minute(arrivals)
+    assert [[a.time for a in m] for m in minutes] == [[5.0], [5.0], [10.5], [], [10.0]]
+    assert by_minute([]) == []
 
 
 def test_a_clairvoyant_schedule_that_misses_gets_pods_added_to_every_minute_until_it_meets(monkeypatch):

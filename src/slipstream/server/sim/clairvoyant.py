@@ -24,22 +24,27 @@ def p90_ttft(result: SimResult) -> float | None:
     return result.ttft_percentiles(quantiles=(0.9,))[0]
 
 
+def by_minute(arrivals: Sequence[Arrival], minute: float = MINUTE) -> list[list[Arrival]]:
+    """``arrivals`` (seconds from 0) split into minutes, each minute's times from its own start
+    (to be played alone); one list per minute up to the last arrival's, empty where none came."""
+    if not arrivals:
+        return []
+    minutes: list[list[Arrival]] = [[] for _ in range(int(max(a.time for a in arrivals) // minute) + 1)]
+    for a in arrivals:
+        m = int(a.time // minute)
+        minutes[m].append(replace(a, time=a.time - m * minute))
+    return minutes
+
+
 def minute_counts(arrivals: Sequence[Arrival], fixed: Callable[[int], Cluster], objective: float,
                   most: int, least: int = 1, minute: float = MINUTE) -> list[int]:
     """Per minute of ``arrivals`` (seconds from 0), the fewest replicas in [least, most] whose run
     of that minute alone has a TTFT p90 ≤ ``objective`` seconds (``most`` when none does; ``least``
     for a minute without arrivals). fixed(n): a cluster that keeps n ready replicas."""
-    if not arrivals:
-        return []
-    minutes = int(max(a.time for a in arrivals) // minute) + 1
-    by_minute: list[list[Arrival]] = [[] for _ in range(minutes)]
-    for a in arrivals:
-        by_minute[int(a.time // minute)].append(a)
     counts = []
-    for m, these in enumerate(by_minute):
+    for shifted in by_minute(arrivals, minute):
         count = least
-        if these:
-            shifted = [replace(a, time=a.time - m * minute) for a in these]
+        if shifted:
             while count < most:
                 p90 = p90_ttft(fixed(count).run(shifted, minute))
                 if p90 is not None and p90 <= objective:
