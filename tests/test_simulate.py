@@ -554,3 +554,21 @@ def test_compare_without_arrivals_and_a_fixed_count_of_none_are_refused(capsys):
     assert "--compare needs arrivals" in capsys.readouterr().err
     assert simulate.main(["--profile", "tiny", "--no-plot", "--no-autoscaling", "--initial-replicas", "0"]) == 2
     assert "serves nothing" in capsys.readouterr().err
+
+
+def test_the_gateway_counts_prompt_tokens_at_the_answer_as_the_real_gateway_does():
+    # The real gateway adds a request's prompt tokens from its usage when the answer ends
+    # (gateway/proxy.py); counting them at the first token, as a pod's own counter does, made a
+    # request in flight read as demand that never arrived (its tokens over the requests finished).
+    cluster = Cluster(H100, ReplicaConfig.for_profile(H100), AutoscalingSpec(), initial=1)
+    replica = cluster.replicas[0]
+    sim = SimRequest(arrival=0.0, prompt_tokens=100, output_tokens=50)
+    replica.add(sim, 0.0)
+    replica.advance(step_time(H100, batch_shape([(0, 100)])) + 1e-6)
+    assert sim.first_token is not None and sim.finished is None
+    assert replica.sample(0.1).prompt_tokens_total == 100
+    gateway = cluster.gateway_load()
+    assert (gateway.requests_total, gateway.prompt_tokens_total, gateway.in_flight) == (0, 0, 1)
+    replica.advance(10.0)
+    gateway = cluster.gateway_load()
+    assert (gateway.requests_total, gateway.prompt_tokens_total, gateway.generation_tokens_total) == (1, 100, 50)

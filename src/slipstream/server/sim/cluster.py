@@ -172,6 +172,8 @@ class VirtualReplica:
         self.num_steps = 0
         # The counters and the TTFT histogram a pod's /metrics exports (at first token / at finish).
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_total = 0
+        # The prompt tokens of finished requests: what the gateway counts, from each answer's usage.
+        self.answered_prompt_tokens = 0
         self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
 
     def ready(self, now: float) -> bool:
@@ -240,6 +242,7 @@ class VirtualReplica:
                 if req.finished:  # at max_tokens = its output length
                     sim.finished = end
                     self.generation_tokens_total += sim.output_tokens
+                    self.answered_prompt_tokens += sim.prompt_tokens
                     self.requests_total += 1
                     del self._requests[req.request_id]
                     self._replies.pop(req.request_id, None)
@@ -406,7 +409,7 @@ class Cluster:
         every = self.replicas + self.retired
         return GatewayLoad(waiting=float(len(self.pending)), in_flight=float(sum(r.load for r in self.replicas)),
                            requests_total=float(sum(r.requests_total for r in every)),
-                           prompt_tokens_total=float(sum(r.prompt_tokens_total for r in every)),
+                           prompt_tokens_total=float(sum(r.answered_prompt_tokens for r in every)),
                            generation_tokens_total=float(sum(r.generation_tokens_total for r in every)))
 
     def fleet(self, now: float) -> Fleet:
