@@ -42,11 +42,43 @@ def run_rate(rate: float, seconds: float, fleet: Fleet, current: int, s: Autosca
 
 
 def test_need_is_demand_over_capacity_with_headroom():
-    # 25 req/s x 100 tokens = 2,500 tokens/s x 1.3 / 1,000 per pod -> 4 pods
+    # 25 req/s x 100 tokens = 2,500 tokens/s x 1.2 / 1,000 per pod -> 3 pods
     d = run_rate(25.0, 60, Fleet(4), 4)
     assert d.recommendation == math.ceil(2500 * (1 + cp.HEADROOM) / 1000)
     assert d.details["demandRequestsPerSecond"] == pytest.approx(25.0)
     assert d.details["capacityTokensPerSecond"] == 1000.0
+
+
+def test_a_step_up_reads_at_the_short_windows_rate_until_the_long_window_catches_up():
+    # Knative's panic mode: 10 req/s for 60 s, then 40 req/s, ticks of 2 s. The first tick's
+    # short-window rate is under twice the long one's; from the next tick on the short window
+    # is read (the long one alone would read 12-15 req/s, and ask for pods a minute late), and
+    # once it holds only the step, it reads 40.
+    state = run_rate(10.0, 60, Fleet(1), 1).state
+    seen, reasons = [], []
+    ticks = [60.0 + 2 * k for k in range(1, int(cp.PANIC_SECONDS / 2) + 1)]
+    for now in ticks:
+        d = decide(spec(), state, [], now, 1, Fleet(1), gateway(600 + 40.0 * (now - 60)), PRIOR)
+        state = d.state
+        seen.append(d.details["demandRequestsPerSecond"])
+        reasons.append(d.reason)
+    long_first = (600 - 20 + 80) / 60  # the interval ending at 0 s is outside the window
+    assert seen[0] == pytest.approx(long_first) and f"(last {cp.PANIC_SECONDS:g}s)" not in reasons[0]
+    assert all(f"(last {cp.PANIC_SECONDS:g}s)" in r for r in reasons[1:])
+    assert seen[1:-1] == sorted(seen[1:-1]) and seen[1] > 2 * long_first and seen[-1] == pytest.approx(40.0)
+    assert d.recommendation == math.ceil(4000 * (1 + cp.HEADROOM) / 1000)
+    # long after the step the 60 s window holds only it, and is read
+    d = run_rate(40.0, 120, Fleet(5), 5, state=state, start=ticks[-1] + 2)
+    assert d.details["demandRequestsPerSecond"] == pytest.approx(40.0) and "(last" not in d.reason
+
+
+def test_a_rise_under_the_panic_ratio_is_read_over_the_long_window():
+    state = run_rate(10.0, 60, Fleet(1), 1).state
+    for now in (62.0, 64.0, 66.0, 68.0, 70.0):  # 10 -> 15 req/s: the short rate reaches 15, under 2 x 10.x
+        d = decide(spec(), state, [], now, 1, Fleet(1), gateway(600 + 15.0 * (now - 60)), PRIOR)
+        state = d.state
+    assert d.details["demandRequestsPerSecond"] == pytest.approx((50 * 10 + 10 * 15) / 60, abs=1e-3)  # rounded
+    assert "(last" not in d.reason
 
 
 def test_arrivals_are_finished_requests_plus_the_change_in_held_ones():
@@ -104,25 +136,25 @@ def test_a_backlog_gets_extra_pods_only_if_they_arrive_before_it_drains():
 
 
 def test_scale_down_waits_hold_starts_of_the_measured_start_time():
-    busy = run_rate(25.0, 60, Fleet(4), 4)
+    busy = run_rate(30.0, 60, Fleet(4), 4)
     state, last = busy.state, None
     for k in range(1, 200):
         now = 60.0 + 2 * k
-        last = decide(spec(), state, [], now, 4, Fleet(4), gateway(25.0 * 60), PRIOR)
+        last = decide(spec(), state, [], now, 4, Fleet(4), gateway(30.0 * 60), PRIOR)
         state = last.state
         if last.desired_replicas < 4:
             break
-    # demand falls to 0 over the 60 s window; the need of 4 is held for 5 starts of 60 s
+    # 30 req/s needs 4 (3,000 tokens/s x 1.2 / 1,000); demand falls to 0 over the 60 s window; the need of 4 is held for 5 starts of 60 s
     assert 60 + cp.HOLD_STARTS * 60 <= now <= 60 + cp.DEMAND_SECONDS + cp.HOLD_STARTS * 60 + 2
     # a measured start replaces the prior, later ones are blended in; the hold follows it
-    quick = decide(spec(), busy.state, [], 62.0, 4, Fleet(4, (), (10.0,)), gateway(25.0 * 60), PRIOR)
+    quick = decide(spec(), busy.state, [], 62.0, 4, Fleet(4, (), (10.0,)), gateway(30.0 * 60), PRIOR)
     assert quick.details["startSeconds"] == 10.0
-    later = decide(spec(), quick.state, [], 64.0, 4, Fleet(4, (), (30.0,)), gateway(25.0 * 60), PRIOR)
+    later = decide(spec(), quick.state, [], 64.0, 4, Fleet(4, (), (30.0,)), gateway(30.0 * 60), PRIOR)
     assert later.details["startSeconds"] == 20.0
     state = later.state
     for k in range(1, 200):
         now = 64.0 + 2 * k
-        last = decide(spec(), state, [], now, 4, Fleet(4), gateway(25.0 * 60), PRIOR)
+        last = decide(spec(), state, [], now, 4, Fleet(4), gateway(30.0 * 60), PRIOR)
         state = last.state
         if last.desired_replicas < 4:
             break

@@ -30,12 +30,14 @@ from .demand import Interval, PodWork, Totals, demand_totals, interval, pod_read
 from .fleet import Fleet
 
 OBJECTIVE_QUANTILE = 0.9         # the objective is a p90: met while ≥ 90% of requests meet it
-DEMAND_SECONDS = 60.0            # demand: the arrival rate over this window
+DEMAND_SECONDS = 60.0            # demand: the arrival rate over this window ...
+PANIC_SECONDS = 8.0              # ... or over this one while it is PANIC_RATIO × that or more
+PANIC_RATIO = 2.0                # (Knative's panic mode; its 6 s window was twitchier on the Azure trace)
 LEARN_SECONDS = 60.0             # capacity is re-estimated once per window of this length
 LEARN_RATE = 0.5                 # weight of a new window's estimate against the old one
 LEARN_MIN_REQUESTS = 20          # a window with fewer TTFT observations teaches nothing
 CAPACITY_BOUNDS = (0.1, 10.0)    # the learned capacity stays within these multiples of the prior
-HEADROOM = 0.3                  # pods are sized for demand × (1 + HEADROOM)
+HEADROOM = 0.2                   # pods are sized for demand × (1 + HEADROOM)
 DRAIN_SECONDS = 30.0             # a backlog should be gone this long after new pods are ready
 HOLD_STARTS = 5.0              # scale-down waits this many start times of lower need
 ATTAINMENT_SECONDS = 300.0       # status.objectiveAttainment's window
@@ -142,26 +144,32 @@ class CapacityState:
 @dataclass(frozen=True, slots=True)
 class Demand:
     """Arrival rate (requests/s), prompt and generated tokens/s, and the prompt-equivalent
-    work rate (tokens/s) of those; ``request_tokens``: work of one request (tokens)."""
+    work rate (tokens/s) of those; ``request_tokens``: work of one request (tokens);
+    ``panic``: the rate is the :data:`PANIC_SECONDS` one."""
 
     requests: float
     prompt_tokens: float
     generation_tokens: float
     work: float
     request_tokens: float
+    panic: bool = False
 
 
 def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: CapacityPrior,
                     ) -> Demand:
     """Demand over the recent intervals ``(end, arrivals, finished, prompt, generated,
-    seconds)``: the arrival rate over the last :data:`DEMAND_SECONDS` (a shorter window, tried
-    on the Azure code trace, chased second-long bursts that are over before a pod starts);
-    token rates are the arrival rate × the mean lengths of the requests that finished in the
-    window (the prior's ``request_tokens`` when none did). Holt's forecast one start time ahead,
-    in place of this rate or above it, was tried (issue 33, commit 07c8553) and cost more
-    replica-hours in every run measured (benchmarks/README.md, autoscaling)."""
+    seconds)``: the arrival rate over the last :data:`DEMAND_SECONDS`, or over the last
+    :data:`PANIC_SECONDS` while that is at least :data:`PANIC_RATIO` × the longer one (Knative
+    KPA's stable and panic windows: the long window alone reads a step up at a fraction of its
+    height for a whole window; the short one alone chased second-long bursts on the Azure code
+    trace that are over before a pod starts). Token rates are the arrival rate × the mean
+    lengths of the requests that finished in the long window (the prior's ``request_tokens``
+    when none did): the gateway counts a request's tokens when its answer ends. Holt's forecast
+    one start time ahead, in place of this rate or above it, was tried (issue 33, commit
+    07c8553) and cost more replica-hours in every run measured (benchmarks/README.md,
+    autoscaling)."""
     def window(seconds: float) -> list[tuple[float, ...]]:
-        return [i for i in intervals if i[0] > now - seconds - _EPS]
+        return [i for i in intervals if i[0] > now - seconds + _EPS]  # ended inside the window
 
     def rate(rows: list[tuple[float, ...]]) -> float:
         span = sum(r[5] for r in rows)
@@ -169,6 +177,10 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
 
     long = window(DEMAND_SECONDS)
     requests = rate(long)
+    short = rate(window(PANIC_SECONDS))
+    panic = short > 0 and short >= PANIC_RATIO * requests
+    if panic:
+        requests = short
     finished = sum(r[2] for r in long)
     if finished > 0:
         prompt = sum(r[3] for r in long) / finished
@@ -176,7 +188,7 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
         per_request = prompt + prior.generation_weight * generated
     else:
         prompt, generated, per_request = prior.request_tokens, 0.0, prior.request_tokens
-    return Demand(requests, requests * prompt, requests * generated, requests * per_request, per_request)
+    return Demand(requests, requests * prompt, requests * generated, requests * per_request, per_request, panic)
 
 
 def learn_capacity(capacity: float, work: Sequence[tuple[float, ...]], prior: CapacityPrior,
@@ -276,7 +288,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     1. Demand (:func:`estimate_demand`): arrivals = finished + Δ held, from the gateway's
        counters, else the pods' own (:mod:`.demand`). Counters are summed over pods, so a tick
        is an interval only when the same pods answered at both ends (every gateway pod, or the
-       same model pods): else one pod's lifetime would read as a tick's demand.
+       same model pods): else one pod's lifetime would read as a tick's demand. The rate is
+       the :data:`DEMAND_SECONDS` one, or the :data:`PANIC_SECONDS` one on a step up.
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
        pods' counters and TTFT histograms (:func:`learn_capacity`); a window in which a pod
        was starting only raises it (a backlog built while pods start says nothing about the
@@ -344,7 +357,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     # 3. need from demand
     start = _measured_start(state, fleet, prior)
     need = max(0, math.ceil(demand.work * (1 + HEADROOM) / capacity - _EPS))
-    why = (f"demand {demand.requests:.2f} req/s ({demand.prompt_tokens:.0f} prompt + "
+    why = (f"demand {demand.requests:.2f} req/s{f' (last {PANIC_SECONDS:g}s)' if demand.panic else ''} "
+           f"({demand.prompt_tokens:.0f} prompt + "
            f"{demand.generation_tokens:.0f} generated tokens/s) / {capacity:.0f} tokens/s per pod "
            f"-> {need}")
 
