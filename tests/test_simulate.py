@@ -556,19 +556,25 @@ def test_compare_without_arrivals_and_a_fixed_count_of_none_are_refused(capsys):
     assert "serves nothing" in capsys.readouterr().err
 
 
-def test_the_gateway_counts_prompt_tokens_at_the_answer_as_the_real_gateway_does():
-    # The real gateway adds a request's prompt tokens from its usage when the answer ends
-    # (gateway/proxy.py); counting them at the first token, as a pod's own counter does, made a
-    # request in flight read as demand that never arrived (its tokens over the requests finished).
+def test_the_gateway_counts_tokens_at_the_answer_and_a_pod_as_it_makes_them_as_the_real_ones_do():
+    # The real gateway adds a request's tokens from its usage when the answer ends
+    # (gateway/proxy.py); the engine counts prompt tokens when it first schedules a request and
+    # each generated token as it makes it (engine.py). Counting the gateway's at the first token
+    # made a request in flight read as demand that never arrived (tokens over requests finished).
     cluster = Cluster(H100, ReplicaConfig.for_profile(H100), AutoscalingSpec(), initial=1)
     replica = cluster.replicas[0]
     sim = SimRequest(arrival=0.0, prompt_tokens=100, output_tokens=50)
     replica.add(sim, 0.0)
     replica.advance(step_time(H100, batch_shape([(0, 100)])) + 1e-6)
     assert sim.first_token is not None and sim.finished is None
-    assert replica.sample(0.1).prompt_tokens_total == 100
+    pod = replica.sample(0.1)  # the pod's own counters, as the engine keeps them
+    assert (pod.prompt_tokens_total, pod.generation_tokens_total, pod.requests_total) == (100, replica.num_steps, 0)
+    assert 1 <= replica.num_steps < 50  # one token a step, the first with the prefill
     gateway = cluster.gateway_load()
-    assert (gateway.requests_total, gateway.prompt_tokens_total, gateway.in_flight) == (0, 0, 1)
+    assert (gateway.requests_total, gateway.prompt_tokens_total, gateway.generation_tokens_total,
+            gateway.in_flight) == (0, 0, 0, 1)
     replica.advance(10.0)
+    pod = replica.sample(10.0)
+    assert (pod.prompt_tokens_total, pod.generation_tokens_total, pod.requests_total) == (100, 50, 1)
     gateway = cluster.gateway_load()
     assert (gateway.requests_total, gateway.prompt_tokens_total, gateway.generation_tokens_total) == (1, 100, 50)

@@ -170,10 +170,11 @@ class VirtualReplica:
         self._replies: dict[str, list[int]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
-        # The counters and the TTFT histogram a pod's /metrics exports (at first token / at finish).
+        # The counters and the TTFT histogram a pod's /metrics exports, as the engine counts them:
+        # prompt tokens at the first token, each generated token as it is made, requests at finish.
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_total = 0
-        # The prompt tokens of finished requests: what the gateway counts, from each answer's usage.
-        self.answered_prompt_tokens = 0
+        # The tokens of finished requests: what the gateway counts, from each answer's usage.
+        self.answered_prompt_tokens = self.answered_generation_tokens = 0
         self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
 
     def ready(self, now: float) -> bool:
@@ -234,6 +235,7 @@ class VirtualReplica:
             sampled = {batch.requests[i]: self._next_token(batch.requests[i]) for i in batch.sample_indices()}
             for req in self.scheduler.update_from_output(batch, sampled):  # the engine's own after-step update
                 sim = self._requests[req.request_id]
+                self.generation_tokens_total += 1
                 if sim.first_token is None:
                     sim.first_token = end
                     sim.cached_tokens = req.num_cached_tokens
@@ -241,8 +243,8 @@ class VirtualReplica:
                     self._ttft_counts[bisect.bisect_left(TTFT_BUCKETS, end - sim.arrival)] += 1
                 if req.finished:  # at max_tokens = its output length
                     sim.finished = end
-                    self.generation_tokens_total += sim.output_tokens
                     self.answered_prompt_tokens += sim.prompt_tokens
+                    self.answered_generation_tokens += sim.output_tokens
                     self.requests_total += 1
                     del self._requests[req.request_id]
                     self._replies.pop(req.request_id, None)
@@ -410,7 +412,7 @@ class Cluster:
         return GatewayLoad(waiting=float(len(self.pending)), in_flight=float(sum(r.load for r in self.replicas)),
                            requests_total=float(sum(r.requests_total for r in every)),
                            prompt_tokens_total=float(sum(r.answered_prompt_tokens for r in every)),
-                           generation_tokens_total=float(sum(r.generation_tokens_total for r in every)))
+                           generation_tokens_total=float(sum(r.answered_generation_tokens for r in every)))
 
     def fleet(self, now: float) -> Fleet:
         """Ready replicas, the starting ones' ages, and the starts (created → ready) of those that
