@@ -112,6 +112,24 @@ def test_a_pod_or_gateway_pod_missing_one_scrape_is_not_read_as_its_lifetime_of_
             assert d.desired_replicas == 2, (reading, k)
 
 
+def test_without_a_gateway_a_request_in_flight_adds_no_tokens_to_the_size_of_a_request():
+    """A pod counts a prompt when it first schedules the request (and its TTFT when the first
+    token comes) but the request when it finishes. Two pods each take 10 requests of 100
+    prompt tokens a tick and finish 2: 10 req/s of 1,000 prompt tokens/s, not 5,000 (the
+    prompt tokens over the 4 finished)."""
+    state = CapacityState()
+    for k in range(31):
+        now, started, finished = 2.0 * k, 10.0 * k, 2.0 * k
+        samples = [PodLoad(name, now, 0, started - finished, 0.1, prompt_tokens_total=100.0 * started,
+                           generation_tokens_total=started, requests_total=finished,
+                           ttft_buckets=((1.0, started), (math.inf, started))) for name in ("a", "b")]
+        d = decide(spec(), state, samples, now, 2, Fleet(2), None, PRIOR)
+        state = d.state
+    assert d.details["demandRequestsPerSecond"] == pytest.approx(10.0)
+    assert d.details["demandPromptTokensPerSecond"] == pytest.approx(1000.0)
+    assert d.details["demandGenerationTokensPerSecond"] == pytest.approx(10.0)
+
+
 def test_starting_pods_count_as_capacity_arriving_and_are_not_asked_for_again():
     # Demand needs 4; 1 ready and 3 starting (30 s old of a 60 s start): the count stays 4 even
     # with a backlog, because the starting pods drain it before another pod could arrive.

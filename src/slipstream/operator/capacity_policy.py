@@ -86,7 +86,8 @@ class CapacityState:
 
     time: the previous tick. totals: demand counters then (:class:`~.demand.Totals`) and
     their source. pods: per pod, cumulative [prompt, generated, TTFT met, TTFT total].
-    intervals: recent (end time, arrivals, finished, prompt, generated, seconds).
+    intervals: recent (end time, arrivals, sized, prompt, generated, seconds); sized: the
+    requests whose tokens the row counts (answered, from the gateway; first tokens, from pods).
     work: recent (end time, pod-seconds, prompt, generated, TTFT met, TTFT total, 1 if no pod
     was starting else 0).
     capacity: learned tokens/s per pod (None: the prior). learned_at: last re-estimate.
@@ -157,14 +158,14 @@ class Demand:
 
 def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: CapacityPrior,
                     ) -> Demand:
-    """Demand over the recent intervals ``(end, arrivals, finished, prompt, generated,
-    seconds)``: the arrival rate over the last :data:`DEMAND_SECONDS`, or over the last
+    """Demand over the recent intervals ``(end, arrivals, sized, prompt, generated,
+    seconds)`` (``sized``: the requests whose tokens the row counts): the arrival rate over the last :data:`DEMAND_SECONDS`, or over the last
     :data:`PANIC_SECONDS` while that is at least :data:`PANIC_RATIO` × the longer one (Knative
     KPA's stable and panic windows: the long window alone reads a step up at a fraction of its
     height for a whole window; the short one alone chased second-long bursts on the Azure code
     trace that are over before a pod starts). Token rates are the arrival rate × the mean
-    lengths of the requests that finished in the long window (the prior's ``request_tokens``
-    when none did): the gateway counts a request's tokens when its answer ends. Holt's forecast
+    lengths of the requests sized in the long window (the prior's ``request_tokens`` when none
+    were). Holt's forecast
     one start time ahead, in place of this rate or above it, was tried (issue 33, commit
     07c8553) and cost more replica-hours in every run measured (benchmarks/README.md,
     autoscaling)."""
@@ -181,10 +182,10 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     panic = short > 0 and short >= PANIC_RATIO * requests
     if panic:
         requests = short
-    finished = sum(r[2] for r in long)
-    if finished > 0:
-        prompt = sum(r[3] for r in long) / finished
-        generated = sum(r[4] for r in long) / finished
+    sized = sum(r[2] for r in long)
+    if sized > 0:
+        prompt = sum(r[3] for r in long) / sized
+        generated = sum(r[4] for r in long) / sized
         per_request = prompt + prior.generation_weight * generated
     else:
         prompt, generated, per_request = prior.request_tokens, 0.0, prior.request_tokens
@@ -289,7 +290,10 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        counters, else the pods' own (:mod:`.demand`). Counters are summed over pods, so a tick
        is an interval only when the same pods answered at both ends (every gateway pod, or the
        same model pods): else one pod's lifetime would read as a tick's demand. The rate is
-       the :data:`DEMAND_SECONDS` one, or the :data:`PANIC_SECONDS` one on a step up.
+       the :data:`DEMAND_SECONDS` one, or the :data:`PANIC_SECONDS` one on a step up; a
+       request's size is tokens over the requests they were counted for (the gateway counts
+       both at the answer; a pod counts a prompt at its first scheduling, as its TTFT histogram
+       counts the request, but finishes it later).
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
        pods' counters and TTFT histograms (:func:`learn_capacity`); a window in which a pod
        was starting only raises it (a backlog built while pods start says nothing about the
@@ -331,15 +335,19 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     same = found is not None and (found[0] != "pods" or set(readings) == set(state.pods))
     if same and state.totals is not None and state.source == found[0] and state.time is not None:
         step = interval(state.totals, found[1], now - state.time)
+    did: PodWork | None = pod_work(state.pods, readings, now - state.time) if (
+        state.time is not None and readings) else None
     if step is not None:
-        intervals.append((now, step.arrivals, step.finished, step.prompt_tokens, step.generation_tokens,
-                          step.seconds))
+        # tokens over the requests they were counted for: the gateway counts both at the answer;
+        # a pod counts a prompt when it first schedules the request, as its TTFT histogram does
+        # (over the requests finished, every request in flight would read as extra tokens)
+        sized = did.ttft_total if found[0] == "pods" and did is not None and did.ttft_total > 0 else step.finished
+        intervals.append((now, step.arrivals, sized, step.prompt_tokens, step.generation_tokens, step.seconds))
     demand = estimate_demand(intervals, now, prior)
 
     # 2. capacity
     work = [w for w in state.work if w[0] > now - ATTAINMENT_SECONDS - _EPS]
-    if state.time is not None and readings:
-        did: PodWork = pod_work(state.pods, readings, now - state.time)
+    if did is not None:
         if did.pod_seconds > 0:
             work.append((now, did.pod_seconds, did.prompt_tokens, did.generation_tokens, did.ttft_met,
                          did.ttft_total, float(fleet.starting == 0)))
