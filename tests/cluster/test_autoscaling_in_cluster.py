@@ -387,16 +387,19 @@ BURST = (8.0, 40.0)  # requests/s, seconds: one pod serves ~4.4
 def burst_needed(rate: float, spec: dict) -> int:
     """Replicas the default (capacity) policy holds for ``rate`` requests/s of the load
     generator's requests (20 prompt tokens, OUTPUT_TOKENS generated) once no backlog is
-    left and no pod is starting: ceil(work × (1 + headroom) / one pod's capacity), with the
-    prior the operator takes from the sim profile (its cost model, the same for any pod)."""
+    left and no pod is starting: ceil(work × W / (W + objective) × (1 + headroom) / one pod's
+    capacity) over the 60 s window, with the prior the operator takes from the sim profile (its
+    cost model, the same for any pod)."""
     import math
 
     from slipstream.operator.autoscaling_loop import spec_prior
-    from slipstream.operator.capacity_policy import HEADROOM
+    from slipstream.operator.capacity_policy import DEMAND_SECONDS, HEADROOM
     from slipstream.operator.spec import parse_spec
-    prior = spec_prior(parse_spec(spec, name="burst"))
+    parsed = parse_spec(spec, name="burst")
+    prior = spec_prior(parsed)
     work = rate * (20 + prior.generation_weight * OUTPUT_TOKENS)
-    return math.ceil(work * (1 + HEADROOM) / prior.tokens_per_second)
+    spread = DEMAND_SECONDS / (DEMAND_SECONDS + parsed.autoscaling.objectives.ttft_p90_seconds)
+    return math.ceil(work * spread * (1 + HEADROOM) / prior.tokens_per_second)
 
 
 async def test_a_burst_through_the_gateway_peaks_at_the_replicas_needed_plus_one_and_loses_nothing(

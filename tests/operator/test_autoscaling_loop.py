@@ -639,15 +639,16 @@ async def test_the_default_policy_sizes_from_the_pods_counters_and_reports_its_n
     first = await tick(autoscaler, kube)
     assert first.decision.details["policy"] == "capacity" and first.replicas == 1
     # 20 s later: 400 requests of 1,000 prompt tokens finished, 360 within the objective:
-    # 20 req/s x 1,000 tokens x 1.2 headroom / 8,000 tokens/s per pod (the default prior) -> 3
+    # 20 req/s x 1,000 tokens, a minute's worth done within 61 s (the 1 s objective): x 60 / 61,
+    # x 1.3 headroom / 8,000 tokens/s per pod (the default prior) -> 4
     clock.now += 20
     fakes[0].extra = counters(400, 400_000, 360, 40)
     result = await tick(autoscaler, kube)
-    assert result.replicas == 3 and await replicas(kube) == 3
+    assert result.replicas == 4 and await replicas(kube) == 4
     status = await status_of(kube)
     assert status["lastDecision"]["demandRequestsPerSecond"] == 20.0
     assert status["lastDecision"]["capacityTokensPerSecond"] == 8000.0
-    assert status["lastDecision"]["desiredReplicas"] == 3
+    assert status["lastDecision"]["desiredReplicas"] == 4
     assert status["objectiveAttainment"] == 0.9
     assert status["autoscaler"]["policy"] == "capacity"
 

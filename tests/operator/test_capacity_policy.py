@@ -41,12 +41,31 @@ def run_rate(rate: float, seconds: float, fleet: Fleet, current: int, s: Autosca
     return decision
 
 
-def test_need_is_demand_over_capacity_with_headroom():
-    # 25 req/s x 100 tokens = 2,500 tokens/s x 1.2 / 1,000 per pod -> 3 pods
+def test_need_is_demand_over_capacity_with_headroom_spread_over_the_objective():
+    # 25 req/s x 100 tokens = 2,500 tokens/s; a minute's arrivals may finish up to the objective
+    # (2 s) after it: x 60 / 62, x 1.3 headroom / 1,000 per pod -> 4 pods
     d = run_rate(25.0, 60, Fleet(4), 4)
-    assert d.recommendation == math.ceil(2500 * (1 + cp.HEADROOM) / 1000)
+    assert d.recommendation == math.ceil(2500 * 60 / 62 * (1 + cp.HEADROOM) / 1000) == 4
     assert d.details["demandRequestsPerSecond"] == pytest.approx(25.0)
     assert d.details["capacityTokensPerSecond"] == 1000.0
+
+
+def test_a_looser_objective_needs_fewer_pods_for_the_same_demand():
+    # 40 req/s of 100 tokens: 60 s of it may finish within 62 s at a 2 s objective (6 pods), within
+    # 120 s at a 60 s one (3 pods), the slack a looser objective gives
+    needs = {}
+    for objective in (2, 60):
+        needs[objective] = run_rate(40.0, 60, Fleet(4), 4, spec(objectives={"ttftP90Seconds": objective})).recommendation
+    assert needs == {2: math.ceil(4000 * 60 / 62 * (1 + cp.HEADROOM) / 1000),
+                     60: math.ceil(4000 * 60 / 120 * (1 + cp.HEADROOM) / 1000)} == {2: 6, 60: 3}
+
+
+def test_a_backlog_may_take_the_objective_to_drain_when_that_is_longer_than_drain_seconds():
+    # 1,000,000 tokens on 2 pods draining 2,000 tokens/s against 1,000 arriving: done by 90 s
+    # needs 10 pods; by 60 + 120 s, 6 (the backlog left at 60 s, 820,000, over 120 s: 6,833/s)
+    assert plan_backlog(1_000_000, 1000, 2000, Fleet(2), 2, 60.0, 10)[0] == 8
+    extra, took = plan_backlog(1_000_000, 1000, 2000, Fleet(2), 2, 60.0, 10, drain_for=120.0)
+    assert extra == 2 and took <= 180
 
 
 def test_a_step_up_reads_at_the_short_windows_rate_until_the_long_window_catches_up():
@@ -66,7 +85,8 @@ def test_a_step_up_reads_at_the_short_windows_rate_until_the_long_window_catches
     assert seen[0] == pytest.approx(long_first) and f"(last {cp.PANIC_SECONDS:g}s)" not in reasons[0]
     assert all(f"(last {cp.PANIC_SECONDS:g}s)" in r for r in reasons[1:])
     assert seen[1:-1] == sorted(seen[1:-1]) and seen[1] > 2 * long_first and seen[-1] == pytest.approx(40.0)
-    assert d.recommendation == math.ceil(4000 * (1 + cp.HEADROOM) / 1000)
+    window = cp.PANIC_SECONDS
+    assert d.recommendation == math.ceil(4000 * window / (window + 2) * (1 + cp.HEADROOM) / 1000)
     # long after the step the 60 s window holds only it, and is read
     d = run_rate(40.0, 120, Fleet(5), 5, state=state, start=ticks[-1] + 2)
     assert d.details["demandRequestsPerSecond"] == pytest.approx(40.0) and "(last" not in d.reason

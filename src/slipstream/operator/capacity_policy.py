@@ -37,8 +37,9 @@ LEARN_SECONDS = 60.0             # capacity is re-estimated once per window of t
 LEARN_RATE = 0.5                 # weight of a new window's estimate against the old one
 LEARN_MIN_REQUESTS = 20          # a window with fewer TTFT observations teaches nothing
 CAPACITY_BOUNDS = (0.1, 10.0)    # the learned capacity stays within these multiples of the prior
-HEADROOM = 0.2                   # pods are sized for demand × (1 + HEADROOM)
-DRAIN_SECONDS = 30.0             # a backlog should be gone this long after new pods are ready
+HEADROOM = 0.3                   # pods are sized for demand × (1 + HEADROOM)
+DRAIN_SECONDS = 30.0             # a backlog should be gone this long (or the objective, if longer)
+                                 # after new pods are ready
 HOLD_STARTS = 5.0              # scale-down waits this many start times of lower need
 ATTAINMENT_SECONDS = 300.0       # status.objectiveAttainment's window
 _EPS = 1e-9
@@ -240,10 +241,10 @@ def drain_seconds(backlog: float, demand: float, capacity: float, ready: int,
 
 
 def plan_backlog(backlog: float, demand: float, capacity: float, fleet: Fleet, pods: int,
-                 start: float, most: int) -> tuple[int, float]:
+                 start: float, most: int, drain_for: float = DRAIN_SECONDS) -> tuple[int, float]:
     """(extra pods, drain seconds): the fewest pods to add beyond ``pods`` so that
-    ``backlog`` tokens drain within :data:`DRAIN_SECONDS` after a new pod would be ready
-    (``capacity``: tokens/s one pod works through a backlog at).
+    ``backlog`` tokens drain within ``drain_for`` seconds after a new pod would be ready
+    (``capacity``: tokens/s one pod works through a backlog at; ``demand``: tokens/s arriving).
 
     The fleet's ready pods work now; its starting pods arrive at their expected ready time
     (``start`` − age) and the ``pods − len(fleet)`` asked for now at ``start``. No pod is added
@@ -256,7 +257,7 @@ def plan_backlog(backlog: float, demand: float, capacity: float, fleet: Fleet, p
     if base <= start:
         return 0, base
     extra, took = 0, base
-    while took > start + DRAIN_SECONDS and pods + extra < most:
+    while took > start + drain_for and pods + extra < most:
         extra += 1
         took = drain_seconds(backlog, demand, capacity, fleet.ready, arrivals + [start] * extra)
     return extra, took
@@ -299,11 +300,16 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        was starting only raises it (a backlog built while pods start says nothing about the
        pods, but a met window shows what they did: without that, a fleet sized above need
        never shows more than the prior and the count at a step up stays the prior's).
-    3. Need = ceil(work rate × (1 + :data:`HEADROOM`) / capacity).
+    3. Need = ceil(work rate × W / (W + objective) × (1 + :data:`HEADROOM`) / capacity), W the
+       window the rate was read over: a window's arrivals may finish as late as the objective
+       after it ends, so the objective is slack to spread them over (with a loose objective a
+       burst needs fewer pods; at 1 s over 60 s it changes little).
     4. Backlog (waiting requests × work per request) drained on a plan
        (:func:`plan_backlog`): pods already starting count as capacity from their expected
        ready time (start measured: pod created → Ready); extra pods only if they arrive
-       before the backlog would drain anyway.
+       before the backlog would drain anyway, and then the fewest that drain it within
+       :data:`DRAIN_SECONDS` (or the objective, if longer) of a new pod's ready time, against
+       rule 3's spread work rate.
     5. Guards: KV-cache use per pod above ``targetKVCacheUtilization`` asks for
        ceil(KV in pods' worth / target) pods and, like waiting requests per ready pod above
        ``targetQueueDepth``, blocks any scale-down. Neither sizes the count otherwise.
@@ -364,7 +370,9 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 3. need from demand
     start = _measured_start(state, fleet, prior)
-    need = max(0, math.ceil(demand.work * (1 + HEADROOM) / capacity - _EPS))
+    window = PANIC_SECONDS if demand.panic else DEMAND_SECONDS
+    spread = demand.work * window / (window + objective)  # a window's work, done by objective after it
+    need = max(0, math.ceil(spread * (1 + HEADROOM) / capacity - _EPS))
     why = (f"demand {demand.requests:.2f} req/s{f' (last {PANIC_SECONDS:g}s)' if demand.panic else ''} "
            f"({demand.prompt_tokens:.0f} prompt + "
            f"{demand.generation_tokens:.0f} generated tokens/s) / {capacity:.0f} tokens/s per pod "
@@ -374,8 +382,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     waiting = sum(s.num_requests_waiting for s in samples) + (gateway.waiting if gateway else 0.0)
     backlog = waiting * demand.request_tokens
     pods = max(current_replicas, need, 1)
-    extra, took = plan_backlog(backlog, demand.work, max(capacity, prior.drain_rate), fleet, pods, start,
-                               spec.max_replicas)
+    extra, took = plan_backlog(backlog, spread, max(capacity, prior.drain_rate), fleet, pods, start,
+                               spec.max_replicas, max(DRAIN_SECONDS, objective))
     if backlog > 0:
         why += (f"; backlog {waiting:.0f} requests drains in {took:.0f}s" if extra == 0
                 else f"; backlog {waiting:.0f} requests: +{extra} to drain it by {took:.0f}s")
