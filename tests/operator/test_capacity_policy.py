@@ -55,7 +55,8 @@ def test_a_looser_objective_needs_fewer_pods_for_the_same_demand():
     # 120 s at a 60 s one (3 pods), the slack a looser objective gives
     needs = {}
     for objective in (2, 60):
-        needs[objective] = run_rate(40.0, 60, Fleet(4), 4, spec(objectives={"ttftP90Seconds": objective})).recommendation
+        s = spec(objectives={"ttftP90Seconds": objective})
+        needs[objective] = run_rate(40.0, 60, Fleet(4), 4, s).recommendation
     assert needs == {2: math.ceil(4000 * 60 / 62 * (1 + cp.HEADROOM) / 1000),
                      60: math.ceil(4000 * 60 / 120 * (1 + cp.HEADROOM) / 1000)} == {2: 6, 60: 3}
 
@@ -182,7 +183,8 @@ def test_scale_down_waits_hold_starts_of_the_measured_start_time():
         state = last.state
         if last.desired_replicas < 4:
             break
-    # 30 req/s needs 4 (3,000 tokens/s x 1.2 / 1,000); demand falls to 0 over the 60 s window; the need of 4 is held for 5 starts of 60 s
+    # 30 req/s needs 4 (3,000 tokens/s x 60 / 62 x 1.3 / 1,000); demand falls to 0 over the 60 s
+    # window; the need of 4 is held for 5 starts of 60 s
     assert 60 + cp.HOLD_STARTS * 60 <= now <= 60 + cp.DEMAND_SECONDS + cp.HOLD_STARTS * 60 + 2
     # a measured start replaces the prior, later ones are blended in; the hold follows it
     quick = decide(spec(), busy.state, [], 62.0, 4, Fleet(4, (), (10.0,)), gateway(30.0 * 60), PRIOR)

@@ -159,17 +159,18 @@ class Demand:
 
 def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: CapacityPrior,
                     ) -> Demand:
-    """Demand over the recent intervals ``(end, arrivals, sized, prompt, generated,
-    seconds)`` (``sized``: the requests whose tokens the row counts): the arrival rate over the last :data:`DEMAND_SECONDS`, or over the last
+    """Demand over the recent intervals ``(end, arrivals, sized, prompt, generated, seconds)``
+    (``sized``: the requests whose tokens the row counts).
+
+    The arrival rate is the one over the last :data:`DEMAND_SECONDS`, or over the last
     :data:`PANIC_SECONDS` while that is at least :data:`PANIC_RATIO` × the longer one (Knative
     KPA's stable and panic windows: the long window alone reads a step up at a fraction of its
     height for a whole window; the short one alone chased second-long bursts on the Azure code
     trace that are over before a pod starts). Token rates are the arrival rate × the mean
     lengths of the requests sized in the long window (the prior's ``request_tokens`` when none
-    were). Holt's forecast
-    one start time ahead, in place of this rate or above it, was tried (issue 33, commit
-    07c8553) and cost more replica-hours in every run measured (benchmarks/README.md,
-    autoscaling)."""
+    were). Holt's forecast one start time ahead, in place of this rate or above it, was tried
+    (issue 33, commit 07c8553) and cost more replica-hours in every run measured
+    (benchmarks/README.md, autoscaling)."""
     def window(seconds: float) -> list[tuple[float, ...]]:
         return [i for i in intervals if i[0] > now - seconds + _EPS]  # ended inside the window
 
@@ -347,7 +348,9 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
         # tokens over the requests they were counted for: the gateway counts both at the answer;
         # a pod counts a prompt when it first schedules the request, as its TTFT histogram does
         # (over the requests finished, every request in flight would read as extra tokens)
-        sized = did.ttft_total if found[0] == "pods" and did is not None and did.ttft_total > 0 else step.finished
+        sized = step.finished
+        if found[0] == "pods" and did is not None and did.ttft_total > 0:
+            sized = did.ttft_total
         intervals.append((now, step.arrivals, sized, step.prompt_tokens, step.generation_tokens, step.seconds))
     demand = estimate_demand(intervals, now, prior)
 
@@ -370,8 +373,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 3. need from demand
     start = _measured_start(state, fleet, prior)
-    window = PANIC_SECONDS if demand.panic else DEMAND_SECONDS
-    spread = demand.work * window / (window + objective)  # a window's work, done by objective after it
+    read_over = PANIC_SECONDS if demand.panic else DEMAND_SECONDS
+    spread = demand.work * read_over / (read_over + objective)  # a window's work, done by objective after it
     need = max(0, math.ceil(spread * (1 + HEADROOM) / capacity - _EPS))
     why = (f"demand {demand.requests:.2f} req/s{f' (last {PANIC_SECONDS:g}s)' if demand.panic else ''} "
            f"({demand.prompt_tokens:.0f} prompt + "
