@@ -38,6 +38,7 @@ def test_the_gateway_counters_are_read_as_demand():
     load = read_gateway_load(text)
     assert (load.waiting, load.in_flight, load.requests_total, load.prompt_tokens_total,
             load.generation_tokens_total) == (2, 3, 42, 4000, 800)
+    assert load.answered_total == 40  # the tokens are of the answers below 400, not of the 429s
     assert read_gateway_load("slipstream:gateway_requests_waiting 0\n").requests_total is None
 
 

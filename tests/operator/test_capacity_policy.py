@@ -103,9 +103,31 @@ def test_a_rise_under_the_panic_ratio_is_read_over_the_long_window():
 
 
 def test_arrivals_are_finished_requests_plus_the_change_in_held_ones():
-    before, after = Totals(10, 1000, 0, 5), Totals(14, 1400, 0, 11)
-    assert interval(before, after, 2.0).arrivals == 4 + 6
+    before, after = Totals(10, 1000, 0, 5, 10), Totals(14, 1400, 0, 11, 13)
+    step = interval(before, after, 2.0)
+    assert (step.arrivals, step.finished, step.sized) == (4 + 6, 4, 3)
     assert interval(after, before, 2.0) is None  # a counter went down: a restart, not demand
+
+
+def test_refused_requests_arrive_but_add_no_tokens_to_the_size_of_a_request():
+    # Each 2 s the gateway answers 20 requests of 100 prompt tokens and refuses 20 (429): 20
+    # req/s arrive, of 100 tokens each as far as anyone knows; over every code 50 (1,000 tokens/s).
+    state = CapacityState()
+    for k in range(31):
+        now = 2.0 * k
+        gw = GatewayLoad(waiting=0.0, in_flight=0.0, requests_total=40.0 * k, prompt_tokens_total=2000.0 * k,
+                         generation_tokens_total=0.0, answered_total=20.0 * k)
+        d = decide(spec(), state, [], now, 2, Fleet(2), gw, PRIOR)
+        state = d.state
+    assert d.details["demandRequestsPerSecond"] == pytest.approx(20.0)
+    assert d.details["demandPromptTokensPerSecond"] == pytest.approx(2000.0)
+
+
+def test_a_state_from_before_the_sized_count_keeps_its_learning_and_skips_one_tick():
+    old = CapacityState(time=10.0, totals=Totals(10, 1000, 0, 0, 10), source="gateway", capacity=1234.0).to_dict()
+    old["totals"] = old["totals"][:4]  # what an operator before the sized count wrote
+    state = CapacityState.from_dict(old)
+    assert state.totals is None and state.capacity == 1234.0 and state.time == 10.0
 
 
 def pod(name: str, requests: float) -> PodLoad:

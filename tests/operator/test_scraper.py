@@ -255,12 +255,14 @@ async def test_gateway_pods_are_summed_and_a_silent_one_makes_the_reading_incomp
     b = await pods("gateway-b", serving(gateway_exposition(1, {})))
     result = await scrape_gateways([a, b], clock=lambda: 5.0)
     # the demand counters too (the capacity policy's demand): summed, None where a pod has none
-    assert result.sample == GatewayLoad(waiting=3.0, in_flight=4.0, complete=True, requests_total=18.0)
+    assert result.sample == GatewayLoad(waiting=3.0, in_flight=4.0, complete=True, requests_total=18.0,
+                                        answered_total=18.0)
     assert result.time == 5.0 and result.failures == ()
 
     down = PodTarget("gateway-c", "127.0.0.1", closed_port())
     result = await scrape_gateways([a, down])
-    assert result.sample == GatewayLoad(waiting=2.0, in_flight=4.0, complete=False, requests_total=9.0)
+    assert result.sample == GatewayLoad(waiting=2.0, in_flight=4.0, complete=False, requests_total=9.0,
+                                        answered_total=9.0)
     assert [f.pod for f in result.failures] == ["gateway-c"]
     assert (await scrape_gateways([down])).sample is None
     assert (await scrape_gateways([])).sample is None

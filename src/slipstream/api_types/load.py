@@ -61,6 +61,9 @@ class GatewayLoad:
         (``slipstream:gateway_requests_total`` over all codes, ``..._prompt_tokens_total``,
         ``..._generation_tokens_total``) since the gateway pods started, summed; None when
         not exported (the autoscaler then reads demand from the model pods' counters).
+    answered_total: ``slipstream:gateway_requests_total`` of the codes below 400, the answers
+        whose usage the token counters add (a 429 or a client that left counts as an arrival
+        but adds no tokens); None when not exported.
     """
 
     waiting: float
@@ -69,3 +72,4 @@ class GatewayLoad:
     requests_total: float | None = None
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    answered_total: float | None = None

@@ -142,8 +142,8 @@ def read_gateway_load(text: str) -> GatewayLoad:
     """A gateway pod's :class:`GatewayLoad` from its exposition ``text``: requests it holds for
     want of a pod, and requests it has on pods summed over its endpoints (0 with no endpoint,
     None when the family is not exported at all); its demand counters (requests over every
-    code, prompt and generation tokens; None each when not exported). Raises ValueError when the text does not parse
-    or the waiting gauge is missing."""
+    code, those answered below 400, prompt and generation tokens; None each when not exported).
+    Raises ValueError when the text does not parse or the waiting gauge is missing."""
     samples = parse_exposition(text)
     waiting = [v for _, v in samples.get(GATEWAY_REQUESTS_WAITING, ())]
     if not waiting:
@@ -154,10 +154,23 @@ def read_gateway_load(text: str) -> GatewayLoad:
         got = samples.get(name + "_total")
         return None if got is None else sum(v for _, v in got)
 
+    def answered() -> float | None:  # the codes whose usage the token counters add
+        got = samples.get(GATEWAY_REQUESTS + "_total")
+        return None if got is None else sum(v for labels, v in got if _code(labels.get("code")) < 400)
+
     return GatewayLoad(sum(waiting), None if in_flight is None else sum(v for _, v in in_flight),
                        requests_total=total(GATEWAY_REQUESTS),
                        prompt_tokens_total=total(GATEWAY_PROMPT_TOKENS),
-                       generation_tokens_total=total(GATEWAY_GENERATION_TOKENS))
+                       generation_tokens_total=total(GATEWAY_GENERATION_TOKENS),
+                       answered_total=answered())
+
+
+def _code(text: str | None) -> int:
+    """An HTTP status label as an int; a missing or odd one counts as not answered (999)."""
+    try:
+        return int(text) if text is not None else 999
+    except ValueError:
+        return 999
 
 
 def _positive_int(text: str | None, zero: bool = False) -> int | None:

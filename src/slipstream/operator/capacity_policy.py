@@ -129,7 +129,7 @@ class CapacityState:
             if not isinstance(pods, Mapping):
                 raise ValueError(f"status.autoscaler.pods: expected an object, got {pods!r}")
             return cls(time=stored_number(data.get("time")),
-                       totals=totals_from(stored_row(data["totals"], 4) if data.get("totals") else None),
+                       totals=_stored_totals(data.get("totals")),
                        source=data.get("source"),
                        pods={str(k): stored_row(v, 4) for k, v in pods.items()},
                        intervals=tuple(stored_row(i, 6) for i in data.get("intervals") or ()),
@@ -141,6 +141,14 @@ class CapacityState:
                        last_active=stored_number(data.get("lastActive")))
         except (TypeError, ValueError):
             return cls()
+
+
+def _stored_totals(row: Any) -> Totals | None:
+    """The stored demand counters; None for none, or for the 4 numbers an operator before the
+    sized count wrote (its next tick is then no interval; the rest of its state is kept)."""
+    if not row or (isinstance(row, (list, tuple)) and len(row) == 4):
+        return None
+    return totals_from(stored_row(row, 5))
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,9 +301,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        is an interval only when the same pods answered at both ends (every gateway pod, or the
        same model pods): else one pod's lifetime would read as a tick's demand. The rate is
        the :data:`DEMAND_SECONDS` one, or the :data:`PANIC_SECONDS` one on a step up; a
-       request's size is tokens over the requests they were counted for (the gateway counts
-       both at the answer; a pod counts a prompt at its first scheduling, as its TTFT histogram
-       counts the request, but finishes it later).
+       request's size is tokens over the requests they were counted for (:mod:`.demand`).
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
        pods' counters and TTFT histograms (:func:`learn_capacity`); a window in which a pod
        was starting only raises it (a backlog built while pods start says nothing about the
@@ -342,21 +348,15 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     same = found is not None and (found[0] != "pods" or set(readings) == set(state.pods))
     if same and state.totals is not None and state.source == found[0] and state.time is not None:
         step = interval(state.totals, found[1], now - state.time)
-    did: PodWork | None = pod_work(state.pods, readings, now - state.time) if (
-        state.time is not None and readings) else None
     if step is not None:
-        # tokens over the requests they were counted for: the gateway counts both at the answer;
-        # a pod counts a prompt when it first schedules the request, as its TTFT histogram does
-        # (over the requests finished, every request in flight would read as extra tokens)
-        sized = step.finished
-        if found[0] == "pods" and did is not None and did.ttft_total > 0:
-            sized = did.ttft_total
-        intervals.append((now, step.arrivals, sized, step.prompt_tokens, step.generation_tokens, step.seconds))
+        intervals.append((now, step.arrivals, step.sized, step.prompt_tokens, step.generation_tokens,
+                          step.seconds))
     demand = estimate_demand(intervals, now, prior)
 
     # 2. capacity
     work = [w for w in state.work if w[0] > now - ATTAINMENT_SECONDS - _EPS]
-    if did is not None:
+    if state.time is not None and readings:
+        did: PodWork = pod_work(state.pods, readings, now - state.time)
         if did.pod_seconds > 0:
             work.append((now, did.pod_seconds, did.prompt_tokens, did.generation_tokens, did.ttft_met,
                          did.ttft_total, float(fleet.starting == 0)))

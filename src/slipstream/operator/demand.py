@@ -8,6 +8,12 @@ finish are still held, so the sum is the arrival count even while a backlog grow
 completion count alone reads the throughput, which stops growing exactly when more pods are
 needed). A counter that went down was reset (its pod or gateway restarted): that interval is
 skipped, not read as negative demand.
+
+A request's size is its tokens over the requests they were counted for ("sized"): the gateway
+adds tokens from the usage of answers below 400 (a 429 or a client that left arrives but adds
+none), a pod adds a prompt when it first schedules the request, which its TTFT histogram then
+counts, and finishes it later. Over the requests finished, every request in flight would read as
+extra tokens, and every refusal as fewer.
 """
 from __future__ import annotations
 
@@ -19,28 +25,32 @@ from slipstream.api_types.load import GatewayLoad, PodLoad
 
 @dataclass(frozen=True, slots=True)
 class Totals:
-    """Cumulative counters at one reading: requests finished, prompt and generated tokens of
-    them, and requests held (waiting or in flight; a gauge, not a counter)."""
+    """Cumulative counters at one reading: requests finished, prompt and generated tokens,
+    requests held (waiting or in flight; a gauge, not a counter) and requests sized (those the
+    token counts are of)."""
 
     requests: float
     prompt_tokens: float
     generation_tokens: float
     held: float
+    sized: float
 
     def to_list(self) -> list[float]:
-        return [self.requests, self.prompt_tokens, self.generation_tokens, self.held]
+        return [self.requests, self.prompt_tokens, self.generation_tokens, self.held, self.sized]
 
 
 @dataclass(frozen=True, slots=True)
 class Interval:
     """What happened between two readings: ``seconds`` long; ``arrivals`` requests arrived,
-    ``finished`` finished, carrying ``prompt_tokens`` and ``generation_tokens``."""
+    ``finished`` finished; ``prompt_tokens`` and ``generation_tokens`` counted, of ``sized``
+    requests."""
 
     seconds: float
     arrivals: float
     finished: float
     prompt_tokens: float
     generation_tokens: float
+    sized: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +71,15 @@ def demand_totals(samples: Sequence[PodLoad], gateway: GatewayLoad | None) -> tu
     the model pods' own, summed (``"pods"``); None when neither has counters.
 
     Held requests: the gateway's waiting plus in flight when it reports in flight, else the
-    pods' waiting and running plus the gateway's waiting.
+    pods' waiting and running plus the gateway's waiting. Sized requests: the gateway's answers
+    below 400 (all its requests when it does not say), else the pods' TTFT observations (their
+    finished requests, for a pod without a TTFT histogram).
     """
     waiting = gateway.waiting if gateway is not None else 0.0
     if gateway is not None and gateway.requests_total is not None and gateway.in_flight is not None:
+        answered = gateway.answered_total if gateway.answered_total is not None else gateway.requests_total
         return "gateway", Totals(gateway.requests_total, gateway.prompt_tokens_total or 0.0,
-                                 gateway.generation_tokens_total or 0.0, waiting + gateway.in_flight)
+                                 gateway.generation_tokens_total or 0.0, waiting + gateway.in_flight, answered)
     counted = [s for s in samples if s.requests_total is not None]
     if not counted:
         return None
@@ -74,7 +87,8 @@ def demand_totals(samples: Sequence[PodLoad], gateway: GatewayLoad | None) -> tu
         sum(s.requests_total or 0.0 for s in counted),
         sum(s.prompt_tokens_total or 0.0 for s in counted),
         sum(s.generation_tokens_total or 0.0 for s in counted),
-        waiting + sum(s.num_requests_waiting + s.num_requests_running for s in counted))
+        waiting + sum(s.num_requests_waiting + s.num_requests_running for s in counted),
+        sum(s.ttft_buckets[-1][1] if s.ttft_buckets else s.requests_total or 0.0 for s in counted))
 
 
 def interval(before: Totals, after: Totals, seconds: float) -> Interval | None:
@@ -83,9 +97,10 @@ def interval(before: Totals, after: Totals, seconds: float) -> Interval | None:
     finished = after.requests - before.requests
     prompt = after.prompt_tokens - before.prompt_tokens
     generated = after.generation_tokens - before.generation_tokens
-    if seconds <= 0 or finished < 0 or prompt < 0 or generated < 0:
+    sized = after.sized - before.sized
+    if seconds <= 0 or finished < 0 or prompt < 0 or generated < 0 or sized < 0:
         return None
-    return Interval(seconds, max(0.0, finished + after.held - before.held), finished, prompt, generated)
+    return Interval(seconds, max(0.0, finished + after.held - before.held), finished, prompt, generated, sized)
 
 
 def met_within(buckets: Sequence[tuple[float, float]], objective: float) -> tuple[float, float]:

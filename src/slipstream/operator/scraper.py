@@ -201,5 +201,6 @@ async def scrape_gateways(
             complete=not failures,
             requests_total=total([r.requests_total for r in read]),
             prompt_tokens_total=total([r.prompt_tokens_total for r in read]),
-            generation_tokens_total=total([r.generation_tokens_total for r in read]))
+            generation_tokens_total=total([r.generation_tokens_total for r in read]),
+            answered_total=total([r.answered_total for r in read]))
     return GatewayScrape(started, sample, failures)

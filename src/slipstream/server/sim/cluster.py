@@ -412,7 +412,8 @@ class Cluster:
         return GatewayLoad(waiting=float(len(self.pending)), in_flight=float(sum(r.load for r in self.replicas)),
                            requests_total=float(sum(r.requests_total for r in every)),
                            prompt_tokens_total=float(sum(r.answered_prompt_tokens for r in every)),
-                           generation_tokens_total=float(sum(r.answered_generation_tokens for r in every)))
+                           generation_tokens_total=float(sum(r.answered_generation_tokens for r in every)),
+                           answered_total=float(sum(r.requests_total for r in every)))  # none fails here
 
     def fleet(self, now: float) -> Fleet:
         """Ready replicas, the starting ones' ages, and the starts (created → ready) of those that
