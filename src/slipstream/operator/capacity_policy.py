@@ -171,10 +171,14 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     (``sized``: the requests whose tokens the row counts).
 
     The arrival rate is the one over the last :data:`DEMAND_SECONDS`, or over the last
-    :data:`PANIC_SECONDS` while that is at least :data:`PANIC_RATIO` × the longer one (Knative
-    KPA's stable and panic windows: the long window alone reads a step up at a fraction of its
-    height for a whole window; the short one alone chased second-long bursts on the Azure code
-    trace that are over before a pod starts). Token rates are the arrival rate × the mean
+    :data:`PANIC_SECONDS` while that is at least :data:`PANIC_RATIO` × the longer one (the
+    shape of Knative KPA's stable and panic windows: the long window alone reads a step up at a
+    fraction of its height for a whole window; the short one alone chased second-long bursts on
+    the Azure code trace that are over before a pod starts). Unlike Knative's, which compares
+    the panic window's pods with the ready ones and stays in panic a stable window, this reads
+    the step only while the long window, which contains the short one, lags it: a step of r ×
+    a steady rate is read for 30 (r − 2) / (r − 1) s after the short window fills (20 s for
+    4 ×, none under about 2.4 ×); the pods asked for then are kept by the scale-down hold. Token rates are the arrival rate × the mean
     lengths of the requests sized in the long window (the prior's ``request_tokens`` when none
     were). Holt's forecast one start time ahead, in place of this rate or above it, was tried
     (issue 33, commit 07c8553) and cost more replica-hours in every run measured
