@@ -42,11 +42,12 @@ def run_rate(rate: float, seconds: float, fleet: Fleet, current: int, s: Autosca
 
 
 def test_need_is_demand_over_capacity_with_headroom_spread_over_the_objective():
-    # 25 req/s x 100 tokens = 2,500 tokens/s; a minute's arrivals may finish up to the objective
-    # (2 s) after it: x 60 / 62, x 1.3 headroom / 1,000 per pod -> 4 pods
-    d = run_rate(25.0, 60, Fleet(4), 4)
-    assert d.recommendation == math.ceil(2500 * 60 / 62 * (1 + cp.HEADROOM) / 1000) == 4
-    assert d.details["demandRequestsPerSecond"] == pytest.approx(25.0)
+    # 31 req/s x 100 tokens = 3,100 tokens/s; a minute's arrivals may finish up to the objective
+    # (2 s) after it: x 60 / 62, x 1.3 headroom / 1,000 per pod -> 4 pods (5 without the spread)
+    d = run_rate(31.0, 60, Fleet(4), 4)
+    assert d.recommendation == math.ceil(3100 * 60 / 62 * (1 + cp.HEADROOM) / 1000) == 4
+    assert math.ceil(3100 * (1 + cp.HEADROOM) / 1000) == 5
+    assert d.details["demandRequestsPerSecond"] == pytest.approx(31.0)
     assert d.details["capacityTokensPerSecond"] == 1000.0
 
 

@@ -156,21 +156,14 @@ def read_gateway_load(text: str) -> GatewayLoad:
 
     def answered() -> float | None:  # the codes whose usage the token counters add
         got = samples.get(GATEWAY_REQUESTS + "_total")
-        return None if got is None else sum(v for labels, v in got if _code(labels.get("code")) < 400)
+        return None if got is None else sum(
+            v for labels, v in got if (_positive_int(labels.get("code")) or 999) < 400)  # odd code: not answered
 
     return GatewayLoad(sum(waiting), None if in_flight is None else sum(v for _, v in in_flight),
                        requests_total=total(GATEWAY_REQUESTS),
                        prompt_tokens_total=total(GATEWAY_PROMPT_TOKENS),
                        generation_tokens_total=total(GATEWAY_GENERATION_TOKENS),
                        answered_total=answered())
-
-
-def _code(text: str | None) -> int:
-    """An HTTP status label as an int; a missing or odd one counts as not answered (999)."""
-    try:
-        return int(text) if text is not None else 999
-    except ValueError:
-        return 999
 
 
 def _positive_int(text: str | None, zero: bool = False) -> int | None:
