@@ -13,7 +13,8 @@ import pytest
 
 from slipstream.api_types.autoscaling import AutoscalingSpec
 from slipstream.api_types.load import GatewayLoad, PodLoad
-from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, decide
+from slipstream.operator.autoscaler import AutoscalerState, Decision, append_scaling_history, decide, \
+    with_windows
 
 TICK = 2.0
 
@@ -260,7 +261,14 @@ def test_spec_from_the_crd_dict():
                                    "scaleDownDelaySeconds": 120, "tolerance": 0.25, "panicWindowSeconds": None})
     assert (s.enabled, s.min_replicas, s.max_replicas, s.target_queue_depth) == (True, 2, 9, 8)
     assert (s.target_kv_cache_utilization, s.panic_threshold, s.scale_down_delay_seconds) == (0.7, 3.0, 120)
-    assert (s.stable_window_seconds, s.panic_window_seconds, s.tolerance) == (60, 6, 0.25)  # null: the default
+    assert (s.stable_window_seconds, s.panic_window_seconds, s.tolerance) == (None, None, 0.25)  # null: unset
+    # unset windows are each policy's; this one's are Knative KPA's and HPA's
+    w = with_windows(s)
+    assert (w.stable_window_seconds, w.panic_window_seconds, w.panic_threshold, w.scale_down_delay_seconds) \
+        == (60, 6, 3.0, 120)
+    w = with_windows(AutoscalingSpec(stable_window_seconds=4))
+    assert (w.stable_window_seconds, w.panic_window_seconds, w.panic_threshold, w.scale_down_delay_seconds) \
+        == (4, 4, 2.0, 300)  # the panic window cut to the stable one
     assert AutoscalingSpec.from_dict(s.to_dict()) == s
     assert AutoscalingSpec.from_dict(None) == AutoscalingSpec.from_dict({}) == AutoscalingSpec()
     assert not AutoscalingSpec.from_dict({"maxReplicas": 3}).enabled  # the CRD's default
@@ -302,7 +310,9 @@ def test_replica_counts_have_one_clamp():
     ({"targetQueueDepth": 0}, "targetQueueDepth must be a number > 0"),
     ({"targetQueueDepth": "5"}, "targetQueueDepth must be a number > 0 .*got '5'"),
     ({"targetKVCacheUtilization": 1.5}, r"targetKVCacheUtilization must be a number in \(0, 1\]"),
-    ({"panicWindowSeconds": 90}, r"panicWindowSeconds \(90\) must be ≤ stableWindowSeconds \(60\)"),
+    ({"panicWindowSeconds": 90}, r"panicWindowSeconds \(90\) must be ≤ stableWindowSeconds \(60, its default\)"),
+    ({"panicWindowSeconds": 40, "stableWindowSeconds": 30},
+     r"panicWindowSeconds \(40\) must be ≤ stableWindowSeconds \(30\)"),
     ({"panicThreshold": 0.5}, "panicThreshold must be a number ≥ 1"),
     ({"enabled": "yes"}, "enabled must be true or false"),
     ({"tolerance": 1}, r"tolerance must be a number in \[0, 1\)"),

@@ -629,7 +629,8 @@ async def test_the_default_policy_sizes_from_the_pods_counters_and_reports_its_n
                                                                                      make_autoscaler):
     port, fakes = pods
     body = inference_service(port, objectives={"ttftP90Seconds": 1})
-    del body["spec"]["autoscaling"]["policy"]  # the default: capacity
+    for key in ("policy", "stableWindowSeconds", "panicWindowSeconds", "scaleDownDelaySeconds"):
+        del body["spec"]["autoscaling"][key]  # the default policy, capacity, with its own windows
     await kube.create(INFERENCESERVICES, body)
     await reconcile(kube, NAMESPACE, "chat")
     await publish(kube, fakes[0])

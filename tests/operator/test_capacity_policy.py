@@ -324,3 +324,61 @@ def test_fleet_measures_starts_from_creation_to_ready():
 def test_a_prior_that_would_divide_by_zero_or_nan_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         CapacityPrior(**{field: value})
+
+
+# --- spec.autoscaling's windows (unset: this policy's own) ---------------------------------------
+
+def test_scale_down_delay_seconds_replaces_the_hold_of_measured_starts():
+    def first_scale_down(s: AutoscalingSpec):
+        state = run_rate(30.0, 60, Fleet(4), 4, s).state
+        for k in range(1, 300):
+            now = 60.0 + 2 * k
+            d = decide(s, state, [], now, 4, Fleet(4), gateway(30.0 * 60), PRIOR)
+            state = d.state
+            if d.desired_replicas < 4:
+                return now, held
+            held = d.reason
+        raise AssertionError("never scaled down")
+
+    # unset: five starts of 60 s after the need of 4 last held; set: that many seconds
+    assert first_scale_down(spec())[0] >= 60 + cp.HOLD_STARTS * 60
+    now, reason = first_scale_down(spec(scale_down_delay_seconds=20))
+    assert now <= 60 + cp.DEMAND_SECONDS + 20 + 2 and "needed within 20s (scaleDownDelaySeconds)" in reason
+    assert first_scale_down(spec(scale_down_delay_seconds=0))[0] < first_scale_down(
+        spec(scale_down_delay_seconds=20))[0]
+
+
+def test_the_stable_and_panic_windows_and_the_threshold_are_the_specs():
+    def after_step(s: AutoscalingSpec, seconds: float):
+        """10 req/s for 60 s, then 40 req/s for ``seconds``: the last decision."""
+        state = run_rate(10.0, 60, Fleet(1), 1, s).state
+        for k in range(1, int(seconds / 2) + 1):
+            now = 60.0 + 2 * k
+            d = decide(s, state, [], now, 1, Fleet(1), gateway(600 + 40.0 * (now - 60)), PRIOR)
+            state = d.state
+        return d
+
+    # a 20 s stable window holds only the step 20 s after it (the default 60 s one reads 20 req/s)
+    d = after_step(spec(stable_window_seconds=20, panic_threshold=100), 20)
+    assert d.details["demandRequestsPerSecond"] == pytest.approx(40.0) and "(last" not in d.reason
+    d = after_step(spec(panic_threshold=100), 20)
+    assert d.details["demandRequestsPerSecond"] == pytest.approx((40 * 20 + 10 * 40) / 60, abs=1e-3)
+    assert "(last" not in d.reason  # a threshold of 100 x: no panic at a 4 x step
+    # the panic window is the spec's, or the default while unset
+    assert "(last 4s)" in after_step(spec(panic_window_seconds=4), 6).reason
+    assert f"(last {cp.PANIC_SECONDS:g}s)" in after_step(spec(), 6).reason
+    # a stable window shorter than the default panic window cuts it
+    assert cp.windows(spec(stable_window_seconds=5)) == cp.Windows(5.0, 5.0, cp.PANIC_RATIO, None)
+
+
+def test_the_crd_descriptions_name_each_policys_defaults():
+    from slipstream.operator import autoscaler as queue
+    fields = AutoscalingSpec.model_fields
+    described = {name: fields[name].description for name in
+                 ("stable_window_seconds", "panic_window_seconds", "panic_threshold", "scale_down_delay_seconds")}
+    assert cp.DEMAND_SECONDS == 60 and "Unset: 60." in described["stable_window_seconds"]
+    assert (f"Unset: {cp.PANIC_SECONDS:g} (capacity) or {queue.PANIC_WINDOW_SECONDS:g} (queue"
+            in described["panic_window_seconds"])
+    assert cp.PANIC_RATIO == queue.PANIC_THRESHOLD and f"Unset: {cp.PANIC_RATIO:g}." in described["panic_threshold"]
+    assert cp.HOLD_STARTS == 5 and "five measured pod starts" in described["scale_down_delay_seconds"]
+    assert f"or {queue.SCALE_DOWN_DELAY_SECONDS} (queue)" in described["scale_down_delay_seconds"]

@@ -13,6 +13,8 @@ from .schema import CelRule, SpecModel, spec_field
 # The policies ``spec.autoscaling.policy`` names (``slipstream.operator.policy`` runs them).
 POLICIES = ("capacity", "queue")
 DEFAULT_POLICY = "capacity"
+# stableWindowSeconds while unset, in both policies (the other windows' defaults are each policy's).
+STABLE_WINDOW_SECONDS = 60
 
 
 class AutoscalingObjectives(SpecModel):
@@ -38,7 +40,8 @@ class AutoscalingSpec(SpecModel):
 
     Targets are per ready pod: waiting requests (``targetQueueDepth``) and KV-cache utilization
     0..1 (``targetKVCacheUtilization``). Windows and the delay are whole seconds, as the CRD
-    wants them. ``tolerance`` is the dead band around the targets, a fraction in [0, 1)
+    wants them; unset (None), each policy uses its own value (the descriptions name them), and
+    a panic window longer than the stable window is cut to it. ``tolerance`` is the dead band around the targets, a fraction in [0, 1)
     (Kubernetes HPA's default 0.1; per object here, as newer HPA's ``behavior`` and AIBrix's
     fluctuation tolerance are).
 
@@ -63,9 +66,9 @@ class AutoscalingSpec(SpecModel):
     cel_rules = (
         CelRule("!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
                 "minReplicas must be ≤ maxReplicas"),
-        CelRule("!has(self.panicWindowSeconds) || !has(self.stableWindowSeconds) || "
-                "self.panicWindowSeconds <= self.stableWindowSeconds",
-                "panicWindowSeconds must be ≤ stableWindowSeconds"),
+        CelRule("!has(self.panicWindowSeconds) || self.panicWindowSeconds <= "
+                f"(has(self.stableWindowSeconds) ? self.stableWindowSeconds : {STABLE_WINDOW_SECONDS})",
+                f"panicWindowSeconds must be ≤ stableWindowSeconds ({STABLE_WINDOW_SECONDS} if unset)"),
     )
 
     enabled: bool = spec_field(
@@ -96,14 +99,26 @@ class AutoscalingSpec(SpecModel):
     target_kv_cache_utilization: float = spec_field(
         0.8, alias="targetKVCacheUtilization", gt=0, le=1,
         description="Fraction of KV-cache blocks in use per pod that the autoscaler aims at, in (0, 1].")
-    stable_window_seconds: int = spec_field(60, ge=1)
-    panic_window_seconds: int = spec_field(6, ge=1)
-    panic_threshold: float = spec_field(
-        2.0, ge=1,
-        description="Panic mode starts when the panic window's load asks for at least this many "
-                    "times the current capacity.")
-    scale_down_delay_seconds: int = spec_field(
-        300, ge=0, description="How long a lower count must persist before pods are removed.")
+    # Unset (None), each policy uses its own value; tests/operator/test_capacity_policy.py checks
+    # the numbers the descriptions name against the policies' constants.
+    stable_window_seconds: int | None = spec_field(
+        None, ge=1, crd_default=False,
+        description="Whole seconds the load is averaged over. capacity: the arrival rate's window; "
+                    "queue: Knative's stable window. Unset: 60.")
+    panic_window_seconds: int | None = spec_field(
+        None, ge=1, crd_default=False,
+        description="Whole seconds of the short window that reads a step up, at most "
+                    "stableWindowSeconds. Unset: 8 (capacity) or 6 (queue, Knative's).")
+    panic_threshold: float | None = spec_field(
+        None, ge=1, crd_default=False,
+        description="capacity: the panic window's arrival rate is the demand while it is at least "
+                    "this many times the stable window's; queue: panic mode starts when the panic "
+                    "window's load asks for at least this many times the current pods. Unset: 2.")
+    scale_down_delay_seconds: int | None = spec_field(
+        None, ge=0, crd_default=False,
+        description="How long a lower count must persist before pods are removed. Unset: five "
+                    "measured pod starts (capacity: a pod removed takes a start to come back) or "
+                    "300 (queue).")
     scale_to_zero_after_seconds: int = spec_field(
         300, ge=0,
         description="With minReplicas 0, how long no request may run or wait (in the pods or the "
@@ -121,9 +136,11 @@ class AutoscalingSpec(SpecModel):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"spec.autoscaling.minReplicas ({self.min_replicas}) must be ≤ maxReplicas "
                              f"({self.max_replicas})")
-        if self.panic_window_seconds > self.stable_window_seconds:
+        stable = self.stable_window_seconds or STABLE_WINDOW_SECONDS
+        if self.panic_window_seconds is not None and self.panic_window_seconds > stable:
             raise ValueError(f"spec.autoscaling.panicWindowSeconds ({self.panic_window_seconds}) must be "
-                             f"≤ stableWindowSeconds ({self.stable_window_seconds})")
+                             f"≤ stableWindowSeconds ({stable}"
+                             f"{'' if self.stable_window_seconds else ', its default'})")
         return self
 
     @classmethod

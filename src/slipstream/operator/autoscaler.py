@@ -13,10 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 # The spec's fields, defaults and ranges are the contract's; the policy is here.
-from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.api_types.autoscaling import STABLE_WINDOW_SECONDS, AutoscalingSpec
 from slipstream.api_types.load import GatewayLoad, PodLoad
 
 HISTORY_LIMIT = 10
+# The windows while spec.autoscaling leaves them unset: Knative KPA's panic window (10% of its
+# 60 s stable one) and threshold (200%), Kubernetes HPA's 5-minute scale-down stabilization.
+PANIC_WINDOW_SECONDS = 6
+PANIC_THRESHOLD = 2.0
+SCALE_DOWN_DELAY_SECONDS = 300
 # ceil(4.000000001) must stay 4: sums of float samples carry rounding error.
 _EPS = 1e-9
 
@@ -180,6 +185,19 @@ def _describe(spec: AutoscalingSpec, window: Sequence[Observation], ready: int) 
             f"KV cache {kv:.2f}/pod (target {spec.target_kv_cache_utilization:g})")
 
 
+def with_windows(spec: AutoscalingSpec) -> AutoscalingSpec:
+    """``spec`` with the windows it leaves unset set to this policy's (:data:`STABLE_WINDOW_SECONDS`,
+    :data:`PANIC_WINDOW_SECONDS`, :data:`PANIC_THRESHOLD`, :data:`SCALE_DOWN_DELAY_SECONDS`), the
+    panic window cut to the stable one."""
+    stable = spec.stable_window_seconds or STABLE_WINDOW_SECONDS
+    return spec.model_copy(update={
+        "stable_window_seconds": stable,
+        "panic_window_seconds": min(spec.panic_window_seconds or PANIC_WINDOW_SECONDS, stable),
+        "panic_threshold": spec.panic_threshold or PANIC_THRESHOLD,
+        "scale_down_delay_seconds": (SCALE_DOWN_DELAY_SECONDS if spec.scale_down_delay_seconds is None
+                                     else spec.scale_down_delay_seconds)})
+
+
 def decide(
     spec: AutoscalingSpec,
     state: AutoscalerState,
@@ -208,7 +226,7 @@ def decide(
        one). A tick with no reports adds nothing; with no load seen in the stable window the
        count holds.
     2. Averages over the stable window (``stableWindowSeconds``, KPA default 60 s) and the panic
-       window (``panicWindowSeconds``, KPA default 6 s).
+       window (``panicWindowSeconds``, KPA default 6 s); unset fields as :func:`with_windows`.
     3. Per signal, ``ceil(total / target)`` = ``ceil(ready × observed / target)`` pods (KPA, APA),
        except that within ±``tolerance`` of the target on the capacity ``ready + starting`` the
        count does not change (HPA tolerance 0.1). Pods still starting count as capacity in
@@ -238,6 +256,7 @@ def decide(
     """
     if not spec.enabled:
         return Decision(current_replicas, current_replicas, "autoscaling disabled", state)
+    spec = with_windows(spec)
 
     capacity = ready_replicas + starting_replicas
     observations = [o for o in state.observations if o.time > now - spec.stable_window_seconds]

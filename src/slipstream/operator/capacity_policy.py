@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.api_types.autoscaling import STABLE_WINDOW_SECONDS, AutoscalingSpec
 from slipstream.api_types.load import GatewayLoad, PodLoad
 
 from .autoscaler import Decision, stored_number, stored_row
@@ -30,7 +30,9 @@ from .demand import Interval, PodWork, Totals, demand_totals, interval, pod_read
 from .fleet import Fleet
 
 OBJECTIVE_QUANTILE = 0.9         # the objective is a p90: met while ≥ 90% of requests meet it
-DEMAND_SECONDS = 60.0            # demand: the arrival rate over this window ...
+# The windows while spec.autoscaling leaves them unset (stableWindowSeconds, panicWindowSeconds,
+# panicThreshold, scaleDownDelaySeconds; :func:`windows`):
+DEMAND_SECONDS = float(STABLE_WINDOW_SECONDS)  # demand: the arrival rate over this window ...
 PANIC_SECONDS = 8.0              # ... or over this one while it is PANIC_RATIO × that or more
 PANIC_RATIO = 2.0                # (Knative's panic mode; its 6 s window was twitchier on the Azure trace)
 LEARN_SECONDS = 60.0             # capacity is re-estimated once per window of this length
@@ -40,7 +42,7 @@ CAPACITY_BOUNDS = (0.1, 10.0)    # the learned capacity stays within these multi
 HEADROOM = 0.3                   # pods are sized for demand × (1 + HEADROOM)
 DRAIN_SECONDS = 30.0             # a backlog should be gone this long (or the objective, if longer)
                                  # after new pods are ready
-HOLD_STARTS = 5.0              # scale-down waits this many start times of lower need
+HOLD_STARTS = 5.0                # scale-down waits this many start times of lower need
 ATTAINMENT_SECONDS = 300.0       # status.objectiveAttainment's window
 _EPS = 1e-9
 
@@ -152,10 +154,32 @@ def _stored_totals(row: Any) -> Totals | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Windows:
+    """``spec.autoscaling``'s windows as this policy reads them, seconds: demand is the arrival
+    rate over ``demand``, or over ``panic`` while that rate is ``ratio`` × the other or more;
+    ``hold``: how long lower needs must last before a scale-down (None: :data:`HOLD_STARTS`
+    measured pod starts)."""
+
+    demand: float
+    panic: float
+    ratio: float
+    hold: float | None = None
+
+
+def windows(spec: AutoscalingSpec) -> Windows:
+    """The fields ``spec`` sets, this module's defaults for those it leaves unset; the panic
+    window cut to the demand window."""
+    demand = float(spec.stable_window_seconds or DEMAND_SECONDS)
+    return Windows(demand, min(float(spec.panic_window_seconds or PANIC_SECONDS), demand),
+                   float(spec.panic_threshold or PANIC_RATIO),
+                   None if spec.scale_down_delay_seconds is None else float(spec.scale_down_delay_seconds))
+
+
+@dataclass(frozen=True, slots=True)
 class Demand:
     """Arrival rate (requests/s), prompt and generated tokens/s, and the prompt-equivalent
     work rate (tokens/s) of those; ``request_tokens``: work of one request (tokens);
-    ``panic``: the rate is the :data:`PANIC_SECONDS` one."""
+    ``panic``: the rate is the panic window's."""
 
     requests: float
     prompt_tokens: float
@@ -166,9 +190,10 @@ class Demand:
 
 
 def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: CapacityPrior,
-                    ) -> Demand:
+                    window_seconds: Windows | None = None) -> Demand:
     """Demand over the recent intervals ``(end, arrivals, sized, prompt, generated, seconds)``
-    (``sized``: the requests whose tokens the row counts).
+    (``sized``: the requests whose tokens the row counts); ``window_seconds``: the spec's
+    (None: the defaults, :data:`DEMAND_SECONDS`, :data:`PANIC_SECONDS`, :data:`PANIC_RATIO`).
 
     The arrival rate is the one over the last :data:`DEMAND_SECONDS`, or over the last
     :data:`PANIC_SECONDS` while that is at least :data:`PANIC_RATIO` × the longer one (the
@@ -183,6 +208,8 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     were). Holt's forecast one start time ahead, in place of this rate or above it, was tried
     (issue 33, commit 07c8553) and cost more replica-hours in every run measured
     (benchmarks/README.md, autoscaling)."""
+    w = window_seconds or Windows(DEMAND_SECONDS, PANIC_SECONDS, PANIC_RATIO)
+
     def window(seconds: float) -> list[tuple[float, ...]]:
         return [i for i in intervals if i[0] > now - seconds + _EPS]  # ended inside the window
 
@@ -190,10 +217,10 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
         span = sum(r[5] for r in rows)
         return sum(r[1] for r in rows) / span if span > 0 else 0.0
 
-    long = window(DEMAND_SECONDS)
+    long = window(w.demand)
     requests = rate(long)
-    short = rate(window(PANIC_SECONDS))
-    panic = short > 0 and short >= PANIC_RATIO * requests
+    short = rate(window(w.panic))
+    panic = short > 0 and short >= w.ratio * requests
     if panic:
         requests = short
     sized = sum(r[2] for r in long)
@@ -304,7 +331,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        counters, else the pods' own (:mod:`.demand`). Counters are summed over pods, so a tick
        is an interval only when the same pods answered at both ends (every gateway pod, or the
        same model pods): else one pod's lifetime would read as a tick's demand. The rate is
-       the :data:`DEMAND_SECONDS` one, or the :data:`PANIC_SECONDS` one on a step up; a
+       the stable window's, or the panic window's on a step up (:func:`windows`: the spec's
+       fields, unset :data:`DEMAND_SECONDS`, :data:`PANIC_SECONDS`, :data:`PANIC_RATIO`); a
        request's size is tokens over the requests they were counted for (:mod:`.demand`).
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
        pods' counters and TTFT histograms (:func:`learn_capacity`); a window in which a pod
@@ -326,7 +354,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        ``targetQueueDepth``, blocks any scale-down. Neither sizes the count otherwise.
     6. Scale-down weighs the start time: to the highest need of the last
        :data:`HOLD_STARTS` start times (a pod removed now takes a start time to come back,
-       so it stays while the load is likely back within that). A fresh state counts the
+       so it stays while the load is likely back within that), or of the last
+       ``scaleDownDelaySeconds`` where the spec sets it. A fresh state counts the
        replicas it finds as needed at its first tick (its demand reads 0 until a second
        reading), so a service started above its need comes down only after that hold.
     7. [minReplicas, maxReplicas]; zero as the queue policy does it (``minReplicas: 0``: up
@@ -339,13 +368,14 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     if not spec.enabled:
         return Decision(current_replicas, current_replicas, "autoscaling disabled", state)
     objective = spec.objectives.ttft_p90_seconds
+    w = windows(spec)
 
     # 1. counters -> the interval since the last tick
     found = demand_totals(samples, gateway)
     readings = pod_readings(samples, objective)
     if found is not None and found[0] == "gateway" and not gateway.complete:
         found = None  # a silent gateway pod's counters are missing from the sum: no baseline either
-    intervals = [i for i in state.intervals if i[0] > now - max(DEMAND_SECONDS, ATTAINMENT_SECONDS) - _EPS]
+    intervals = [i for i in state.intervals if i[0] > now - max(w.demand, ATTAINMENT_SECONDS) - _EPS]
     step: Interval | None = None
     # summed over other pods than last tick (one that missed a scrape, or joined), the totals
     # differ by a pod's lifetime counts: not an interval
@@ -355,7 +385,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     if step is not None:
         intervals.append((now, step.arrivals, step.sized, step.prompt_tokens, step.generation_tokens,
                           step.seconds))
-    demand = estimate_demand(intervals, now, prior)
+    demand = estimate_demand(intervals, now, prior, w)
 
     # 2. capacity
     work = [w for w in state.work if w[0] > now - ATTAINMENT_SECONDS - _EPS]
@@ -377,10 +407,10 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 3. need from demand
     start = _measured_start(state, fleet, prior)
-    read_over = PANIC_SECONDS if demand.panic else DEMAND_SECONDS
+    read_over = w.panic if demand.panic else w.demand
     spread = demand.work * read_over / (read_over + objective)  # a window's work, done by objective after it
     need = max(0, math.ceil(spread * (1 + HEADROOM) / capacity - _EPS))
-    why = (f"demand {demand.requests:.2f} req/s{f' (last {PANIC_SECONDS:g}s)' if demand.panic else ''} "
+    why = (f"demand {demand.requests:.2f} req/s{f' (last {w.panic:g}s)' if demand.panic else ''} "
            f"({demand.prompt_tokens:.0f} prompt + "
            f"{demand.generation_tokens:.0f} generated tokens/s) / {capacity:.0f} tokens/s per pod "
            f"-> {need}")
@@ -407,7 +437,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 6. scale-down weighs the start time
     need = spec.clamp(max(need, 1))
-    hold = HOLD_STARTS * start
+    hold = HOLD_STARTS * start if w.hold is None else w.hold
     # a fresh state has measured no demand yet (it reads 0): the pods running count as needed now
     before = state.needs if state.time is not None else ((now, current_replicas),)
     needs = tuple(n for n in before if n[0] > now - hold - _EPS) + ((now, need),)
@@ -419,7 +449,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
                                                    f"wait per pod or the KV cache is above target")
         elif held > need:
             desired = min(current_replicas, held)
-            why += f"; keeps {desired}: needed within {hold:.0f}s ({HOLD_STARTS:g} starts of {start:.0f}s)"
+            why += (f"; keeps {desired}: needed within {hold:.0f}s "
+                    + (f"({HOLD_STARTS:g} starts of {start:.0f}s)" if w.hold is None else "(scaleDownDelaySeconds)"))
 
     # 7. zero
     held_now = waiting + (gateway.in_flight or 0.0 if gateway else 0.0) + sum(
