@@ -21,7 +21,7 @@ from slipstream.server.sim.head_of_line import continuous_batching, static_batch
 from slipstream.server.sim.trace import Arrival, Phase, cap_lengths, parse_length, parse_rate_schedule, \
     poisson_arrivals, read_trace, scale_times
 from slipstream.server.sim.scalers import HPAScaler
-from slipstream.api_types.load import PodLoad
+from slipstream.api_types.load import GatewayLoad, PodLoad
 from slipstream.operator.fleet import Fleet
 from slipstream.operator.policy import Tick
 
@@ -326,6 +326,13 @@ def test_simulate_reports_bad_input_with_exit_code_2(capsys):
     assert "rate schedule" in capsys.readouterr().err
     assert cli.main(["simulate", "--max-replicas", "0", "--no-plot"]) == 2
     assert "maxReplicas" in capsys.readouterr().err
+    # the flags' own names, not the simulator's parameters
+    for flags, says in ((["--tick", "0"], "--tick must be a finite number of seconds > 0, got 0"),
+                        (["--tick", "nan"], "--tick must be a finite number of seconds > 0, got nan"),
+                        (["--startup-delay", "-1"], "--startup-delay must be a finite number of seconds ≥ 0, got -1"),
+                        (["--startup-delay", "inf"], "--startup-delay must be a finite number of seconds ≥ 0, got inf")):
+        assert cli.main(["simulate", *flags, "--no-plot"]) == 2
+        assert capsys.readouterr().err == f"slipstream simulate: {says}\n"
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -524,6 +531,11 @@ def test_the_hpa_baseline_scales_by_the_ratio_outside_the_tolerance_and_holds_do
     assert hpa.decide(tick(20, 300, 6)).desired_replicas == 6  # between syncs
     assert hpa.decide(tick(30, 0, 6)).desired_replicas == 6  # down waits for the window
     assert hpa.decide(tick(330, 0, 6)).desired_replicas == 1
+    # from zero (minReplicas 0): the queue held in the gateway as an external metric, ceil(12 / 5)
+    hpa = HPAScaler(AutoscalingSpec(enabled=True, min_replicas=0, max_replicas=10, target_queue_depth=5))
+    held = lambda now, waiting: Tick(now, 0, Fleet(0), [], GatewayLoad(waiting, 0.0))  # noqa: E731
+    assert hpa.decide(held(0, 0)).desired_replicas == 0
+    assert hpa.decide(held(15, 12)).desired_replicas == 3
 
 
 def test_tenants_in_the_workload_and_the_fair_policy_protect_the_small_tenant(tmp_path):

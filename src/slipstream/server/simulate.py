@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -56,10 +57,14 @@ _SPEC_FLAGS = {
     "max_replicas": (int, "most replicas (maxReplicas, default 8 here)"),
     "target_queue_depth": (float, "waiting requests per ready pod (targetQueueDepth, default 5)"),
     "target_kv_cache_utilization": (float, "KV-cache use per ready pod, 0..1 (default 0.8)"),
-    "stable_window_seconds": (int, "whole seconds averaged for the stable decision (default 60)"),
-    "panic_window_seconds": (int, "whole seconds averaged for the panic decision (default 6)"),
-    "panic_threshold": (float, "panic when the panic window needs this × current capacity (default 2)"),
-    "scale_down_delay_seconds": (int, "whole seconds of lower recommendations before scaling down (default 300)"),
+    "stable_window_seconds": (int, "whole seconds the load is averaged over (stableWindowSeconds, default 60)"),
+    "panic_window_seconds": (int, "whole seconds of the window that reads a step up (panicWindowSeconds; "
+                                  "default 8 for the capacity policy, 6 for queue)"),
+    "panic_threshold": (float, "capacity: the panic window's rate is the demand while ≥ this × the stable "
+                               "window's; queue: panic when the panic window needs this × the pods (default 2)"),
+    "scale_down_delay_seconds": (int, "whole seconds lower needs must last before a scale-down "
+                                      "(scaleDownDelaySeconds; default 5 measured starts for capacity, "
+                                      "300 for queue)"),
     "tolerance": (float, "dead band around the targets, 0..1 (tolerance, default 0.1)"),
 }
 
@@ -346,6 +351,10 @@ def check_args(args: argparse.Namespace) -> None:
         if path is not None and (path.is_dir() or not path.parent.is_dir()):
             raise ValueError(f"{flag} {path}: " + ("a directory; name a file" if path.is_dir()
                                                   else f"no directory {path.parent} to write it in"))
+    if not (math.isfinite(args.tick) and args.tick > 0):
+        raise ValueError(f"--tick must be a finite number of seconds > 0, got {args.tick:g}")
+    if not (math.isfinite(args.startup_delay) and args.startup_delay >= 0):
+        raise ValueError(f"--startup-delay must be a finite number of seconds ≥ 0, got {args.startup_delay:g}")
     if args.compare and args.no_autoscaling:
         raise ValueError("--compare plays the autoscaling policies beside fixed counts; --no-autoscaling "
                          "(one fixed count) contradicts it: drop one of them")

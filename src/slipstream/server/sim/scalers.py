@@ -75,6 +75,9 @@ class HPAScaler:
     ``tolerance`` (0.1) of 1 nothing changes; else desired = ceil(current × ratio). Scale-up
     is at most max(2 × current, current + 4) per period; scale-down takes the highest
     recommendation of the last ``down_stabilization_seconds`` (300). Clamped to [min, max].
+    At 0 replicas (``minReplicas: 0``, HPA's ``HPAScaleToZero`` gate) ceil(current × ratio) is 0
+    whatever waits, so there the queue is read as an external metric with an ``AverageValue``
+    target, as an HPA that scales from zero must: desired = ceil(waiting / target).
 
     Source: Kubernetes documentation, "Horizontal Pod Autoscaling", sections "Algorithm
     details", "Stabilization window" and "Default Behavior".
@@ -95,7 +98,10 @@ class HPAScaler:
         waiting = sum(s.num_requests_waiting for s in tick.samples) + (tick.gateway.waiting if tick.gateway else 0)
         pods = max(1, tick.fleet.ready + tick.fleet.starting)  # unready pods as 0 load
         ratio = waiting / pods / self.spec.target_queue_depth
-        wanted = current if abs(ratio - 1) <= self.tolerance else math.ceil(current * ratio - 1e-9)
+        if current == 0:
+            wanted = math.ceil(waiting / self.spec.target_queue_depth - 1e-9)
+        else:
+            wanted = current if abs(ratio - 1) <= self.tolerance else math.ceil(current * ratio - 1e-9)
         wanted = self.spec.clamp(wanted)
         self.recommendations = [(t, n) for t, n in self.recommendations
                                 if t > tick.now - self.down_stabilization_seconds] + [(tick.now, wanted)]
