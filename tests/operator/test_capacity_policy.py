@@ -103,6 +103,18 @@ def test_a_rise_under_the_panic_ratio_is_read_over_the_long_window():
     assert "(last" not in d.reason
 
 
+def test_an_interval_longer_than_a_window_counts_for_its_part_inside_it():
+    # an operator restart: one 60 s interval at 1 req/s, then 2 s at 20 req/s. Whole, the long
+    # interval made the 8 s window read (60 + 40) / 62 = 1.6 req/s; cut, (6 + 40) / 8 = 5.75,
+    # against (58 + 40) / 60 over the 60 s window: a step up, read as one
+    state = CapacityState()
+    for now, total in ((0.0, 0.0), (60.0, 60.0), (62.0, 100.0)):
+        d = decide(spec(), state, [], now, 1, Fleet(1), gateway(total), PRIOR)
+        state = d.state
+    assert d.details["demandRequestsPerSecond"] == pytest.approx(46 / 8, abs=1e-3)
+    assert f"(last {cp.PANIC_SECONDS:g}s)" in d.reason
+
+
 def test_arrivals_are_finished_requests_plus_the_change_in_held_ones():
     before, after = Totals(10, 1000, 0, 5, 10), Totals(14, 1400, 0, 11, 13)
     step = interval(before, after, 2.0)

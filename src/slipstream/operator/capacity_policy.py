@@ -189,6 +189,15 @@ class Demand:
     panic: bool = False
 
 
+def _inside(row: tuple[float, ...], start: float) -> tuple[float, ...]:
+    """An interval ``(end, arrivals, sized, prompt, generated, seconds)`` cut to its part after
+    ``start``, its counts pro rata: a long one (after a missed scrape or an operator restart)
+    would else put its own average, over more than the window, in a window it ended in."""
+    span = row[5]
+    cut = min(1.0, (row[0] - start) / span) if span > 0 else 1.0
+    return (row[0], *(v * cut for v in row[1:5]), span * cut)
+
+
 def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: CapacityPrior,
                     window_seconds: Windows | None = None) -> Demand:
     """Demand over the recent intervals ``(end, arrivals, sized, prompt, generated, seconds)``
@@ -203,7 +212,8 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     the panic window's pods with the ready ones and stays in panic a stable window, this reads
     the step only while the long window, which contains the short one, lags it: a step of r ×
     a steady rate is read for 30 (r − 2) / (r − 1) s after the short window fills (20 s for
-    4 ×, none under about 2.4 ×); the pods asked for then are kept by the scale-down hold. Token rates are the arrival rate × the mean
+    4 ×, none under about 2.4 ×); the pods asked for then are kept by the scale-down hold. An
+    interval that began before a window counts for its part inside it. Token rates are the arrival rate × the mean
     lengths of the requests sized in the long window (the prior's ``request_tokens`` when none
     were). Holt's forecast one start time ahead, in place of this rate or above it, was tried
     (issue 33, commit 07c8553) and cost more replica-hours in every run measured
@@ -211,7 +221,8 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     w = window_seconds or Windows(DEMAND_SECONDS, PANIC_SECONDS, PANIC_RATIO)
 
     def window(seconds: float) -> list[tuple[float, ...]]:
-        return [i for i in intervals if i[0] > now - seconds + _EPS]  # ended inside the window
+        start = now - seconds
+        return [_inside(i, start) for i in intervals if i[0] > start + _EPS]  # ended inside the window
 
     def rate(rows: list[tuple[float, ...]]) -> float:
         span = sum(r[5] for r in rows)
