@@ -267,8 +267,9 @@ def test_spec_from_the_crd_dict():
     assert (w.stable_window_seconds, w.panic_window_seconds, w.panic_threshold, w.scale_down_delay_seconds) \
         == (60, 6, 3.0, 120)
     w = with_windows(AutoscalingSpec(stable_window_seconds=4))
-    assert (w.stable_window_seconds, w.panic_window_seconds, w.panic_threshold, w.scale_down_delay_seconds) \
-        == (4, 4, 2.0, 300)  # the panic window cut to the stable one
+    assert (w.stable_window_seconds, w.panic_window_seconds, w.panic_threshold, w.scale_down_delay_seconds,
+            w.tolerance) == (4, 4, 2.0, 300, 0.1)  # the panic window cut to the stable one
+    assert with_windows(AutoscalingSpec(tolerance=0.0)).tolerance == 0.0  # 0 is a value, not unset
     assert AutoscalingSpec.from_dict(s.to_dict()) == s
     assert AutoscalingSpec.from_dict(None) == AutoscalingSpec.from_dict({}) == AutoscalingSpec()
     assert not AutoscalingSpec.from_dict({"maxReplicas": 3}).enabled  # the CRD's default

@@ -380,7 +380,16 @@ def test_the_stable_and_panic_windows_and_the_threshold_are_the_specs():
     assert "(last 4s)" in after_step(spec(panic_window_seconds=4), 6).reason
     assert f"(last {cp.PANIC_SECONDS:g}s)" in after_step(spec(), 6).reason
     # a stable window shorter than the default panic window cuts it
-    assert cp.windows(spec(stable_window_seconds=5)) == cp.Windows(5.0, 5.0, cp.PANIC_RATIO, None)
+    assert cp.spec_windows(spec(stable_window_seconds=5)) == cp.Windows(5.0, 5.0, cp.PANIC_RATIO, None)
+
+
+def test_a_tolerance_keeps_a_count_whose_need_is_within_it():
+    # 25 req/s x 100 tokens x 60 / 62 x 1.3 / 1,000 per pod = 3.15 pods: 4 without a dead band,
+    # the 3 running within ±0.1 of it
+    assert run_rate(25.0, 60, Fleet(3), 3).recommendation == 4
+    d = run_rate(25.0, 60, Fleet(3), 3, spec(tolerance=0.1))
+    assert d.recommendation == 3 and "within ±0.1 of 3" in d.reason
+    assert run_rate(25.0, 60, Fleet(3), 3, spec(tolerance=0.04)).recommendation == 4
 
 
 def test_the_crd_descriptions_name_each_policys_defaults():
@@ -394,3 +403,5 @@ def test_the_crd_descriptions_name_each_policys_defaults():
     assert cp.PANIC_RATIO == queue.PANIC_THRESHOLD and f"Unset: {cp.PANIC_RATIO:g}." in described["panic_threshold"]
     assert cp.HOLD_STARTS == 5 and "five measured pod starts" in described["scale_down_delay_seconds"]
     assert f"or {queue.SCALE_DOWN_DELAY_SECONDS} (queue)" in described["scale_down_delay_seconds"]
+    assert queue.TOLERANCE == 0.1 and cp.spec_windows(spec()).tolerance == 0
+    assert "Unset: 0.1 (queue, HPA's) or 0 (capacity" in fields["tolerance"].description

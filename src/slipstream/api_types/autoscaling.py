@@ -40,10 +40,10 @@ class AutoscalingSpec(SpecModel):
 
     Targets are per ready pod: waiting requests (``targetQueueDepth``) and KV-cache utilization
     0..1 (``targetKVCacheUtilization``). Windows and the delay are whole seconds, as the CRD
-    wants them; unset (None), each policy uses its own value (the descriptions name them), and
-    a panic window longer than the stable window is cut to it. ``tolerance`` is the dead band around the targets, a fraction in [0, 1)
-    (Kubernetes HPA's default 0.1; per object here, as newer HPA's ``behavior`` and AIBrix's
-    fluctuation tolerance are).
+    wants them. ``tolerance`` is a dead band, a fraction in [0, 1) (Kubernetes HPA's; per
+    object here, as newer HPA's ``behavior`` and AIBrix's fluctuation tolerance are). Unset
+    (None), the windows, the delay and the tolerance take each policy's own value (the
+    descriptions name them), and a panic window longer than the stable window is cut to it.
 
     ``policy``: ``capacity`` (the default; :mod:`slipstream.operator.capacity_policy`) sizes
     the count from demand (requests and tokens per second) over one pod's capacity at
@@ -123,12 +123,14 @@ class AutoscalingSpec(SpecModel):
         300, ge=0,
         description="With minReplicas 0, how long no request may run or wait (in the pods or the "
                     "gateway) before the count goes to 0; ignored while minReplicas is at least 1.")
-    tolerance: float = spec_field(
-        0.1, ge=0, lt=1,
-        description="Dead band around the targets, a fraction in [0, 1): while the load is within "
-                    "±tolerance of the ready and starting pods' capacity, the count does not change "
-                    "(Kubernetes HPA's tolerance, 0.1 by default; per object as in HPA behavior). "
-                    "Raise it for a noisy load, lower it to react to small changes.")
+    tolerance: float | None = spec_field(
+        None, ge=0, lt=1, crd_default=False,
+        description="Dead band, a fraction in [0, 1): while the load is within ±tolerance of what "
+                    "the ready and starting pods carry (queue: at the targets; capacity: at the "
+                    "learned capacity with its headroom), the count does not change (Kubernetes "
+                    "HPA's tolerance, per object as in HPA behavior). Raise it for a noisy load, "
+                    "lower it to react to small changes. Unset: 0.1 (queue, HPA's) or 0 (capacity: "
+                    "its headroom and scale-down hold do that job).")
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingSpec:

@@ -22,6 +22,7 @@ HISTORY_LIMIT = 10
 PANIC_WINDOW_SECONDS = 6
 PANIC_THRESHOLD = 2.0
 SCALE_DOWN_DELAY_SECONDS = 300
+TOLERANCE = 0.1  # Kubernetes HPA's
 # ceil(4.000000001) must stay 4: sums of float samples carry rounding error.
 _EPS = 1e-9
 
@@ -186,16 +187,17 @@ def _describe(spec: AutoscalingSpec, window: Sequence[Observation], ready: int) 
 
 
 def with_windows(spec: AutoscalingSpec) -> AutoscalingSpec:
-    """``spec`` with the windows it leaves unset set to this policy's (:data:`STABLE_WINDOW_SECONDS`,
-    :data:`PANIC_WINDOW_SECONDS`, :data:`PANIC_THRESHOLD`, :data:`SCALE_DOWN_DELAY_SECONDS`), the
-    panic window cut to the stable one."""
+    """``spec`` with the windows, delay and tolerance it leaves unset set to this policy's
+    (:data:`STABLE_WINDOW_SECONDS`, :data:`PANIC_WINDOW_SECONDS`, :data:`PANIC_THRESHOLD`,
+    :data:`SCALE_DOWN_DELAY_SECONDS`, :data:`TOLERANCE`), the panic window cut to the stable one."""
     stable = spec.stable_window_seconds or STABLE_WINDOW_SECONDS
     return spec.model_copy(update={
         "stable_window_seconds": stable,
         "panic_window_seconds": min(spec.panic_window_seconds or PANIC_WINDOW_SECONDS, stable),
         "panic_threshold": spec.panic_threshold or PANIC_THRESHOLD,
         "scale_down_delay_seconds": (SCALE_DOWN_DELAY_SECONDS if spec.scale_down_delay_seconds is None
-                                     else spec.scale_down_delay_seconds)})
+                                     else spec.scale_down_delay_seconds),
+        "tolerance": TOLERANCE if spec.tolerance is None else spec.tolerance})
 
 
 def decide(

@@ -31,7 +31,7 @@ from .fleet import Fleet
 
 OBJECTIVE_QUANTILE = 0.9         # the objective is a p90: met while ≥ 90% of requests meet it
 # The windows while spec.autoscaling leaves them unset (stableWindowSeconds, panicWindowSeconds,
-# panicThreshold, scaleDownDelaySeconds; :func:`windows`):
+# panicThreshold, scaleDownDelaySeconds; :func:`spec_windows`):
 DEMAND_SECONDS = float(STABLE_WINDOW_SECONDS)  # demand: the arrival rate over this window ...
 PANIC_SECONDS = 8.0              # ... or over this one while it is PANIC_RATIO × that or more
 PANIC_RATIO = 2.0                # (Knative's panic mode; its 6 s window was twitchier on the Azure trace)
@@ -158,21 +158,23 @@ class Windows:
     """``spec.autoscaling``'s windows as this policy reads them, seconds: demand is the arrival
     rate over ``demand``, or over ``panic`` while that rate is ``ratio`` × the other or more;
     ``hold``: how long lower needs must last before a scale-down (None: :data:`HOLD_STARTS`
-    measured pod starts)."""
+    measured pod starts); ``tolerance``: the dead band around the current count (a fraction)."""
 
     demand: float
     panic: float
     ratio: float
     hold: float | None = None
+    tolerance: float = 0.0
 
 
-def windows(spec: AutoscalingSpec) -> Windows:
-    """The fields ``spec`` sets, this module's defaults for those it leaves unset; the panic
-    window cut to the demand window."""
+def spec_windows(spec: AutoscalingSpec) -> Windows:
+    """The fields ``spec`` sets, this module's defaults for those it leaves unset (no dead band:
+    the headroom and the hold do that job); the panic window cut to the demand window."""
     demand = float(spec.stable_window_seconds or DEMAND_SECONDS)
     return Windows(demand, min(float(spec.panic_window_seconds or PANIC_SECONDS), demand),
                    float(spec.panic_threshold or PANIC_RATIO),
-                   None if spec.scale_down_delay_seconds is None else float(spec.scale_down_delay_seconds))
+                   None if spec.scale_down_delay_seconds is None else float(spec.scale_down_delay_seconds),
+                   spec.tolerance or 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,9 +201,9 @@ def _inside(row: tuple[float, ...], start: float) -> tuple[float, ...]:
 
 
 def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: CapacityPrior,
-                    window_seconds: Windows | None = None) -> Demand:
+                    windows: Windows | None = None) -> Demand:
     """Demand over the recent intervals ``(end, arrivals, sized, prompt, generated, seconds)``
-    (``sized``: the requests whose tokens the row counts); ``window_seconds``: the spec's
+    (``sized``: the requests whose tokens the row counts); ``windows``: the spec's
     (None: the defaults, :data:`DEMAND_SECONDS`, :data:`PANIC_SECONDS`, :data:`PANIC_RATIO`).
 
     The arrival rate is the one over the last :data:`DEMAND_SECONDS`, or over the last
@@ -218,7 +220,7 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
     were). Holt's forecast one start time ahead, in place of this rate or above it, was tried
     (issue 33, commit 07c8553) and cost more replica-hours in every run measured
     (benchmarks/README.md, autoscaling)."""
-    w = window_seconds or Windows(DEMAND_SECONDS, PANIC_SECONDS, PANIC_RATIO)
+    win = windows or Windows(DEMAND_SECONDS, PANIC_SECONDS, PANIC_RATIO)
 
     def window(seconds: float) -> list[tuple[float, ...]]:
         start = now - seconds
@@ -228,10 +230,10 @@ def estimate_demand(intervals: Sequence[tuple[float, ...]], now: float, prior: C
         span = sum(r[5] for r in rows)
         return sum(r[1] for r in rows) / span if span > 0 else 0.0
 
-    long = window(w.demand)
+    long = window(win.demand)
     requests = rate(long)
-    short = rate(window(w.panic))
-    panic = short > 0 and short >= w.ratio * requests
+    short = rate(window(win.panic))
+    panic = short > 0 and short >= win.ratio * requests
     if panic:
         requests = short
     sized = sum(r[2] for r in long)
@@ -342,7 +344,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
        counters, else the pods' own (:mod:`.demand`). Counters are summed over pods, so a tick
        is an interval only when the same pods answered at both ends (every gateway pod, or the
        same model pods): else one pod's lifetime would read as a tick's demand. The rate is
-       the stable window's, or the panic window's on a step up (:func:`windows`: the spec's
+       the stable window's, or the panic window's on a step up (:func:`spec_windows`: the spec's
        fields, unset :data:`DEMAND_SECONDS`, :data:`PANIC_SECONDS`, :data:`PANIC_RATIO`); a
        request's size is tokens over the requests they were counted for (:mod:`.demand`).
     2. Capacity per pod: the prior, then re-estimated once per :data:`LEARN_SECONDS` from the
@@ -353,7 +355,8 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     3. Need = ceil(work rate × W / (W + objective) × (1 + :data:`HEADROOM`) / capacity), W the
        window the rate was read over: a window's arrivals may finish as late as the objective
        after it ends, so the objective is slack to spread them over (with a loose objective a
-       burst needs fewer pods; at 1 s over 60 s it changes little).
+       burst needs fewer pods; at 1 s over 60 s it changes little). With ``tolerance`` set, a
+       need whose unrounded count is within ±tolerance of the current one is the current one.
     4. Backlog (waiting requests × work per request) drained on a plan
        (:func:`plan_backlog`): pods already starting count as capacity from their expected
        ready time (start measured: pod created → Ready); extra pods only if they arrive
@@ -379,14 +382,14 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     if not spec.enabled:
         return Decision(current_replicas, current_replicas, "autoscaling disabled", state)
     objective = spec.objectives.ttft_p90_seconds
-    w = windows(spec)
+    win = spec_windows(spec)
 
     # 1. counters -> the interval since the last tick
     found = demand_totals(samples, gateway)
     readings = pod_readings(samples, objective)
     if found is not None and found[0] == "gateway" and not gateway.complete:
         found = None  # a silent gateway pod's counters are missing from the sum: no baseline either
-    intervals = [i for i in state.intervals if i[0] > now - max(w.demand, ATTAINMENT_SECONDS) - _EPS]
+    intervals = [i for i in state.intervals if i[0] > now - max(win.demand, ATTAINMENT_SECONDS) - _EPS]
     step: Interval | None = None
     # summed over other pods than last tick (one that missed a scrape, or joined), the totals
     # differ by a pod's lifetime counts: not an interval
@@ -396,7 +399,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
     if step is not None:
         intervals.append((now, step.arrivals, step.sized, step.prompt_tokens, step.generation_tokens,
                           step.seconds))
-    demand = estimate_demand(intervals, now, prior, w)
+    demand = estimate_demand(intervals, now, prior, win)
 
     # 2. capacity
     work = [w for w in state.work if w[0] > now - ATTAINMENT_SECONDS - _EPS]
@@ -418,13 +421,17 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 3. need from demand
     start = _measured_start(state, fleet, prior)
-    read_over = w.panic if demand.panic else w.demand
+    read_over = win.panic if demand.panic else win.demand
     spread = demand.work * read_over / (read_over + objective)  # a window's work, done by objective after it
-    need = max(0, math.ceil(spread * (1 + HEADROOM) / capacity - _EPS))
-    why = (f"demand {demand.requests:.2f} req/s{f' (last {w.panic:g}s)' if demand.panic else ''} "
+    pods_worth = spread * (1 + HEADROOM) / capacity
+    need = max(0, math.ceil(pods_worth - _EPS))
+    why = (f"demand {demand.requests:.2f} req/s{f' (last {win.panic:g}s)' if demand.panic else ''} "
            f"({demand.prompt_tokens:.0f} prompt + "
            f"{demand.generation_tokens:.0f} generated tokens/s) / {capacity:.0f} tokens/s per pod "
            f"-> {need}")
+    if win.tolerance and current_replicas > 0 and need != current_replicas \
+            and abs(pods_worth / current_replicas - 1) <= win.tolerance:
+        need, why = current_replicas, why + f"; within ±{win.tolerance:g} of {current_replicas}: {current_replicas}"
 
     # 4. backlog plan
     waiting = sum(s.num_requests_waiting for s in samples) + (gateway.waiting if gateway else 0.0)
@@ -448,7 +455,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
 
     # 6. scale-down weighs the start time
     need = spec.clamp(max(need, 1))
-    hold = HOLD_STARTS * start if w.hold is None else w.hold
+    hold = HOLD_STARTS * start if win.hold is None else win.hold
     # a fresh state has measured no demand yet (it reads 0): the pods running count as needed now
     before = state.needs if state.time is not None else ((now, current_replicas),)
     needs = tuple(n for n in before if n[0] > now - hold - _EPS) + ((now, need),)
@@ -461,7 +468,7 @@ def decide(spec: AutoscalingSpec, state: CapacityState, samples: Sequence[PodLoa
         elif held > need:
             desired = min(current_replicas, held)
             why += (f"; keeps {desired}: needed within {hold:.0f}s "
-                    + (f"({HOLD_STARTS:g} starts of {start:.0f}s)" if w.hold is None else "(scaleDownDelaySeconds)"))
+                    + (f"({HOLD_STARTS:g} starts of {start:.0f}s)" if win.hold is None else "(scaleDownDelaySeconds)"))
 
     # 7. zero
     held_now = waiting + (gateway.in_flight or 0.0 if gateway else 0.0) + sum(

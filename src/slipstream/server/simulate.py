@@ -65,7 +65,7 @@ _SPEC_FLAGS = {
     "scale_down_delay_seconds": (int, "whole seconds lower needs must last before a scale-down "
                                       "(scaleDownDelaySeconds; default 5 measured starts for capacity, "
                                       "300 for queue)"),
-    "tolerance": (float, "dead band around the targets, 0..1 (tolerance, default 0.1)"),
+    "tolerance": (float, "dead band around the count, 0..1 (tolerance; default 0.1 for queue, 0 for capacity)"),
 }
 
 
