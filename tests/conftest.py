@@ -11,7 +11,7 @@ import torch
 from slipstream.server.engine import LLM
 from slipstream.server.models.loader import load_model
 
-from termination import interrupt_on_termination
+import termination
 
 # The default CPU crossovers (models/crossover.py), not this machine's: which method a batch takes
 # must not depend on where the tests run. tests/test_crossover.py measures with it unset.
@@ -19,7 +19,7 @@ os.environ.setdefault("SLIPSTREAM_CALIBRATE", "0")
 
 
 def pytest_configure(config) -> None:
-    interrupt_on_termination()  # a SIGTERM tears the session down (the cluster too), as Ctrl-C does
+    config.pluginmanager.register(termination)  # a SIGTERM tears the session down (the cluster too), as Ctrl-C does
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """A test session stopped by SIGTERM tears its fixtures down (tests/termination.py): the
-processes a fixture started in their own session (as the test cluster's are) do not outlive it."""
+processes a fixture started in their own session (as the test cluster's are) do not outlive it,
+also after a test gave the signal back to its default."""
 from __future__ import annotations
 
 import os
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from termination import interrupt_on_termination
+import termination
 
 
 def pytest_configure(config):
-    interrupt_on_termination()
+    config.pluginmanager.register(termination)
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +38,13 @@ def server():
 '''
 
 TEST = '''
+import signal
 import time
 from pathlib import Path
+
+
+def test_gives_the_signal_back_as_the_default(server):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as kopf or asyncio's remove_signal_handler do
 
 
 def test_runs_long(server):
@@ -79,7 +85,8 @@ def test_sigterm_runs_the_sessions_teardown(tmp_path):
     assert "SIGTERM" in out
 
 
-def test_this_session_interrupts_on_sigterm():
-    # tests/conftest.py installed it for every test run
+def test_this_session_interrupts_on_sigterm(request):
+    # tests/conftest.py registered the plugin for every test run
+    assert request.config.pluginmanager.is_registered(termination)
     assert signal.getsignal(signal.SIGTERM) is termination.interrupt
     assert signal.getsignal(signal.SIGHUP) is termination.interrupt
