@@ -95,10 +95,13 @@ class AutoscalingSpec(SpecModel):
     max_replicas: int = spec_field(4, ge=1)
     target_queue_depth: float = spec_field(
         5.0, gt=0, rule="a number > 0 (waiting requests per pod)",
-        description="Requests waiting per pod that the autoscaler aims at.")
+        description="Requests waiting per ready pod: the queue policy sizes the count to it; for "
+                    "the capacity policy it is a guard (above it no pod is removed).")
     target_kv_cache_utilization: float = spec_field(
         0.8, alias="targetKVCacheUtilization", gt=0, le=1,
-        description="Fraction of KV-cache blocks in use per pod that the autoscaler aims at, in (0, 1].")
+        description="Fraction of KV-cache blocks in use per ready pod, in (0, 1]: the queue policy "
+                    "sizes the count to it; the capacity policy asks for ceil(KV use in pods' worth "
+                    "/ it) pods when above it, and removes none.")
     # Unset (None), each policy uses its own value; tests/operator/test_capacity_policy.py checks
     # the numbers the descriptions name against the policies' constants.
     stable_window_seconds: int | None = spec_field(

@@ -98,8 +98,11 @@ class InferenceServiceSpec(SpecModel):
     replicas: int = spec_field(1, ge=0, description="Pods to run while autoscaling is off (kubectl scale sets it).")
     autoscaling: AutoscalingSpec = spec_field(
         default_factory=AutoscalingSpec,
-        description="Replicas from queue depth and KV-cache use (stable and panic windows, as Knative's "
-                    "KPA) and the gateway's waiting requests; minReplicas 0 scales to zero after "
+        description="Replicas from load: by default (policy capacity) demand in requests and tokens "
+                    "per second over one pod's learned capacity at a TTFT objective, queue depth and "
+                    "KV-cache use as guards; or (policy queue) from queue depth and KV-cache use per "
+                    "pod (stable and panic windows, as Knative's KPA) and the gateway's waiting "
+                    "requests. minReplicas 0 scales to zero after "
                     "scaleToZeroAfterSeconds without a request and back from zero on the first "
                     "request, which waits in the gateway (spec.routing.enabled).")
     routing: RoutingSpec = spec_field(

@@ -56,7 +56,7 @@ _SPEC_FLAGS = {
     "min_replicas": (int, "fewest replicas (minReplicas, default 1)"),
     "max_replicas": (int, "most replicas (maxReplicas, default 8 here)"),
     "target_queue_depth": (float, "waiting requests per ready pod (targetQueueDepth, default 5)"),
-    "target_kv_cache_utilization": (float, "KV-cache use per ready pod, 0..1 (default 0.8)"),
+    "target_kv_cache_utilization": (float, "KV-cache use per ready pod, in (0, 1] (default 0.8)"),
     "stable_window_seconds": (int, "whole seconds the load is averaged over (stableWindowSeconds, default 60)"),
     "panic_window_seconds": (int, "whole seconds of the window that reads a step up (panicWindowSeconds; "
                                   "default 8 for the capacity policy, 6 for queue)"),
@@ -65,7 +65,7 @@ _SPEC_FLAGS = {
     "scale_down_delay_seconds": (int, "whole seconds lower needs must last before a scale-down "
                                       "(scaleDownDelaySeconds; default 5 measured starts for capacity, "
                                       "300 for queue)"),
-    "tolerance": (float, "dead band around the count, 0..1 (tolerance; default 0.1 for queue, 0 for capacity)"),
+    "tolerance": (float, "dead band around the count, in [0, 1) (tolerance; default 0.1 for queue, 0 for capacity)"),
 }
 
 
