@@ -342,7 +342,7 @@ def test_a_prior_that_would_divide_by_zero_or_nan_is_refused(field, value):
 
 def test_scale_down_delay_seconds_replaces_the_hold_of_measured_starts():
     def first_scale_down(s: AutoscalingSpec):
-        state = run_rate(30.0, 60, Fleet(4), 4, s).state
+        state, held = run_rate(30.0, 60, Fleet(4), 4, s).state, ""
         for k in range(1, 300):
             now = 60.0 + 2 * k
             d = decide(s, state, [], now, 4, Fleet(4), gateway(30.0 * 60), PRIOR)
