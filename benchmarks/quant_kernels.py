@@ -8,7 +8,8 @@ Each product reads its weight from memory (copies of it, 1 GiB in all, more than
 step streams a model's layers). Per type and number of activation rows: µs per product (best of
 5 passes), GB/s of weight bytes read, and the time relative to Q4_1 (the built-in model's type) and to fp32.
 
-Usage: ``python benchmarks/quant_kernels.py [--n 2048] [--k 1024] [--rows 1,8] [--threads 1]``.
+Usage: ``python benchmarks/quant_kernels.py [--n 2048] [--k 1024] [--rows 1,8] [--threads 1]
+[--stream-mib 1024] [--runs 5]``.
 K must be a multiple of 256 for the K-quants. Not part of ``make test``.
 """
 from __future__ import annotations
@@ -43,9 +44,9 @@ def blocks(w: np.ndarray, qtype: str) -> torch.Tensor:
 STREAM_BYTES = 1 << 30  # copies of a weight cycled through, so each product reads from memory, not cache
 
 
-def copies(t: torch.Tensor) -> list[torch.Tensor]:
-    """Enough copies of ``t`` to fill :data:`STREAM_BYTES` (at least 2)."""
-    n = max(2, -(-STREAM_BYTES // (t.numel() * t.element_size())))
+def copies(t: torch.Tensor, total: int = STREAM_BYTES) -> list[torch.Tensor]:
+    """Enough copies of ``t`` to fill ``total`` bytes (at least 2)."""
+    n = max(2, -(-total // (t.numel() * t.element_size())))
     return [t.clone() for _ in range(n)]
 
 
@@ -67,18 +68,24 @@ def main() -> int:
     p.add_argument("--k", type=int, default=1024, help="weight columns (input features), a multiple of 256")
     p.add_argument("--rows", default="1,8", help="activation rows per product, comma-separated")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stream-mib", type=float, default=STREAM_BYTES / 2**20,
+                   help="MiB of weight copies cycled through (default 1024: from memory; e.g. 8: from cache, "
+                        "the kernel's own work)")
+    p.add_argument("--runs", type=int, default=5, help="passes over the copies; the best one counts")
     args = p.parse_args()
+    total = int(args.stream_mib * 2**20)
     torch.set_num_threads(args.threads)
     w = (np.random.default_rng(0).standard_normal((args.n, args.k)) * 0.02).astype(np.float32)
-    print(f"weight [{args.n}, {args.k}], {args.threads} thread(s), torch {torch.__version__}")
+    print(f"weight [{args.n}, {args.k}], {args.threads} thread(s), {args.stream_mib:g} MiB of copies, "
+          f"best of {args.runs} passes, torch {torch.__version__}")
     print("| type | bits/weight | rows | µs/product | weight GB/s | ÷ Q4_1 | ÷ fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     dense = torch.from_numpy(w)
     stored = {qtype: blocks(w, qtype) for qtype in TYPES}  # quantized once, for every row count
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, args.k)
-        fp32 = best_of(lambda d: torch.nn.functional.linear(x, d), copies(dense))
-        times = {qtype: best_of(lambda q: ggml_cpu.matmul(x, q, qtype, args.k), copies(b))
+        fp32 = best_of(lambda d: torch.nn.functional.linear(x, d), copies(dense, total), args.runs)
+        times = {qtype: best_of(lambda q: ggml_cpu.matmul(x, q, qtype, args.k), copies(b, total), args.runs)
                  for qtype, b in stored.items()}
         nbytes = {qtype: b.numel() for qtype, b in stored.items()}
         for qtype in TYPES:

@@ -249,10 +249,21 @@ static inline int tile_rows(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1
         switch (rows) { case 1: TILE(T, 4, 1); break; default: TILE(T, 4, 2); break; }        \
     }
 
+/* One function per type, each type's tiles compiled apart from the others'. Inlined all into
+ * ggml_matmul's one OpenMP body, as they were until 2026-12-07, Q4_K and Q5_K took 1.4-1.9x as
+ * long on an AVX2-only Zen 3 (benchmarks/README.md, "Quantized products on CPU"); no type got slower. */
+#define TYPE_TILES(T)                                                                          \
+    static __attribute__((noinline)) void tiles_##T(int nr, int rows, const uint8_t *wn, int64_t row_bytes, \
+                                                    int64_t nb, int bytes, const float *xm, int64_t K,      \
+                                                    float *ym, int64_t N) { TILES(T) }
+TYPE_TILES(Q4_0) TYPE_TILES(Q4_1) TYPE_TILES(Q8_0) TYPE_TILES(Q4_K) TYPE_TILES(Q5_K) TYPE_TILES(Q6_K)
+
+#define TILE_ARGS nr, rows, wn, row_bytes, nb, bytes, xm, K, ym, N
 #define ALL_TYPES                                                                             \
     switch (type) {                                                                           \
-    case Q4_1: TILES(Q4_1) break; case Q4_0: TILES(Q4_0) break; case Q8_0: TILES(Q8_0) break; \
-    case Q4_K: TILES(Q4_K) break; case Q5_K: TILES(Q5_K) break; default: TILES(Q6_K) break;   \
+    case Q4_1: tiles_Q4_1(TILE_ARGS); break; case Q4_0: tiles_Q4_0(TILE_ARGS); break;         \
+    case Q8_0: tiles_Q8_0(TILE_ARGS); break; case Q4_K: tiles_Q4_K(TILE_ARGS); break;         \
+    case Q5_K: tiles_Q5_K(TILE_ARGS); break; default: tiles_Q6_K(TILE_ARGS); break;           \
     }
 
 /* y [M, N] = x [M, K] @ W^T, W being N rows of blocks of `type`. x and y fp32, row-major.
