@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 import aiohttp
 
 
+def p99(values: list[float]) -> float:
+    """The 99th percentile of ``values`` (nearest rank below)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 @dataclass
 class Result:
     """One request: when it was sent (monotonic seconds), its phase and what came back."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import pytest
 import yaml
 
-from loadgen import LoadGenerator
+from loadgen import LoadGenerator, p99
 from cluster_helpers import (CHART, OPERATOR_NAMESPACE, RELEASE, condition, forbidden_calls,
                              get, install_chart, uninstall_chart, wait_for)
 
@@ -206,7 +206,15 @@ async def test_closed_loop_scales_up_in_the_panic_window_and_down_after_the_dela
 
     failed = load.failed()
     assert not failed, f"{len(failed)} requests failed, e.g. {failed[:3]}; {report}"
-    t0_over, _ = spans["overload"]
+    t0_over, t1_over = spans["overload"]
+    # p99 TTFT: high while one pod carried the overload, back near the baseline's over its last
+    # 8 s (the new pods ready; the router sends nothing to the first pod's backlog).
+    baseline = p99([r.ttft for r in load.results if r.phase == "baseline"])
+    worst = p99([r.ttft for r in load.results if r.phase == "overload"])
+    recovered = p99([r.ttft for r in load.results if r.phase == "overload" and r.sent >= t1_over - 8])
+    print(f"p99 TTFT: baseline {baseline:.3f} s, overload {worst:.3f} s, its last 8 s {recovered:.3f} s")
+    assert worst > max(1.0, 4 * recovered) and recovered < max(1.5, 4 * baseline), \
+        f"p99 TTFT baseline {baseline:.3f} worst {worst:.3f} recovered {recovered:.3f}; {report}"
     t0_after, _ = spans["after"]
     ups = [t for t, n in load.replicas_seen if n > 1]
     assert ups, report

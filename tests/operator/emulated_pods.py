@@ -1,5 +1,5 @@
-"""Stand-ins for the closed-loop tests without a cluster (test_closed_loop.py,
-test_scale_from_zero.py): the operator tests' Kubernetes API emulator with the real operator on
+"""Stand-ins for the closed-loop test without a cluster
+(test_scale_from_zero.py): the operator tests' Kubernetes API emulator with the real operator on
 it, and a pod controller that runs real ``slipstream serve`` processes on 127.0.0.x as the
 Deployment's pods."""
 from __future__ import annotations

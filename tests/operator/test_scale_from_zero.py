@@ -3,7 +3,7 @@ gateway holds them, the real operator reads them waiting in the gateway's ``/met
 to one pod; all 50 are answered once that pod is ready; after ``scaleToZeroAfterSeconds``
 without a request the operator scales back to zero.
 
-Stand-ins (emulated_pods.py), as in test_closed_loop.py: the operator tests' Kubernetes API
+Stand-ins (emulated_pods.py): the operator tests' Kubernetes API
 emulator (kmock); a pod controller that starts or stops ``slipstream serve --model sim:tiny`` processes on 127.0.0.2, …
 to match the Deployment's ``spec.replicas``, publishing a Pod object (Ready once ``/ready``
 answers) for each. In front, the real gateway (``slipstream gateway``'s app) runs in this process
