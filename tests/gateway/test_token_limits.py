@@ -3,6 +3,7 @@ refusing a tenant past its limit with 429 and Retry-After while others go on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -207,15 +208,18 @@ async def test_a_response_the_client_leaves_mid_body_is_charged_the_usage_its_he
     ``x-slipstream-usage``): a client that reads them and leaves during the body was served all
     of it, so its bucket and fair share are charged that usage, not given the output back."""
     usage = {"prompt_tokens": 7, "completion_tokens": 300, "total_tokens": 307}
-    stalled = asyncio.Event()
+    stalled, checked = asyncio.Event(), asyncio.Event()
 
     async def completions(request: web.Request) -> web.StreamResponse:
+        if request.path != "/v1/chat/completions":  # the gateway's tokenizer fetch: none here
+            return web.json_response({"error": {"message": "not found"}}, status=404)
         response = web.StreamResponse(headers={"Content-Type": "application/json", USAGE_HEADER: json.dumps(usage)})
         response.content_length = 100_000
         await response.prepare(request)
         await response.write(b'{"id": "chatcmpl-1", "choices": [')
         stalled.set()
-        await asyncio.sleep(30)  # the rest of a long body, still on its way
+        with contextlib.suppress(asyncio.TimeoutError):  # the rest of a long body, still on its way
+            await asyncio.wait_for(checked.wait(), 30)
         return response
 
     async with fake_pod("127.0.0.44", completions) as pod, \
@@ -230,3 +234,4 @@ async def test_a_response_the_client_leaves_mid_body_is_charged_the_usage_its_he
         await until_none_in_flight(gateway)
         assert spent["leaver"] == usage["total_tokens"]
         assert gateway.queue.service.served("leaver") >= 2 * usage["completion_tokens"]
+        checked.set()  # the fake pod's handler ends, so its server stops at once
