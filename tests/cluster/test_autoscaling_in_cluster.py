@@ -335,10 +335,10 @@ def test_an_idle_autoscaled_service_costs_almost_no_status_writes(operator):
     time.sleep(10)  # the writes that come with turning Ready
     user = operator_user(cluster)
     before = status_writes(cluster, user, "idle")
-    time.sleep(40)  # 20 autoscaler ticks: one write each before the fix
+    time.sleep(20)  # 10 autoscaler ticks: one write each before the fix
     writes = status_writes(cluster, user, "idle") - before
     # The policy's memory is persisted about every 30 s; nothing else changes while idle.
-    assert writes <= 3, f"{writes} status writes in 40 s of an idle service"
+    assert writes <= 2, f"{writes} status writes in 20 s of an idle service"
 
 
 def test_after_an_api_server_restart_the_operator_acts_again_within_a_bounded_time(operator):
