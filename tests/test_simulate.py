@@ -382,6 +382,18 @@ def test_counts_that_must_be_positive_are_argparse_errors(flags, says, capsys):
     assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--prompt-tokens", "10-5"], "--prompt-tokens: token count must be N or A-B with 1 <= A <= B, got '10-5'"),
+    (["--output-tokens", "many"], "--output-tokens: token count must be N or A-B, got 'many'"),
+    (["--tenants", "a"], "--tenants: "),
+])
+def test_a_bad_length_or_tenant_share_is_the_parsers_own_message(flags, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        simulate.main(["--profile", "tiny", "--rate", "1rps for 5s", "--no-plot", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and "invalid" not in err, err
+
+
 @pytest.mark.parametrize("flags", [["--tick", "nan"], ["--tick", "inf"], ["--startup-delay", "nan"],
                                    ["--startup-delay", "inf"]])
 def test_a_tick_or_startup_delay_that_is_not_finite_is_refused(flags, capsys):
