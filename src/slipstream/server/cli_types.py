@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def parsed_by(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse ``type=``: the ValueError it raises becomes the flag's one-line
+    error with its own message (argparse alone says only "invalid <function name> value")."""
+    def checked(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return checked
 
 
 def _number(text: str, kind: type) -> int | float:
@@ -81,16 +94,10 @@ def fraction(text: str) -> float:
 def tenant_weights(text: str) -> dict[str, float]:
     """``NAME=WEIGHT,...`` (:func:`~slipstream.api_types.tenancy.parse_tenant_weights`)."""
     from slipstream.api_types.tenancy import parse_tenant_weights
-    try:
-        return parse_tenant_weights(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return parsed_by(parse_tenant_weights)(text)
 
 
 def tenant_token_limits(text: str) -> dict[str, int]:
     """``NAME=TOKENS_PER_MINUTE,...`` (:func:`~slipstream.api_types.tenancy.parse_tenant_token_limits`)."""
     from slipstream.api_types.tenancy import parse_tenant_token_limits
-    try:
-        return parse_tenant_token_limits(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return parsed_by(parse_tenant_token_limits)(text)

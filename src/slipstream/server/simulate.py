@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from slipstream.api_types.autoscaling import CRD_KEYS, POLICIES as SCALING_POLIC
 from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 
 from .cli import HelpFormatter
-from .cli_types import positive_int, tenant_weights
+from .cli_types import parsed_by, positive_int, tenant_weights
 from .gateway.routing.weights import add_weight_flags, weights_from_args
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.compare import best_fixed, compare_results, compare_rows, compare_table, ms, numbers, tenant_numbers
@@ -68,17 +67,6 @@ _SPEC_FLAGS = {
                                       "300 for queue)"),
     "tolerance": (float, "dead band around the count, in [0, 1) (tolerance; default 0.1 for queue, 0 for capacity)"),
 }
-
-
-def _flag(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse`` as an argparse type: its ValueError becomes the flag's one-line error (argparse
-    would otherwise say only "invalid parse_length value")."""
-    def parsed(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return parsed
 
 
 def parse_routing(text: str) -> list[str]:
@@ -112,10 +100,10 @@ def parser() -> argparse.ArgumentParser:
                       help="cut every output to at most N tokens (default: as the trace says)")
     load.add_argument("--no-cap", action="store_true",
                       help="stop on a request longer than the model's max_model_len instead of capping it")
-    load.add_argument("--prompt-tokens", type=_flag(parse_length), default="512", help="prompt length, N or A-B (uniform)")
-    load.add_argument("--output-tokens", type=_flag(parse_length), default="256", help="output length, N or A-B (uniform)")
+    load.add_argument("--prompt-tokens", type=parsed_by(parse_length), default="512", help="prompt length, N or A-B (uniform)")
+    load.add_argument("--output-tokens", type=parsed_by(parse_length), default="256", help="output length, N or A-B (uniform)")
     load.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths")
-    load.add_argument("--tenants", type=_flag(parse_tenant_shares), default=None, metavar="NAME=SHARE,...",
+    load.add_argument("--tenants", type=parsed_by(parse_tenant_shares), default=None, metavar="NAME=SHARE,...",
                       help="tenants and their shares of the arrivals, e.g. 'batch=9,chat=1' (each arrival's tenant "
                            "drawn with --seed); the summary gives each tenant's TTFT")
     load.add_argument("--workload", choices=["distinct", "prefix-groups"], default="distinct",

@@ -8,14 +8,7 @@ import math
 import os
 
 from .workload import parse_range
-from ..cli_types import positive_int
-
-
-def _range(text: str) -> tuple[int, int]:
-    try:
-        return parse_range(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from ..cli_types import parsed_by, positive_int
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +17,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload (random token-id prompts, heavy-tailed forced output lengths)")
     w.add_argument("--num-requests", type=positive_int, default=32, help="how many requests")
     w.add_argument("--workload-seed", type=int, default=0, help="the same seed draws the same workload")
-    w.add_argument("--prompt-len", type=_range, default=(32, 256), metavar="MIN-MAX",
+    w.add_argument("--prompt-len", type=parsed_by(parse_range), default=(32, 256), metavar="MIN-MAX",
                    help="prompt length in tokens, uniform in MIN-MAX, or one length (default: 32-256)")
     w.add_argument("--max-output", type=positive_int, default=512,
                    help="cap on the output lengths drawn from 16, 32, …, 512 tokens (EOS ignored)")
