@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from kquants import quantize as quantize_k  # noqa: E402
 
-from slipstream.kernels import ggml_cpu  # noqa: E402
+from slipstream.kernels import cpu_native, ggml_cpu  # noqa: E402
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
@@ -76,8 +76,10 @@ def main() -> int:
     total = int(args.stream_mib * 2**20)
     torch.set_num_threads(args.threads)
     w = (np.random.default_rng(0).standard_normal((args.n, args.k)) * 0.02).astype(np.float32)
-    print(f"weight [{args.n}, {args.k}], {args.threads} thread(s), {args.stream_mib:g} MiB of copies, "
-          f"best of {args.runs} passes, torch {torch.__version__}")
+    cpu_native.require()  # the path in use, for the header (SLIPSTREAM_CPU_ISA forces one)
+    print(f"{cpu_native.cpu_model()}, the {cpu_native.loaded_isa()} path; weight [{args.n}, {args.k}], "
+          f"{args.threads} thread(s), {args.stream_mib:g} MiB of copies, best of {args.runs} passes, "
+          f"torch {torch.__version__}")
     print("| type | bits/weight | rows | µs/product | weight GB/s | ÷ Q4_1 | ÷ fp32 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     dense = torch.from_numpy(w)
