@@ -153,28 +153,29 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
     const vf dsc_v = fp16x16(b) * (float)sc, dm_v = fp16x16(b + 2) * (float)m;
     const vf nibbles = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const __m512 t0 = (__m512)(nibbles * dsc_v - dm_v);
-    __m512i i0 = _mm512_cvtepu8_epi32((__m128i)q0), i1 = _mm512_cvtepu8_epi32((__m128i)q1);
-    if (shift) {
-        i0 = _mm512_srli_epi32(i0, 4);
-        i1 = _mm512_srli_epi32(i1, 4);
-    }
     if (type == Q4_K) {
+        __m512i i0 = _mm512_cvtepu8_epi32((__m128i)q0), i1 = _mm512_cvtepu8_epi32((__m128i)q1);
+        if (shift) {
+            i0 = _mm512_srli_epi32(i0, 4);
+            i1 = _mm512_srli_epi32(i1, 4);
+        }
         w[0] = (vf)_mm512_permutexvar_ps(i0, t0);
         w[1] = (vf)_mm512_permutexvar_ps(i1, t0);
         return;
     }
     const __m512 t1 = (__m512)((nibbles + 16) * dsc_v - dm_v);
+    /* index = the nibble, plus 16 where bit c of the weight's high byte is set: the nibble masked
+     * and the bit tested in bytes (vptestmb gives the 16 lanes' mask at once), then widened. */
     u8x16 h0, h1;
     memcpy(&h0, b + 16, 16);
     memcpy(&h1, b + 32, 16);
-    const __m512i fifteen = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1), cv = _mm512_set1_epi32(c);
-    /* index = the nibble | bit c of the weight's high byte as bit 4 */
-    const __m512i x0 = _mm512_or_si512(_mm512_and_si512(i0, fifteen), _mm512_slli_epi32(
-        _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32((__m128i)h0), cv), one), 4));
-    const __m512i x1 = _mm512_or_si512(_mm512_and_si512(i1, fifteen), _mm512_slli_epi32(
-        _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32((__m128i)h1), cv), one), 4));
-    w[0] = (vf)_mm512_permutex2var_ps(t0, x0, t1);
-    w[1] = (vf)_mm512_permutex2var_ps(t0, x1, t1);
+    const __m128i bit = _mm_set1_epi8((char)(1 << c)), fifteen = _mm_set1_epi8(15), sixteen = _mm_set1_epi8(16);
+    const __m128i n0 = _mm_and_si128(shift ? _mm_srli_epi16((__m128i)q0, 4) : (__m128i)q0, fifteen);
+    const __m128i n1 = _mm_and_si128(shift ? _mm_srli_epi16((__m128i)q1, 4) : (__m128i)q1, fifteen);
+    const __m128i x0 = _mm_mask_add_epi8(n0, _mm_test_epi8_mask((__m128i)h0, bit), n0, sixteen);
+    const __m128i x1 = _mm_mask_add_epi8(n1, _mm_test_epi8_mask((__m128i)h1, bit), n1, sixteen);
+    w[0] = (vf)_mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(x0), t1);
+    w[1] = (vf)_mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(x1), t1);
 #else
     const vf dsc = vsplat(fp16(b) * (float)sc), dm = vsplat(fp16(b + 2) * (float)m);
     q0 = (q0 >> shift) & 15;
