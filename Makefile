@@ -56,13 +56,14 @@ emulators:
 crds: $(STAMP)
 	$(PY) -m slipstream.api_types.crd
 
-# The whole suite, the tests on the real control plane included (CI runs this).
+# The whole suite, the tests on the real control plane included (CI runs this). -rfEs: the
+# summary lists failures, errors and each skip with its reason, so a skip in CI says why.
 test: install $(CLUSTER_STAMP) emulators
-	SLIPSTREAM_REQUIRE_CLUSTER=1 SLIPSTREAM_REQUIRE_EMULATORS=1 $(PY) -m pytest -q --durations=30 $(ARGS)
+	SLIPSTREAM_REQUIRE_CLUSTER=1 SLIPSTREAM_REQUIRE_EMULATORS=1 $(PY) -m pytest -q -rfEs --durations=30 $(ARGS)
 
 # The inner loop (a few minutes): unit, oracle subset, emulator; no control plane, nothing slow.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not cluster" $(ARGS)
+	$(PY) -m pytest -q -rfEs -m "not slow and not cluster" $(ARGS)
 
 # The local control plane built from source (Go 1.26+): etcd, kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl, helm, crane, registry and the LeaderWorkerSet
