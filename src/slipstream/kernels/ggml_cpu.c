@@ -108,6 +108,20 @@ static inline __attribute__((always_inline)) void dequant_block(int type, const 
 #endif
 }
 
+/* 16 bytes shifted as 8 lanes of 16 bits: the bits that cross a byte boundary are the caller's
+ * to mask. n is a constant at every call; a shift by 0 is the bytes as they are. */
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+static inline u8x16 shl16(u8x16 v, int n) { return (u8x16)((u16x8)v << n); }
+static inline u8x16 shr16(u8x16 v, int n) { return (u8x16)((u16x8)v >> n); }
+
+/* Q6_K: 16 weights as the bytes 4 (q - 32), from their low nibbles (bits lshift..lshift+3 of l)
+ * and high pairs (bits hshift, hshift+1 of h): the nibble in bits 2-5, the pair in 6-7 with its
+ * top bit flipped (^ 0x80 is - 4 * 32), so the byte is signed as q - 32 is. */
+static inline i8x16 q6_times4(u8x16 l, u8x16 h, int lshift, int hshift) {
+    const u8x16 nibble = (lshift ? shr16(l, 2) : shl16(l, 2)) & 0x3c;
+    return (i8x16)(((shl16(h, 6 - hshift) & 0xc0) | nibble) ^ 0x80);
+}
+
 /* Q4_K/Q5_K: sub-block c's 6-bit scale and min from the 12 packed bytes (ggml's get_scale_min_k4). */
 static inline void scale_min_k4(const uint8_t *s, int c, uint8_t *sc, uint8_t *m) {
     if (c < 4) {
@@ -123,16 +137,19 @@ static inline void scale_min_k4(const uint8_t *s, int c, uint8_t *sc, uint8_t *m
  * Scales are multiplied as the gguf package does: d * sc and dmin * m first, each rounded. */
 static inline __attribute__((always_inline)) void dequant_k_chunk(int type, const uint8_t *b, int c, vf *w) {
     if (type == Q6_K) {
+        /* Each weight as 4 (q - 32) in a byte (q6_times4): each field moved into place by one shift
+         * of 16-bit lanes (x86 has no byte shift; GCC built the old byte << 4 from four adds). The
+         * scale carries the 1/4, a power of two: (4a) * (s / 4) rounds as a * s, bit for bit. */
         const uint8_t *ql = b + 64 * (c / 4) + 32 * (c % 2), *qh = b + 128 + 32 * (c / 4);
         const int lshift = 4 * ((c / 2) % 2), hshift = 2 * (c % 4);
-        const float d = fp16(b + 208);
+        const float d = fp16(b + 208) * 0.25f;
         u8x16 l0, l1, h0, h1;
         memcpy(&l0, ql, 16);
         memcpy(&l1, ql + 16, 16);
         memcpy(&h0, qh, 16);
         memcpy(&h1, qh + 16, 16);
-        cvt_i8((i8x16)(((l0 >> lshift) & 15) | (((h0 >> hshift) & 3) << 4)) - 32, w);
-        cvt_i8((i8x16)(((l1 >> lshift) & 15) | (((h1 >> hshift) & 3) << 4)) - 32, w + NV);
+        cvt_i8(q6_times4(l0, h0, lshift, hshift), w);
+        cvt_i8(q6_times4(l1, h1, lshift, hshift), w + NV);
         const vf s0 = vsplat(d * (float)(int8_t)b[192 + 2 * c]), s1 = vsplat(d * (float)(int8_t)b[192 + 2 * c + 1]);
         for (int i = 0; i < NV; i++) {
             w[i] = w[i] * s0;
