@@ -197,12 +197,14 @@ static inline __attribute__((always_inline)) void dequant_k_chunk(int type, cons
     const vf dsc = vsplat(fp16(b) * (float)sc), dm = vsplat(fp16(b + 2) * (float)m);
     q0 = (q0 >> shift) & 15;
     q1 = (q1 >> shift) & 15;
-    if (type == Q5_K) { /* bit c of byte l is weight l's fifth bit */
+    if (type == Q5_K) {
+        /* bit c of byte l is weight l's fifth bit: 16 where it is set, by a byte compare (x86 has
+         * no byte shift; GCC built the old `((h >> c) & 1) << 4` from four adds) */
         u8x16 h0, h1;
         memcpy(&h0, b + 16, 16);
         memcpy(&h1, b + 32, 16);
-        q0 |= ((h0 >> c) & 1) << 4;
-        q1 |= ((h1 >> c) & 1) << 4;
+        q0 |= (u8x16)((h0 & (uint8_t)(1 << c)) != 0) & 16;
+        q1 |= (u8x16)((h1 & (uint8_t)(1 << c)) != 0) & 16;
     }
     cvt_u8(q0, w);
     cvt_u8(q1, w + NV);
