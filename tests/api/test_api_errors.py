@@ -3,6 +3,9 @@ and after each one the engine still serves the next request with every KV block 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
+import urllib.parse
 
 import pytest
 
@@ -119,6 +122,25 @@ def test_invalid_json_is_a_400(http, server):
 def test_body_over_the_size_limit_is_a_413(http, server):
     r = http.post("/v1/completions", json={"prompt": "x" * (100 << 10), "max_tokens": 1})
     assert_error(r, 413, code="request_too_large")
+    still_serves(http, server)
+
+
+def test_a_declared_body_over_the_limit_is_a_413_before_the_body_is_read(http, server):
+    """A Content-Length past the limit is refused at once: read first, a client declaring 1 TB and
+    sending 2 bytes would hold the connection open until it gave up."""
+    host, port = urllib.parse.urlsplit(server.url).netloc.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 999999999999\r\n\r\n{}")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)  # socket.timeout (a failure) if the server waits for the body
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert json.loads(body[body.index(b"{"):])["error"]["code"] == "request_too_large"
     still_serves(http, server)
 
 

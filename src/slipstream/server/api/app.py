@@ -11,6 +11,7 @@ from slipstream.server.api import kv_events, serving_chat, serving_completions, 
 from slipstream.server.api.errors import APIError, from_http_exception, served_routes
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
+from slipstream.server.request_size import refuse_declared_oversize
 
 logger = logging.getLogger("slipstream.server")
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -20,6 +21,7 @@ _OPEN_PATHS = ("/health", "/ready", "/metrics")
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     """Every failure becomes OpenAI's error body; never aiohttp's plain-text pages."""
     try:
+        refuse_declared_oversize(request)
         return await handler(request)
     except APIError as exc:
         error = exc

@@ -14,6 +14,8 @@ import signal
 import aiohttp
 from aiohttp import web
 
+from slipstream.server.request_size import refuse_declared_oversize
+
 from .config import GatewayConfig
 from .endpoints import EndpointSet
 from .endpointslices import EndpointSliceWatcher
@@ -95,6 +97,7 @@ class Gateway:
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     """The gateway's own failures (body too large, a bug) in OpenAI's error shape."""
     try:
+        refuse_declared_oversize(request)
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
