@@ -34,4 +34,6 @@ async def test_a_declared_body_past_the_limit_is_a_413_before_the_body_is_read()
         body = await asyncio.wait_for(reader.readexactly(length), 10)
         writer.close()
         assert head.startswith(b"HTTP/1.1 413"), head
-        assert json.loads(body)["error"]["code"] == "request_too_large"
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_too_large"
+        assert f"Content-Length 999999999999 exceeds the limit of {LIMIT} bytes" in error["message"]

@@ -14,4 +14,6 @@ def refuse_declared_oversize(request: web.Request) -> None:
     exceeds the app's ``client_max_size`` (bytes), before any of the body is read."""
     declared = request.content_length
     if declared is not None and declared > request.client_max_size:
-        raise web.HTTPRequestEntityTooLarge(max_size=request.client_max_size, actual_size=declared)
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=request.client_max_size, actual_size=declared,
+            text=f"Content-Length {declared} exceeds the limit of {request.client_max_size} bytes.")
