@@ -145,6 +145,18 @@ def test_a_declared_body_over_the_limit_is_a_413_before_the_body_is_read(http, s
     still_serves(http, server)
 
 
+@pytest.mark.parametrize("length, first", [(999_999_999_999, b"HTTP/1.1 413"), (2, b"HTTP/1.1 100 Continue")])
+def test_expect_100_continue_is_answered_only_within_the_limit(http, server, length, first):
+    """A client that asks before uploading is told 413 at once, not asked for the body first."""
+    host, port = urllib.parse.urlsplit(server.url).netloc.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % length)
+        reply = sock.recv(65536)
+    assert reply.startswith(first), reply[:300]
+    still_serves(http, server)
+
+
 def test_unknown_path_and_wrong_method_are_json(http, server):
     message = assert_error(http.get("/v1/nothing-here"), 404, code="not_found")["message"]
     served = {f"{r.method} {r.resource.canonical}" for r in server.app.router.routes() if r.method != "HEAD"}

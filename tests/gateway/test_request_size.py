@@ -37,3 +37,15 @@ async def test_a_declared_body_past_the_limit_is_a_413_before_the_body_is_read()
         error = json.loads(body)["error"]
         assert error["code"] == "request_too_large"
         assert f"Content-Length 999999999999 exceeds the limit of {LIMIT} bytes" in error["message"]
+
+
+async def test_expect_100_continue_past_the_limit_gets_the_413_instead():
+    async with running_gateway(max_request_bytes=LIMIT) as (url, _):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1))
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 413"), head

@@ -11,7 +11,7 @@ from slipstream.server.api import kv_events, serving_chat, serving_completions, 
 from slipstream.server.api.errors import APIError, from_http_exception, served_routes
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
-from slipstream.server.request_size import refuse_declared_oversize
+from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
 
 logger = logging.getLogger("slipstream.server")
 _OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -103,18 +103,22 @@ def build_app(options: ServerOptions, llm=None) -> web.Application:
     if llm is not None:
         state.attach(llm)
         state.ready = True
+
+    def post(path: str, handler) -> None:  # Expect: 100-continue only within the body limit
+        app.router.add_post(path, handler, expect_handler=continue_within_limit)
+
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_post("/v1/chat/completions", serving_chat.create_chat_completion)
-    app.router.add_post("/v1/completions", serving_completions.create_completion)
+    post("/v1/chat/completions", serving_chat.create_chat_completion)
+    post("/v1/completions", serving_completions.create_completion)
     responses = serving_responses.ResponsesAPI()
-    app.router.add_post("/v1/responses", responses.create)
+    post("/v1/responses", responses.create)
     app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
-    app.router.add_post("/tokenize", serving_tokenize.tokenize)
-    app.router.add_post("/detokenize", serving_tokenize.detokenize)
+    post("/tokenize", serving_tokenize.tokenize)
+    post("/detokenize", serving_tokenize.detokenize)
     app.router.add_get("/tokenizer_info", serving_tokenize.tokenizer_info)
     kv_events.add_routes(app)  # GET /v1/kv_events
     tokenizer_files.add_routes(app)  # GET /v1/tokenizer/files[/{name}]

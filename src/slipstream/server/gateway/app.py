@@ -14,7 +14,7 @@ import signal
 import aiohttp
 from aiohttp import web
 
-from slipstream.server.request_size import refuse_declared_oversize
+from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
 
 from .config import GatewayConfig
 from .endpoints import EndpointSet
@@ -150,7 +150,7 @@ def build_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    app.router.add_route("*", "/{tail:.*}", forward)
+    app.router.add_route("*", "/{tail:.*}", forward, expect_handler=continue_within_limit)
     return app
 
 
