@@ -125,13 +125,20 @@ def test_body_over_the_size_limit_is_a_413(http, server):
     still_serves(http, server)
 
 
+def raw_post(server, headers: bytes, body: bytes = b"") -> socket.socket:
+    """A connection that has sent POST /v1/completions with ``headers`` (CRLF-ended lines) and
+    ``body`` as they are, so a test can declare what it does not send; 10 s read timeout."""
+    host, port = urllib.parse.urlsplit(server.url).netloc.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + headers + b"\r\n" + body)
+    return sock
+
+
 def test_a_declared_body_over_the_limit_is_a_413_before_the_body_is_read(http, server):
     """A Content-Length past the limit is refused at once: read first, a client declaring 1 TB and
     sending 2 bytes would hold the connection open until it gave up."""
-    host, port = urllib.parse.urlsplit(server.url).netloc.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 999999999999\r\n\r\n{}")
+    with raw_post(server, b"Content-Length: 999999999999\r\n", b"{}") as sock:
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
             chunk = sock.recv(65536)  # socket.timeout (a failure) if the server waits for the body
@@ -148,10 +155,7 @@ def test_a_declared_body_over_the_limit_is_a_413_before_the_body_is_read(http, s
 @pytest.mark.parametrize("length, first", [(999_999_999_999, b"HTTP/1.1 413"), (2, b"HTTP/1.1 100 Continue")])
 def test_expect_100_continue_is_answered_only_within_the_limit(http, server, length, first):
     """A client that asks before uploading is told 413 at once, not asked for the body first."""
-    host, port = urllib.parse.urlsplit(server.url).netloc.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % length)
+    with raw_post(server, b"Expect: 100-continue\r\nContent-Length: %d\r\n" % length) as sock:
         reply = sock.recv(65536)
     assert reply.startswith(first), reply[:300]
     still_serves(http, server)

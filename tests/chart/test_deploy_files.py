@@ -2,8 +2,8 @@
 
 The images cannot be built here, so their Dockerfiles are read: non-root users, the built-in
 model inside the server images, the operator image carrying what the operator imports, build
-contexts that hold every COPY source. the shell scripts are linted (shellcheck, from the test extra) and its
-whole control flow is run against stand-in tools (tests/chart/fake_tools.sh).
+contexts that hold every COPY source. The shell scripts are linted (shellcheck, from the test
+extra), and e2e/run.sh's whole control flow is run against stand-in tools (tests/chart/fake_tools.sh).
 """
 from __future__ import annotations
 

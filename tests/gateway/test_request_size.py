@@ -13,6 +13,17 @@ from gateway_helpers import chat, running_gateway
 LIMIT = 4096
 
 
+async def raw_post(url: str, headers: bytes, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent POST /v1/chat/completions to the gateway at ``url`` with
+    ``headers`` (CRLF-ended lines) and ``body`` as they are."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + headers + b"\r\n" + body)
+    await writer.drain()
+    return reader, writer
+
+
 async def test_a_body_past_the_limit_is_a_413():
     async with running_gateway(max_request_bytes=LIMIT) as (url, _), aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/chat/completions", json=chat("x" * 2 * LIMIT)) as response:
@@ -22,11 +33,7 @@ async def test_a_body_past_the_limit_is_a_413():
 
 async def test_a_declared_body_past_the_limit_is_a_413_before_the_body_is_read():
     async with running_gateway(max_request_bytes=LIMIT) as (url, _):
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 999999999999\r\n\r\n{}")
-        await writer.drain()
+        reader, writer = await raw_post(url, b"Content-Length: 999999999999\r\n", b"{}")
         # Read first, the gateway would wait for the rest of the body: the wait_for would time out.
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
@@ -41,11 +48,7 @@ async def test_a_declared_body_past_the_limit_is_a_413_before_the_body_is_read()
 
 async def test_expect_100_continue_past_the_limit_gets_the_413_instead():
     async with running_gateway(max_request_bytes=LIMIT) as (url, _):
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1))
-        await writer.drain()
+        reader, writer = await raw_post(url, b"Expect: 100-continue\r\nContent-Length: %d\r\n" % (LIMIT + 1))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         writer.close()
         assert head.startswith(b"HTTP/1.1 413"), head
