@@ -129,6 +129,18 @@ def test_chunked_prefill_keeps_output_exact(make_llm, prompts, expected):
 
 
 @pytest.mark.slow
+def test_long_prefill_threshold_keeps_output_exact(make_llm, prompts, expected):
+    """The longest prompt first, at a threshold of 16: its chunks are cut at 16 tokens beside the
+    short prompts behind it, and at the budget once alone."""
+    order = [4, 6, 7, 5, 0, 1, 2, 3]  # the story, two prompts of 16 tokens or fewer, then longer ones
+    assert len(prompts[4]) > 256 and [len(prompts[i]) for i in (6, 7)] == [5, 11] and len(prompts[5]) > 16
+    llm = make_llm(max_num_batched_tokens=48, long_prefill_token_threshold=16, trace=True)
+    assert _tokens(llm.generate([prompts[i] for i in order], GREEDY)) == [expected[i] for i in order]
+    assert [p for _, p, _ in llm.engine.trace[0].scheduled] == [16, 5, 11]
+    assert all(rec.num_tokens <= 48 for rec in llm.engine.trace)
+
+
+@pytest.mark.slow
 def test_prefix_cache_hit_keeps_output_exact(make_llm, prompts, expected):
     llm = make_llm()
     assert _tokens(llm.generate(prompts[2], GREEDY)) == [expected[2]]  # warms the long system prompt

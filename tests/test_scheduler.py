@@ -311,3 +311,84 @@ def test_finish_sets_the_reason_once_and_an_engine_abort_goes_through_it(make_ll
     out = eng.abort("a", "gone")
     assert out.finished and out.error == "gone" and [c.finish_reason for c in out.outputs] == ["abort", "abort"]
     assert eng.abort("a") is None and not eng.has_unfinished()
+
+
+# --- the long-prefill threshold (vLLM's long_prefill_token_threshold) ------------------------------
+
+
+def capped_scheduler(threshold, budget=64, num_blocks=80):
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
+    return Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, eos_token_ids=[EOS],
+                     long_prefill_token_threshold=threshold)
+
+
+def queue_as(sched, rid, prompt, max_tokens=4) -> Request:
+    req = Request(rid, rid, 0, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                  RequestMetrics(0.0))
+    sched.add(req)
+    return req
+
+
+def step_all(sched, token=7) -> list[tuple[Request, int]]:
+    """Schedule and apply one step; the step's (request, tokens) pairs."""
+    batch = sched.schedule()
+    assert sum(batch.num_new_tokens) <= sched.max_num_batched_tokens
+    sched.update_from_output(batch, {batch.requests[i]: token for i in batch.sample_indices()})
+    return list(zip(batch.requests, batch.num_new_tokens))
+
+
+@pytest.mark.parametrize("threshold", [0, 16])
+def test_a_short_prompt_behind_a_long_prefill_waits_for_it_only_without_a_threshold(threshold):
+    """A 240-token prompt at a budget of 64 takes 4 steps. A 10-token one arriving after the first
+    of them gets its first token with the long one's, 3 steps later, unless the long chunks are
+    capped: then in the next step, beside 16 of the long prompt's tokens; while the short one
+    decodes (3 more steps) the long one takes 16 a step, and the whole budget again once alone."""
+    sched = capped_scheduler(threshold)
+    long = queue_as(sched, "long", range(100, 340))
+    assert step_all(sched) == [(long, 64)]  # alone: the whole budget, capped or not
+    short = queue_as(sched, "short", range(10, 20))
+    first_token, steps = {}, []
+    for n in range(1, 10):
+        steps.append([(r.request_id, k) for r, k in step_all(sched)])
+        first_token.update({r.request_id: n for r in (long, short) if r.num_output_tokens and r.request_id not in first_token})
+    assert first_token == ({"long": 6, "short": 1} if threshold else {"long": 3, "short": 3})
+    if threshold:
+        assert steps[:6] == [[("long", 16), ("short", 10)]] + [[("long", 16), ("short", 1)]] * 3 + \
+            [[("long", 64)], [("long", 48)]]
+
+
+def test_one_long_prefill_at_a_time_and_the_queue_keeps_its_order():
+    """Threshold 8, budget 32: beside a decode, the first long prompt takes 8 tokens a step; the
+    second long prompt waits (and the short one behind it with it) until the first has 8 tokens or
+    fewer left, then both start beside it."""
+    sched = capped_scheduler(8, budget=32)
+    decoding = queue_as(sched, "decoding", [1, 2, 3], max_tokens=50)
+    step_all(sched)
+    a, b, c = (queue_as(sched, "a", range(100, 200)), queue_as(sched, "b", range(200, 300)),
+               queue_as(sched, "c", range(300, 305)))
+    for _ in range(12):
+        assert step_all(sched) == [(decoding, 1), (a, 8)]
+    assert step_all(sched) == [(decoding, 1), (a, 4), (b, 8), (c, 5)]
+    assert a.num_output_tokens == c.num_output_tokens == 1
+
+
+def test_a_capped_chunk_alone_grows_only_where_free_blocks_allow_and_loses_none():
+    sched = capped_scheduler(8, budget=64, num_blocks=10)
+    long = queue_as(sched, "long", range(100, 160))  # 15 blocks: only its 8-token chunk fits
+    assert step_all(sched) == [(long, 8)]
+    assert len(long.block_table) == 2
+    sched.finish(long, FinishReason.ABORT)
+    assert len(sched.kv.free) == 10
+
+
+def test_the_threshold_reaches_the_engine_from_the_command_line_and_is_checked(capsys):
+    from slipstream.server.cli import engine_config, serve_parser
+    from slipstream.server.engine.config import EngineConfig
+    assert engine_config(serve_parser().parse_args([])).long_prefill_token_threshold == 0
+    config = engine_config(serve_parser().parse_args(["--long-prefill-token-threshold", "256"]))
+    assert config.long_prefill_token_threshold == 256
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--long-prefill-token-threshold", "-1"])
+    assert "--long-prefill-token-threshold" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
+        EngineConfig(long_prefill_token_threshold=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,30 @@ def test_a_full_replica_queues_and_a_small_kv_cache_preempts():
     assert replica.scheduler.num_preemptions > 0  # 2 × 100 tokens > 12 blocks × 16
     with pytest.raises(ValueError, match="does not fit"):
         replica.add(SimRequest(0.0, 4000, 4000), 0.0)
+
+
+def test_a_replica_with_a_long_prefill_threshold_answers_a_short_prompt_beside_a_long_one():
+    """The same two arrivals on the H100 profile at a budget of 2,048: a 7,000-token prompt and,
+    10 ms later (during its first step), a 50-token one. Capped at 512 tokens a step beside it,
+    the short prompt's first token comes in the next step instead of after the long prefill's
+    four; the flag reaches the replicas' scheduler."""
+    args = simulate.parser().parse_args(["--long-prefill-token-threshold", "512", "--max-num-batched-tokens", "2048"])
+    first_tokens = {}
+    for threshold in (0, 512):
+        config = replace(simulate.replica_config(args), long_prefill_token_threshold=threshold)
+        replica = VirtualReplica("pod-0", H100, config, created=0.0, ready_at=0.0)
+        assert replica.scheduler.long_prefill_token_threshold == threshold
+        long, short = SimRequest(0.0, 7000, 4), SimRequest(0.01, 50, 4)
+        replica.add(long, 0.0)
+        replica.advance(0.01)
+        replica.add(short, 0.01)
+        replica.advance(100.0)
+        first_tokens[threshold] = (long.first_token, short.first_token)
+    assert simulate.replica_config(args).long_prefill_token_threshold == 512
+    (long_0, short_0), (long_512, short_512) = first_tokens[0], first_tokens[512]
+    assert short_0 == long_0  # it waited for the whole prefill, admitted beside its last chunk
+    assert short_512 < long_512 and short_512 - 0.01 < (short_0 - 0.01) / 2
+    assert long_512 > long_0  # the long prompt pays: 512 a step beside the short one's decodes
 
 
 # --- the cluster with the policy in the loop -----------------------------------------------------

@@ -133,6 +133,7 @@ ENGINE_PROBES = [("engine", "gpuMemoryUtilization", v) for v in PROBES + (1e-9, 
     ("engine", "enforceEager", v) for v in (True, False, 0, 1, "true", None)] + [
     ("engine", "quantization", v) for v in ("auto", "none", "int4", 4, None)] + [
     ("engine", "maxWaiting", v) for v in (-1, 0, 1, 512, 1.5, True, "8", None)] + [
+    ("engine", "longPrefillTokenThreshold", v) for v in (-1, 0, 1, 256, 1.5, True, "8", None)] + [
     ("engine", "kvCacheMemory", v) for v in ("512Mi", 2 ** 20, "lots", None)] + [
     ("resources", "gpus", v) for v in (-1, 0, 1, 2, 8, 1.5, True, "1")]
 

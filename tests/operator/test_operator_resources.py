@@ -40,6 +40,7 @@ SPECS = {
                      "engine": {"gpuMemoryUtilization": 0.85, "enforceEager": True}},
     "dequantized": {"engine": {"quantization": "none"}},
     "deep-queue": {"engine": {"maxWaiting": 1024}},
+    "long-prefill-cap": {"engine": {"maxNumBatchedTokens": 2048, "longPrefillTokenThreshold": 256}},
     "pvc": {"model": {"source": "pvc", "claimName": "weights", "path": "llama/1b"}},
     "image": {"model": {"source": "image", "path": "/models/m.gguf", "servedModelName": "m"}},
     "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 9}},
@@ -125,6 +126,14 @@ def test_gpu_memory_utilization_and_enforce_eager_are_passed_only_when_set():
     assert container(render_deployment(isvc(resources=gpu, engine={
         "gpuMemoryUtilization": 1, "enforceEager": False})))["args"] == \
         COMMON_ARGS + ["--gpu-memory-utilization", "1"]
+
+
+def test_long_prefill_token_threshold_is_passed_only_when_set_and_checked():
+    assert "--long-prefill-token-threshold" not in container(render_deployment(isvc()))["args"]
+    assert container(render_deployment(isvc(engine={"longPrefillTokenThreshold": 256})))["args"] == \
+        COMMON_ARGS + ["--long-prefill-token-threshold", "256"]
+    with pytest.raises(SpecError, match="longPrefillTokenThreshold must be an integer ≥ 1"):
+        parse_spec(isvc(engine={"longPrefillTokenThreshold": 0})["spec"], name="x")
 
 
 def test_max_waiting_is_passed_only_when_set_and_checked():
@@ -316,6 +325,7 @@ def test_server_accepts_the_rendered_arguments(body):
     assert args.enforce_eager is spec.engine.enforce_eager
     assert args.quantization == (spec.engine.quantization or "auto")
     assert args.max_waiting == (128 if spec.engine.max_waiting is None else spec.engine.max_waiting)
+    assert args.long_prefill_token_threshold == (spec.engine.long_prefill_token_threshold or 0)
 
 
 def test_sim_source_runs_the_server_with_a_simulated_model():

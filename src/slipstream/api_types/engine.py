@@ -15,6 +15,8 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 32
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# 0: a prefill chunk is capped by the step's token budget only (vLLM's default too).
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 0
 # The fraction of a GPU's memory the engine may use when none is given.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 QUANTIZATIONS = ("auto", "none")
@@ -78,6 +80,13 @@ class EngineSpec(SpecModel):
         description="auto (the server's default): on CPU pods, serve a GGUF's Q4_0/Q4_1/Q8_0 weights "
                     "as stored (about a sixth of fp32's bytes per decode step); none: dequantize "
                     "every weight.")
+    long_prefill_token_threshold: int | None = spec_field(
+        None, ge=1,
+        description="Most prompt tokens one request computes in a step it shares with others "
+                    "(vLLM's long_prefill_token_threshold), so short prompts arriving behind a long "
+                    "one get their first token without waiting out its prefill; alone in a step it "
+                    "takes the whole budget, and one long prompt is prefilled at a time. Unset: "
+                    "chunks are capped by maxNumBatchedTokens only.")
     max_waiting: int | None = spec_field(
         None, ge=0,
         description="Most requests one pod queues beyond its running batch; more get 429 with "

@@ -172,6 +172,8 @@ def server_args(spec: InferenceServiceSpec, name: str,
         args += ["--quantization", engine.quantization]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.long_prefill_token_threshold is not None:
+        args += ["--long-prefill-token-threshold", str(engine.long_prefill_token_threshold)]
     if engine.max_waiting is not None:
         args += ["--max-waiting", str(engine.max_waiting)]
     if spec.fairness.policy != DEFAULT_SCHEDULING_POLICY:  # the same default on both sides

@@ -106,6 +106,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="most sequences running in one batch")
     e.add_argument("--max-num-batched-tokens", type=positive_int, default=d["max_num_batched_tokens"],
                    help="token budget of one step: decode tokens plus prefill-chunk tokens")
+    e.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=d["long_prefill_token_threshold"],
+                   metavar="N", help="most prompt tokens one request computes in a step it shares with others, so "
+                                     "short prompts arriving behind a long one get their first token without waiting "
+                                     "out its prefill; alone in a step it takes the whole budget, and one long prompt "
+                                     "is prefilled at a time (default 0: chunks capped by --max-num-batched-tokens only)")
     e.add_argument("--kv-cache-memory-bytes", type=byte_size, default=d["kv_cache_memory_bytes"],
                    help="memory of the KV block pool (e.g. 512MiB, 2GiB); sets the number of blocks (default: on CUDA "
                         "what --gpu-memory-utilization leaves after weights, activations and CUDA graphs; 1GiB on CPU)")

@@ -37,7 +37,7 @@ from slipstream.api_types.autoscaling import CRD_KEYS, POLICIES as SCALING_POLIC
 from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 
 from .cli import HelpFormatter
-from .cli_types import parsed_by, positive_int, tenant_weights
+from .cli_types import non_negative_int, parsed_by, positive_int, tenant_weights
 from .gateway.routing.weights import add_weight_flags, weights_from_args
 from .sim.cluster import Cluster, ReplicaConfig, SimResult
 from .sim.compare import best_fixed, compare_results, compare_rows, compare_table, ms, numbers, tenant_numbers
@@ -123,6 +123,9 @@ def parser() -> argparse.ArgumentParser:
     pod.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES), help="cost-model profile")
     pod.add_argument("--max-num-seqs", type=positive_int, help="per replica (default: the profile's)")
     pod.add_argument("--max-num-batched-tokens", type=positive_int, help="per replica (default: the profile's)")
+    pod.add_argument("--long-prefill-token-threshold", type=non_negative_int, metavar="N",
+                     help="per replica: most prompt tokens one request computes in a step it shares with others "
+                          "(slipstream serve's; default 0, no cap)")
     pod.add_argument("--kv-cache-memory-bytes", type=int, help="per replica (default: the profile's memory "
                                                                  "× 0.9 − weights)")
     pod.add_argument("--startup-delay", type=float, default=60.0,
@@ -238,7 +241,8 @@ def replica_config(args: argparse.Namespace) -> ReplicaConfig:
                                        max_num_batched_tokens=args.max_num_batched_tokens,
                                        kv_cache_bytes=args.kv_cache_memory_bytes,
                                        scheduling_policy=getattr(args, "scheduling_policy", None),
-                                       tenant_weights=getattr(args, "tenant_weights", None))
+                                       tenant_weights=getattr(args, "tenant_weights", None),
+                                       long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None))
     return replace(config, prefix_caching=False) if args.no_prefix_caching else config
 
 

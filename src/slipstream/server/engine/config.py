@@ -7,8 +7,8 @@ import torch
 
 # The settings the operator's spec.engine shares with the engine: one home for their defaults.
 from slipstream.api_types.engine import (CPU_KV_CACHE_BYTES, DEFAULT_BLOCK_SIZE,  # noqa: F401
-                                         DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                         DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, check_gpu_memory_utilization)
+                                         DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+                                         DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, check_gpu_memory_utilization)
 from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES, check_tenant_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,6 +23,10 @@ class EngineConfig:
     block_size: tokens per KV-cache block (PagedAttention, Kwon et al. SOSP '23, §4.1).
     max_num_seqs: most requests running at once (the batch's rows).
     max_num_batched_tokens: token budget of one step: decode tokens plus prefill chunk tokens.
+    long_prefill_token_threshold: most tokens one request computes in a step it shares with
+        others (vLLM's ``long_prefill_token_threshold``); alone in a step it takes the whole
+        budget, and one such long prefill runs at a time (:mod:`~.scheduler`). 0 (the default):
+        only ``max_num_batched_tokens`` caps a chunk.
     kv_cache_memory_bytes: bytes given to the KV block pool; it sets ``num_blocks``. None (the
         default): on CUDA, what ``gpu_memory_utilization`` leaves after weights, peak activations
         and CUDA-graph pools (see :mod:`~slipstream.server.engine.memory`); elsewhere
@@ -62,6 +66,7 @@ class EngineConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     kv_cache_memory_bytes: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -98,6 +103,9 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {threshold!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -110,7 +110,8 @@ class LLMEngine:
         waiting = WaitingQueue(config.scheduling_policy, config.tenant_weights,
                                cached_blocks=self.kv.cached_prefix_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   cfg.eos_token_ids, self.max_model_len, waiting)
+                                   cfg.eos_token_ids, self.max_model_len, waiting,
+                                   config.long_prefill_token_threshold)
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)

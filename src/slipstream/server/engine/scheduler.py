@@ -7,7 +7,15 @@ seat limit and free blocks allow. When a running request needs a block and none 
 policy's last running request (fcfs: the newest) is preempted: its blocks are freed and it waits
 ahead of later arrivals to be recomputed (vLLM's recompute preemption, Kwon et al. SOSP '23, §4.5). If nothing runs and the head of the queue still does not
 fit, or the last running request had to preempt itself, waiting requests give back the blocks
-they hold, so the queue always moves. Finished
+they hold, so the queue always moves. With a long-prefill threshold (vLLM's
+``long_prefill_token_threshold``), a request's chunk is capped at it whenever the step carries
+other requests, so short prompts arriving behind a long one are admitted in the next step, and
+every step beside it stays short, instead of waiting out its whole prefill (head-of-line
+blocking); a capped chunk alone in its step takes the whole budget, as without a cap. One long
+prefill runs at a time (vLLM V0's ``max_long_partial_prefills`` of 1): a waiting request with more
+than the threshold to compute waits while another is in progress, and the queue behind it keeps
+its order, so under a backlog long prompts are prefilled one after another instead of sharing
+the budget and all finishing late. Finished
 requests leave at once, so a freed seat is filled on the very next step. Before a request's
 blocks are allocated, those behind every layer's sliding window are released
 (:meth:`KVCacheManager.free_out_of_window`).
@@ -64,16 +72,19 @@ class Scheduler:
         max_model_len: most tokens (prompt + output) a request may hold; None: only ``max_tokens`` caps it.
         waiting: the waiting queue and its policy (:class:`~.fairness.WaitingQueue`); None: ``fair``
             with equal tenant weights, preferring cached prefixes within a tenant.
+        long_prefill_token_threshold: most tokens of one request in a step that others share;
+            0: only the budget caps a chunk.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
-                 waiting: WaitingQueue | None = None):
+                 waiting: WaitingQueue | None = None, long_prefill_token_threshold: int = 0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting = waiting if waiting is not None else WaitingQueue(cached_blocks=kv.cached_prefix_blocks)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -103,7 +114,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if vacated is not None and n > 1:
                 i += 1
                 continue
@@ -126,11 +137,16 @@ class Scheduler:
                 # possibly past a sliding window its parent cannot find again) are all that is left.
                 self._release_waiting()
             return out  # blocks are short: admitting now would only preempt again
+        long_prefill = any(self._is_long(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req, seated = seated or self.waiting.head(), None
+            req, was_seated, seated = seated or self.waiting.head(), seated is not None, None
+            if self._is_long(req):
+                if long_prefill and not was_seated:
+                    break  # one long prefill at a time; the queue keeps its order behind it
+                long_prefill = True
             fresh = not req.block_table  # a forked choice arrives holding its parent's blocks
             hit = self.kv.match_prefix(req) if fresh else 0
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             self.kv.free_out_of_window(req)
             if not self.kv.allocate(req, n):
                 if fresh:
@@ -147,7 +163,29 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
+        self._uncap_if_alone(out, budget)
         return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens ``req`` computes this step: what it has left, within ``budget`` and the
+        long-prefill threshold (:meth:`_uncap_if_alone` lifts the threshold afterwards)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        threshold = self.long_prefill_token_threshold
+        return min(n, threshold) if threshold > 0 else n
+
+    def _is_long(self, req: Request) -> bool:
+        """Whether ``req`` has more tokens to compute than the long-prefill threshold (0: none has)."""
+        return 0 < self.long_prefill_token_threshold < req.num_tokens - req.num_computed_tokens
+
+    def _uncap_if_alone(self, out: SchedulerOutput, budget: int) -> None:
+        """A capped chunk alone in its step takes the rest of the ``budget`` too, as far as free
+        blocks allow: the cap is there to make room for others, and none share this step."""
+        if self.long_prefill_token_threshold <= 0 or len(out.requests) != 1:
+            return
+        req, n = out.requests[0], out.num_new_tokens[0]
+        more = min(req.num_tokens - req.num_computed_tokens - n, budget)
+        if more > 0 and self.kv.allocate(req, n + more):
+            out.num_new_tokens[0] = n + more
 
     def update_from_output(self, batch: SchedulerOutput, sampled: Mapping[Request, int],
                            text_stop: TextStop | None = None) -> list[Request]:

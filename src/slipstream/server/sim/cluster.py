@@ -75,6 +75,7 @@ class ReplicaConfig:
     prefix_caching: bool = True
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     tenant_weights: Mapping[str, float] | None = None
+    long_prefill_token_threshold: int = 0
 
     @classmethod
     def for_profile(cls, profile: Profile, **overrides) -> ReplicaConfig:
@@ -160,7 +161,8 @@ class VirtualReplica:
         waiting = WaitingQueue(config.scheduling_policy, config.tenant_weights,
                                cached_blocks=self.kv.cached_prefix_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_model_len=profile.model.max_model_len, waiting=waiting)
+                                   max_model_len=profile.model.max_model_len, waiting=waiting,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold)
         self.time = created
         self.created = created
         self.ready_at = ready_at
