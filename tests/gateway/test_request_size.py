@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 
@@ -24,11 +25,13 @@ async def raw_post(url: str, headers: bytes, body: bytes = b"") -> tuple[asyncio
     return reader, writer
 
 
-async def test_a_body_past_the_limit_is_a_413():
+async def test_a_body_past_the_limit_is_a_413_and_logged(caplog):
+    caplog.set_level(logging.INFO, logger="slipstream.gateway")
     async with running_gateway(max_request_bytes=LIMIT) as (url, _), aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/chat/completions", json=chat("x" * 2 * LIMIT)) as response:
             assert response.status == 413
             assert (await response.json())["error"]["code"] == "request_too_large"
+    assert any(r.getMessage().startswith("POST /v1/chat/completions -> 413 ") for r in caplog.records)
 
 
 async def test_a_declared_body_past_the_limit_is_a_413_before_the_body_is_read():

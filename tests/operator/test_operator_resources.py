@@ -201,7 +201,7 @@ def test_the_gpu_example_profiles_the_gpu_with_one_gpu_and_dev_shm():
         "serve", "--model", "/mnt/models/llama-3.2-1b-instruct", "--host", "0.0.0.0",
         "--port", "8000", "--served-model-name", "llama-3.2-1b-instruct", "--max-num-seqs", "128",
         "--max-num-batched-tokens", "4096", "--block-size", "16", "--shutdown-timeout", "60",
-        "--gpu-memory-utilization", "0.9", "--max-model-len", "8192"]
+        "--gpu-memory-utilization", "0.9", "--max-model-len", "8192", "--long-prefill-token-threshold", "1024"]
     assert pod["volumes"] == [
         {"name": "model", "persistentVolumeClaim": {"claimName": "model-weights",
                                                     "readOnly": True}},

@@ -49,8 +49,11 @@ _HTTP_LOGGERS = ("httpx", "httpx2", "botocore", "urllib3")
 
 def configure_logging(level: str) -> None:
     """The commands' log format at ``level`` (a logging level name); HTTP clients' per-request
-    lines only at DEBUG."""
+    lines only at DEBUG; a request aiohttp's parser refuses in one line, without a traceback
+    (:mod:`~slipstream.server.parse_errors`)."""
+    from .parse_errors import log_parse_errors_as_one_line
     logging.basicConfig(level=level, format=LOG_FORMAT)
+    log_parse_errors_as_one_line()
     if level != "DEBUG":
         for name in _HTTP_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)

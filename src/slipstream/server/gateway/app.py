@@ -104,6 +104,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         code = {413: "request_too_large"}.get(exc.status)
         request_id = request.headers.get(REQUEST_ID)
+        log.info("%s %s -> %d %s", request.method, request.path, exc.status, exc.text or exc.reason)
         return error_response(exc.status, exc.text or exc.reason, code=code,
                               headers={REQUEST_ID: request_id} if request_id else None)
     except (ConnectionError, asyncio.CancelledError):  # the client went away: nobody to answer
