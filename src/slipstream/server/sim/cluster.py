@@ -34,6 +34,7 @@ from typing import Iterable, Mapping
 
 from slipstream.api_types.load import GatewayLoad, PodLoad
 from slipstream.api_types.autoscaling import AutoscalingSpec
+from slipstream.api_types.engine import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 from slipstream.api_types.tenancy import DEFAULT_SCHEDULING_POLICY, DEFAULT_TENANT
 from slipstream.operator.autoscaler import Decision
 from slipstream.operator.fleet import Fleet
@@ -66,7 +67,7 @@ def _params(output_tokens: int) -> SamplingParams:
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     """Engine settings of every replica (token counts; bytes for the KV cache; the engine's
-    scheduling policy and tenant weights)."""
+    scheduling policy and tenant weights; its long-prefill threshold, 0 for none)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -75,7 +76,7 @@ class ReplicaConfig:
     prefix_caching: bool = True
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY
     tenant_weights: Mapping[str, float] | None = None
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 
     @classmethod
     def for_profile(cls, profile: Profile, **overrides) -> ReplicaConfig:
