@@ -392,3 +392,30 @@ def test_the_threshold_reaches_the_engine_from_the_command_line_and_is_checked(c
     assert "--long-prefill-token-threshold" in capsys.readouterr().err
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be an integer >= 0"):
         EngineConfig(long_prefill_token_threshold=-1)
+
+
+def test_a_long_prompt_mostly_in_the_prefix_cache_is_not_held_back_as_long():
+    """What is left to compute decides: a 100-token prompt whose first 96 tokens are cached has
+    4 to go, so it starts beside a long prefill in progress instead of waiting for it."""
+    sched = capped_scheduler(8, budget=32)
+    warm = queue_as(sched, "warm", range(100, 200), max_tokens=1)
+    while not warm.finished:
+        step_all(sched)
+    long = queue_as(sched, "long", range(300, 400))
+    step_all(sched)  # alone: 32 of its 100
+    again = queue_as(sched, "again", range(100, 200))
+    assert step_all(sched) == [(long, 8), (again, 4)]
+    assert again.num_cached_tokens == 96
+    assert sched.kv.num_free_blocks + sum(len(r.block_table) for r in (long, again)) == sched.kv.num_blocks
+
+
+def test_a_long_prompt_held_back_pins_none_of_its_cached_blocks():
+    sched = capped_scheduler(8, budget=32)
+    warm = queue_as(sched, "warm", range(100, 140), max_tokens=1)
+    while not warm.finished:
+        step_all(sched)
+    long = queue_as(sched, "long", range(300, 400))
+    step_all(sched)
+    held = queue_as(sched, "held", list(range(100, 140)) + list(range(500, 560)))  # 40 cached, 60 to go
+    assert step_all(sched) == [(long, 32)]  # alone: the held one is not beside it
+    assert (held.block_table, held.num_computed_tokens) == ([], 0)

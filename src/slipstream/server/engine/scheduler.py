@@ -140,12 +140,13 @@ class Scheduler:
         long_prefill = any(self._is_long(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req, was_seated, seated = seated or self.waiting.head(), seated is not None, None
-            if self._is_long(req):
-                if long_prefill and not was_seated:
-                    break  # one long prefill at a time; the queue keeps its order behind it
-                long_prefill = True
             fresh = not req.block_table  # a forked choice arrives holding its parent's blocks
             hit = self.kv.match_prefix(req) if fresh else 0
+            long = self._is_long(req)  # what is left after the prefix cache's hit
+            if long and long_prefill and not was_seated:
+                if fresh:
+                    self.kv.free_request(req)
+                break  # one long prefill at a time; the queue keeps its order behind it
             n = self._chunk(req, budget)
             self.kv.free_out_of_window(req)
             if not self.kv.allocate(req, n):
@@ -158,6 +159,7 @@ class Scheduler:
                 self.kv.prefix_queries += req.num_tokens
                 self.kv.prefix_hits += hit
             self.waiting.pop(req)
+            long_prefill |= long
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.requests.append(req)
