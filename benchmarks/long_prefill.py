@@ -3,9 +3,11 @@
 
 One server at a time on 127.0.0.1 (the built-in model on CPU unless ``--model`` says otherwise,
 ``--max-num-batched-tokens`` 512, the default). Per threshold: a short chat alone (its TTFT is
-the floor), then a completion of ``--long-tokens`` random token ids (``max_tokens`` 1), and while
+the floor), then a completion of ``--long-tokens`` random token ids (``max_tokens`` 1), sent while ``--decoders``
+streams are decoding (completions that ignore EOS, started ``--gap`` s before it), and while
 its prefill runs, ``--shorts`` streamed chats, one every ``--gap`` seconds from ``--gap`` after it
-was sent. Reported per threshold: the chats' TTFT (p50 and max, and ÷ the chat alone), the long
+was sent. Reported per threshold: the chats' TTFT (p50 and max, and ÷ the chat alone), the
+decoding streams' inter-token latency before the long prompt and while it runs, the long
 prompt's TTFT (÷ the same round's run without a threshold), the wall time until the last answer ended, and
 every chat's tokens against the run without a threshold (greedy: the cap moves where chunks are
 cut, never what is computed).
@@ -53,6 +55,25 @@ async def chat(session: aiohttp.ClientSession, url: str, question: str, max_toke
     return {"ttft_s": first - start, "text": "".join(text), "ended": time.monotonic()}
 
 
+async def decoder(session: aiohttp.ClientSession, url: str, seed: int, times: list[float],
+                  started: asyncio.Event) -> None:
+    """A stream already decoding when the long prompt arrives: a completion that ignores EOS,
+    appending each token's arrival time to ``times`` until it is cancelled."""
+    body = {"model": MODEL, "prompt": f"Story {seed}: once upon a time", "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    async with session.post(url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                times.append(time.monotonic())
+                started.set()
+
+
+def gaps_within(times: list[float], start: float, end: float) -> list[float]:
+    """Inter-token gaps (s) of one stream whose later token arrived within [start, end]."""
+    return [b - a for a, b in zip(times, times[1:]) if start <= b <= end]
+
+
 async def long_prompt(session: aiohttp.ClientSession, url: str, tokens: list[int]) -> dict:
     body = {"model": MODEL, "prompt": tokens, "max_tokens": 1, "temperature": 0}
     start = time.monotonic()
@@ -76,6 +97,12 @@ async def scenario(args: argparse.Namespace, threshold: int, tokens: list[int]) 
                 MODEL = (await r.json())["data"][0]["id"]
             await chat(session, url, QUESTIONS[0], args.max_tokens)  # warm-up
             alone = [(await chat(session, url, q, args.max_tokens))["ttft_s"] for q in QUESTIONS[:3]]
+            streams = [[] for _ in range(args.decoders)]
+            events = [asyncio.Event() for _ in streams]
+            decoders = [asyncio.create_task(decoder(session, url, i, t, e))
+                        for i, (t, e) in enumerate(zip(streams, events))]
+            await asyncio.gather(*(e.wait() for e in events))
+            await asyncio.sleep(args.gap)  # their steady ITL, alone
             began = time.monotonic()
             long_task = asyncio.create_task(long_prompt(session, url, tokens))
             chats = []
@@ -84,24 +111,39 @@ async def scenario(args: argparse.Namespace, threshold: int, tokens: list[int]) 
                 chats.append(asyncio.create_task(chat(session, url, QUESTIONS[i % len(QUESTIONS)], args.max_tokens)))
             long = await long_task
             done = await asyncio.gather(*chats)
+            for task in decoders:
+                task.cancel()
+            await asyncio.gather(*decoders, return_exceptions=True)
     finally:
         stop([proc])
     ttfts = [c["ttft_s"] for c in done]
+    before = [g for t in streams for g in gaps_within(t, 0, began)]
+    during = sorted(g for t in streams for g in gaps_within(t, began, long["ended"]))
     return {"threshold": threshold, "alone_ttft_s": statistics.median(alone),
             "chat_ttft_s": ttfts, "chat_ttft_p50_s": statistics.median(ttfts), "chat_ttft_max_s": max(ttfts),
+            "itl_alone_p50_s": statistics.median(before) if before else None,
+            "itl_during_p50_s": statistics.median(during) if during else None,
+            "itl_during_max_s": during[-1] if during else None,
             "long_ttft_s": long["ttft_s"], "wall_s": max([long["ended"]] + [c["ended"] for c in done]) - began,
             "texts": [c["text"] for c in done]}
 
 
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
 def table(results: list[dict], per_round: int) -> str:
     lines = ["| round | threshold | chat alone TTFT (s) | chats' TTFT p50 (s) | max (s) | p50 ÷ alone | long prompt's TTFT (s) "
-             "| ÷ no threshold | wall until the last answer (s) | chats' text = no threshold's |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ÷ no threshold | streams' ITL alone p50 (ms) | beside it p50 (ms) | max (ms) "
+             "| wall until the last answer (s) | chats' text = no threshold's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(results):
         base = results[i - i % per_round]
         lines.append(f"| {i // per_round + 1} | {r['threshold'] or 'none'} | {r['alone_ttft_s']:.3f} | {r['chat_ttft_p50_s']:.2f} "
                      f"| {r['chat_ttft_max_s']:.2f} | {r['chat_ttft_p50_s'] / r['alone_ttft_s']:.1f}× "
-                     f"| {r['long_ttft_s']:.2f} | {r['long_ttft_s'] / base['long_ttft_s']:.2f} | {r['wall_s']:.2f} "
+                     f"| {r['long_ttft_s']:.2f} | {r['long_ttft_s'] / base['long_ttft_s']:.2f} "
+                     f"| {ms(r['itl_alone_p50_s'])} | {ms(r['itl_during_p50_s'])} | {ms(r['itl_during_max_s'])} "
+                     f"| {r['wall_s']:.2f} "
                      f"| {'yes' if r['texts'] == base['texts'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -115,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shorts", type=int, default=6, help="chats sent while it is prefilled")
     p.add_argument("--gap", type=float, default=2.0, help="seconds between them (the first this long after it)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens of each chat's answer")
+    p.add_argument("--decoders", type=int, default=2,
+                   help="streams already decoding when the long prompt arrives (their inter-token latency)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
