@@ -419,3 +419,12 @@ def test_a_long_prompt_held_back_pins_none_of_its_cached_blocks():
     held = queue_as(sched, "held", list(range(100, 140)) + list(range(500, 560)))  # 40 cached, 60 to go
     assert step_all(sched) == [(long, 32)]  # alone: the held one is not beside it
     assert (held.block_table, held.num_computed_tokens) == ([], 0)
+
+
+def test_the_ready_line_says_whether_the_threshold_takes_effect():
+    from slipstream.server.api.server import _long_prefill_note
+    from slipstream.server.engine.config import EngineConfig
+    assert _long_prefill_note(EngineConfig()) == ""
+    assert _long_prefill_note(EngineConfig(long_prefill_token_threshold=128)) == \
+        ", long prompts 128 tokens a step beside others"
+    assert "no chunk is ever capped" in _long_prefill_note(EngineConfig(long_prefill_token_threshold=512))

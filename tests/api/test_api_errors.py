@@ -161,6 +161,26 @@ def test_expect_100_continue_is_answered_only_within_the_limit(http, server, len
     still_serves(http, server)
 
 
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
+def test_a_body_its_content_encoding_does_not_decode_is_a_400(http, server, encoding):
+    """aiohttp finds it only when the handler reads the body: a 400 in OpenAI's shape naming the
+    encoding, not a 500 and two tracebacks."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    with raw_post(server, b"Content-Encoding: %s\r\nContent-Length: %d\r\n" % (encoding, len(body)), body) as sock:
+        reply = b""
+        while not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    error = json.loads(payload[payload.index(b"{"):])["error"]
+    assert error["code"] == "invalid_request_body"
+    assert error["message"] == f"The request body could not be read: Can not decode content-encoding: {encoding.decode()}."
+    still_serves(http, server)
+
+
 def test_unknown_path_and_wrong_method_are_json(http, server):
     message = assert_error(http.get("/v1/nothing-here"), 404, code="not_found")["message"]
     served = {f"{r.method} {r.resource.canonical}" for r in server.app.router.routes() if r.method != "HEAD"}

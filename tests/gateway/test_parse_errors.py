@@ -1,17 +1,24 @@
-"""A request aiohttp's parser refuses (a malformed Content-Length) is answered 400 by aiohttp
-and logged in one WARNING line, without a traceback, once ``configure_logging`` (what
-``slipstream serve`` and ``slipstream gateway`` call) has installed the filter."""
+"""Requests aiohttp cannot read, at the gateway: one its parser refuses (a malformed
+Content-Length) is answered 400 by aiohttp and logged in one WARNING line, without a traceback,
+once ``configure_logging`` (what ``slipstream serve`` and ``slipstream gateway`` call) has
+installed the filter; a body its Content-Encoding does not decode is a 400 in OpenAI's shape;
+one it does decode reaches the pod decoded, without the header."""
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import logging
 import sys
+import zlib
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from gateway_helpers import running_gateway
+from gateway_helpers import MODEL, chat, fake_pod, running_gateway
 from slipstream.server.cli import configure_logging
-from slipstream.server.parse_errors import LOGGER, OneLineParseErrors
+from slipstream.server.parse_errors import LOGGER, OneLineParseErrors, first_reason
 
 
 @pytest.fixture
@@ -54,3 +61,47 @@ def test_other_errors_on_that_logger_keep_their_level_and_traceback():
                                    ("127.0.0.1",), exc_info=sys.exc_info())
     assert OneLineParseErrors().filter(record)
     assert record.levelname == "ERROR" and record.exc_info is not None
+
+
+def test_the_reason_keeps_no_client_bytes():
+    assert first_reason("Got more than 8190 bytes when reading: b'aaaa'.") == "Got more than 8190 bytes when reading"
+    assert first_reason("400, message:\n  Can not decode content-encoding: gzip") == \
+        "Can not decode content-encoding: gzip"
+    assert first_reason("") == "malformed request"
+
+
+async def echo(request: web.Request) -> web.Response:
+    """A pod that answers a POST with what it received: the Content-Encoding header and the JSON
+    body (and has no KV-event stream)."""
+    if request.method != "POST":
+        raise web.HTTPNotFound()
+    return web.json_response({"id": "x", "object": "chat.completion", "created": 0, "model": MODEL,
+                              "choices": [], "received": await request.json(),
+                              "encoding": request.headers.get("Content-Encoding")})
+
+
+@pytest.mark.parametrize("encoding, compress", [("gzip", gzip.compress), ("deflate", zlib.compress)])
+async def test_a_compressed_body_reaches_the_pod_decoded(encoding, compress):
+    async with fake_pod("127.0.0.44", echo) as pod, running_gateway(endpoints=(pod,)) as (url, _), \
+            aiohttp.ClientSession() as session:
+        body = chat("hello")
+        async with session.post(url + "/v1/chat/completions", data=compress(json.dumps(body).encode()),
+                                headers={"Content-Encoding": encoding, "Content-Type": "application/json"}) as r:
+            assert r.status == 200, await r.text()
+            answer = await r.json()
+    assert (answer["received"], answer["encoding"]) == (body, None)
+
+
+async def test_a_body_its_content_encoding_does_not_decode_is_a_400_logged_in_one_line(one_line_parse_errors,
+                                                                                      caplog):
+    caplog.set_level(logging.INFO)
+    async with fake_pod("127.0.0.44", echo) as pod, running_gateway(endpoints=(pod,)) as (url, _), \
+            aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/chat/completions", data=json.dumps(chat("hello")).encode(),
+                                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+    assert error["code"] == "invalid_request_body"
+    assert error["message"] == "The request body could not be read: Can not decode content-encoding: gzip."
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert any("-> 400 The request body could not be read" in r.getMessage() for r in caplog.records)

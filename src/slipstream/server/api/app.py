@@ -11,6 +11,7 @@ from slipstream.server.api import kv_events, serving_chat, serving_completions, 
 from slipstream.server.api.errors import APIError, from_http_exception, served_routes
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
+from slipstream.server.parse_errors import payload_error_message
 from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
 
 logger = logging.getLogger("slipstream.server")
@@ -25,6 +26,8 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except APIError as exc:
         error = exc
+    except web.RequestPayloadError as exc:  # a body aiohttp could not decode, e.g. gzip that is not
+        error = APIError(400, payload_error_message(exc), code="invalid_request_body")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -54,8 +54,20 @@ async def _load_engine(state: ServerState, engine_config) -> None:
     # The start by part (README, "Cold start"): imports, weights and kernels, then warm-up.
     logger.info("start phase: engine build %.2f s (imports, weights, kernels), warm-up %.2f s",
                 built - started, time.perf_counter() - built)
-    logger.info("model %s ready: max_model_len=%d, %d KV blocks of %d tokens", state.model_name,
-                llm.max_model_len, stats.num_blocks, engine_config.block_size)
+    logger.info("model %s ready: max_model_len=%d, %d KV blocks of %d tokens, token budget %d a step%s",
+                state.model_name, llm.max_model_len, stats.num_blocks, engine_config.block_size,
+                engine_config.max_num_batched_tokens, _long_prefill_note(engine_config))
+
+
+def _long_prefill_note(config) -> str:
+    """The ready line's words on ``--long-prefill-token-threshold``: none when off."""
+    threshold = config.long_prefill_token_threshold
+    if not threshold:
+        return ""
+    if threshold >= config.max_num_batched_tokens:
+        return (f", long-prefill threshold {threshold} (not below the budget: no chunk is ever capped; "
+                f"lower it to take effect)")
+    return f", long prompts {threshold} tokens a step beside others"
 
 
 async def _log_status(state: ServerState, interval: float) -> None:

@@ -14,6 +14,7 @@ import signal
 import aiohttp
 from aiohttp import web
 
+from slipstream.server.parse_errors import payload_error_message
 from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
 
 from .config import GatewayConfig
@@ -99,6 +100,10 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         refuse_declared_oversize(request)
         return await handler(request)
+    except web.RequestPayloadError as exc:  # a body aiohttp could not decode, e.g. gzip that is not
+        message = payload_error_message(exc)
+        log.info("%s %s -> 400 %s", request.method, request.path, message)
+        return error_response(400, message, code="invalid_request_body")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -76,11 +76,12 @@ def error_response(status: int, message: str, *, code: str | None = None,
 
 def _forward_headers(request: web.Request, request_id: str) -> CIMultiDict:
     """The client's end-to-end headers for the pod: hop-by-hop ones (and those the Connection
-    header names), Host and Content-Length dropped; the request id and X-Forwarded-For added."""
+    header names), Host, Content-Length and Content-Encoding dropped (the body is forwarded as
+    aiohttp read it, decoded); the request id and X-Forwarded-For added."""
     named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",") if h.strip()}
     headers = [(k, v) for k, v in request.headers.items()
                if k.lower() not in HOP_BY_HOP and k.lower() not in named
-               and k.lower() not in ("host", "content-length", "x-request-id")]
+               and k.lower() not in ("host", "content-length", "content-encoding", "x-request-id")]
     headers.append((REQUEST_ID, request_id))
     peer = request.remote
     if peer:
