@@ -175,6 +175,7 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(http, server, enco
             reply += chunk
     head, _, payload = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert b"\r\nConnection: close" in head  # aiohttp drops the connection after it: the client is told
     error = json.loads(payload[payload.index(b"{"):])["error"]
     assert error["code"] == "invalid_request_body"
     assert error["message"] == f"The request body could not be read: Can not decode content-encoding: {encoding.decode()}."

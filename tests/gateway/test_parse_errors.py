@@ -100,6 +100,7 @@ async def test_a_body_its_content_encoding_does_not_decode_is_a_400_logged_in_on
         async with session.post(url + "/v1/chat/completions", data=json.dumps(chat("hello")).encode(),
                                 headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
             assert r.status == 400
+            assert r.headers["Connection"] == "close"  # aiohttp drops the connection after it
             error = (await r.json())["error"]
     assert error["code"] == "invalid_request_body"
     assert error["message"] == "The request body could not be read: Can not decode content-encoding: gzip."

@@ -39,7 +39,10 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return APIError(500, "Internal server error; see the server log.", code="internal_error").response()
     logger.info("%s %s -> %d %s", request.method, request.path, error.status, error.message)
-    return error.response()
+    response = error.response()
+    if error.code == "invalid_request_body":
+        response.force_close()  # aiohttp closes the connection after an unreadable body: say so
+    return response
 
 
 @web.middleware

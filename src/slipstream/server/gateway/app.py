@@ -103,7 +103,9 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.RequestPayloadError as exc:  # a body aiohttp could not decode, e.g. gzip that is not
         message = payload_error_message(exc)
         log.info("%s %s -> 400 %s", request.method, request.path, message)
-        return error_response(400, message, code="invalid_request_body")
+        response = error_response(400, message, code="invalid_request_body")
+        response.force_close()  # aiohttp closes the connection after an unreadable body: say so
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
