@@ -190,15 +190,15 @@ def test_n_choices_share_prompt_blocks(engine):
 EOS = 2
 
 
-def bare_scheduler(max_num_batched_tokens=64, max_model_len=None):
-    """A scheduler over 8 blocks of 4 tokens whose EOS is token 2."""
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+def bare_scheduler(max_num_batched_tokens=64, max_model_len=None, num_blocks=8, long_prefill_token_threshold=0):
+    """A scheduler over ``num_blocks`` blocks of 4 tokens whose EOS is token 2."""
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
     return Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=[EOS],
-                     max_model_len=max_model_len)
+                     max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold)
 
 
-def queue(sched, prompt, **params) -> Request:
-    req = Request("r", "r", 0, list(prompt), SamplingParams(**params), None, RequestMetrics(0.0))
+def queue(sched, prompt, rid="r", **params) -> Request:
+    req = Request(rid, rid, 0, list(prompt), SamplingParams(**params), None, RequestMetrics(0.0))
     sched.add(req)
     return req
 
@@ -317,16 +317,12 @@ def test_finish_sets_the_reason_once_and_an_engine_abort_goes_through_it(make_ll
 
 
 def capped_scheduler(threshold, budget=64, num_blocks=80):
-    kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
-    return Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, eos_token_ids=[EOS],
-                     long_prefill_token_threshold=threshold)
+    return bare_scheduler(budget, num_blocks=num_blocks, long_prefill_token_threshold=threshold)
 
 
 def queue_as(sched, rid, prompt, max_tokens=4) -> Request:
-    req = Request(rid, rid, 0, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                  RequestMetrics(0.0))
-    sched.add(req)
-    return req
+    """``prompt`` queued as ``rid``, to run ``max_tokens`` tokens whatever it samples."""
+    return queue(sched, prompt, rid, max_tokens=max_tokens, ignore_eos=True)
 
 
 def step_all(sched, token=7) -> list[tuple[Request, int]]:

@@ -135,19 +135,26 @@ def raw_post(server, headers: bytes, body: bytes = b"") -> socket.socket:
     return sock
 
 
+def json_reply(sock: socket.socket) -> tuple[bytes, dict]:
+    """The status line and headers of the reply on ``sock``, and its JSON error; a
+    ``socket.timeout`` (a failure) if the server waits for more of the request instead."""
+    reply = b""
+    while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"{" in body, reply[:300]
+    return head, json.loads(body[body.index(b"{"):])["error"]
+
+
 def test_a_declared_body_over_the_limit_is_a_413_before_the_body_is_read(http, server):
     """A Content-Length past the limit is refused at once: read first, a client declaring 1 TB and
     sending 2 bytes would hold the connection open until it gave up."""
     with raw_post(server, b"Content-Length: 999999999999\r\n", b"{}") as sock:
-        reply = b""
-        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
-            chunk = sock.recv(65536)  # socket.timeout (a failure) if the server waits for the body
-            if not chunk:
-                break
-            reply += chunk
-    head, _, body = reply.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
-    error = json.loads(body[body.index(b"{"):])["error"]
+        head, error = json_reply(sock)
+    assert head.startswith(b"HTTP/1.1 413"), head
     assert error["code"] == "request_too_large" and "Content-Length 999999999999 exceeds" in error["message"]
     still_serves(http, server)
 
@@ -167,16 +174,9 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(http, server, enco
     encoding, not a 500 and two tracebacks."""
     body = b'{"prompt": "hi", "max_tokens": 1}'
     with raw_post(server, b"Content-Encoding: %s\r\nContent-Length: %d\r\n" % (encoding, len(body)), body) as sock:
-        reply = b""
-        while not reply.rstrip().endswith(b"}"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    head, _, payload = reply.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+        head, error = json_reply(sock)
+    assert head.startswith(b"HTTP/1.1 400"), head
     assert b"\r\nConnection: close" in head  # aiohttp drops the connection after it: the client is told
-    error = json.loads(payload[payload.index(b"{"):])["error"]
     assert error["code"] == "invalid_request_body"
     assert error["message"] == f"The request body could not be read: Can not decode content-encoding: {encoding.decode()}."
     still_serves(http, server)

@@ -112,6 +112,17 @@ async def running_gateway(wait_for: int | None = None, **settings) -> AsyncItera
         await server.close()
 
 
+async def raw_post(url: str, headers: bytes, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent POST /v1/chat/completions to the gateway at ``url`` with
+    ``headers`` (CRLF-ended lines) and ``body`` as they are."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + headers + b"\r\n" + body)
+    await writer.drain()
+    return reader, writer
+
+
 async def metrics(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple], float]:
     """``/metrics`` of ``url`` as {(sample name, sorted label items): value}."""
     async with session.get(url + "/metrics") as response:

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway_helpers import MODEL, chat, fake_pod, running_gateway
+from gateway_helpers import MODEL, chat, fake_pod, raw_post, running_gateway
 from slipstream.server.cli import configure_logging
 from slipstream.server.parse_errors import LOGGER, OneLineParseErrors, first_reason
 
@@ -40,9 +40,7 @@ def one_line_parse_errors():
 async def test_a_malformed_content_length_is_a_400_logged_in_one_line(one_line_parse_errors, caplog, header, reason):
     caplog.set_level(logging.INFO, logger=LOGGER)
     async with running_gateway() as (url, _):
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n{}")
+        reader, writer = await raw_post(url, header, b"{}")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         writer.close()
     assert head.split(b"\r\n")[0].endswith(b"400 Bad Request"), head

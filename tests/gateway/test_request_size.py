@@ -9,20 +9,9 @@ import logging
 
 import aiohttp
 
-from gateway_helpers import chat, running_gateway
+from gateway_helpers import chat, raw_post, running_gateway
 
 LIMIT = 4096
-
-
-async def raw_post(url: str, headers: bytes, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection that has sent POST /v1/chat/completions to the gateway at ``url`` with
-    ``headers`` (CRLF-ended lines) and ``body`` as they are."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + headers + b"\r\n" + body)
-    await writer.drain()
-    return reader, writer
 
 
 async def test_a_body_past_the_limit_is_a_413_and_logged(caplog):

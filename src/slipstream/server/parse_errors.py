@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 LOGGER = "aiohttp.server"
+PAYLOAD_ERROR_CODE = "invalid_request_body"  # the 400's error code for a body aiohttp could not read
 
 
 def first_reason(message: str) -> str:
@@ -52,16 +53,18 @@ class OneLineParseErrors(logging.Filter):
         if isinstance(exc, web.RequestPayloadError):
             # The same unreadable body met again while aiohttp discards the rest of it, after the
             # error middleware answered 400 and logged it: one line, at DEBUG only.
-            record.msg, record.args = "%s: %s (already answered 400)", (record.getMessage(), first_reason(str(exc)))
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.exc_info = record.exc_text = None
+            _one_line(record, logging.DEBUG, f"{first_reason(str(exc))} (already answered 400)")
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         if isinstance(exc, BadHttpMessage):
-            reason = first_reason(exc.message or type(exc).__name__)
-            record.msg, record.args = "%s: %s (answered %d)", (record.getMessage(), reason, exc.code)
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.exc_info = record.exc_text = None
+            _one_line(record, logging.WARNING, f"{first_reason(exc.message or type(exc).__name__)} (answered {exc.code})")
         return True
+
+
+def _one_line(record: logging.LogRecord, level: int, reason: str) -> None:
+    """Rewrite ``record`` as ``"<its message>: <reason>"`` at ``level``, without its traceback."""
+    record.msg, record.args = "%s: %s", (record.getMessage(), reason)
+    record.levelno, record.levelname = level, logging.getLevelName(level)
+    record.exc_info = record.exc_text = None
 
 
 def log_parse_errors_as_one_line() -> None:

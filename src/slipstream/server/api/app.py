@@ -11,7 +11,7 @@ from slipstream.server.api import kv_events, serving_chat, serving_completions, 
 from slipstream.server.api.errors import APIError, from_http_exception, served_routes
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.metrics import CONTENT_TYPE
-from slipstream.server.parse_errors import payload_error_message
+from slipstream.server.parse_errors import PAYLOAD_ERROR_CODE, payload_error_message
 from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
 
 logger = logging.getLogger("slipstream.server")
@@ -26,8 +26,9 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except APIError as exc:
         error = exc
-    except web.RequestPayloadError as exc:  # a body aiohttp could not decode, e.g. gzip that is not
-        error = APIError(400, payload_error_message(exc), code="invalid_request_body")
+    except web.RequestPayloadError as exc:  # a body aiohttp could not decode, e.g. gzip that is not;
+        # aiohttp ends the connection after it, so the answer says so
+        error = APIError(400, payload_error_message(exc), code=PAYLOAD_ERROR_CODE, close=True)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -39,10 +40,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return APIError(500, "Internal server error; see the server log.", code="internal_error").response()
     logger.info("%s %s -> %d %s", request.method, request.path, error.status, error.message)
-    response = error.response()
-    if error.code == "invalid_request_body":
-        response.force_close()  # aiohttp closes the connection after an unreadable body: say so
-    return response
+    return error.response()
 
 
 @web.middleware

@@ -19,16 +19,18 @@ _TYPES = {
 
 
 class APIError(Exception):
-    """A request that fails with ``status``; ``param`` names the offending field, ``code`` is machine-readable."""
+    """A request that fails with ``status``; ``param`` names the offending field, ``code`` is
+    machine-readable; ``close``: the response says ``Connection: close`` and the connection ends."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.close = close
         self.source: InvalidRequest | None = None  # the engine's refusal this reports, if any
 
     def renamed(self, param: str | None) -> APIError:
@@ -43,7 +45,10 @@ class APIError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:

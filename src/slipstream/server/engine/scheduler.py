@@ -137,7 +137,7 @@ class Scheduler:
                 # possibly past a sliding window its parent cannot find again) are all that is left.
                 self._release_waiting()
             return out  # blocks are short: admitting now would only preempt again
-        long_prefill = any(self._is_long(r) for r in self.running)
+        long_prefill = self.long_prefill_token_threshold > 0 and any(self._is_long(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req, was_seated, seated = seated or self.waiting.head(), seated is not None, None
             fresh = not req.block_table  # a forked choice arrives holding its parent's blocks

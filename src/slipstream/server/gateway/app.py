@@ -14,7 +14,7 @@ import signal
 import aiohttp
 from aiohttp import web
 
-from slipstream.server.parse_errors import payload_error_message
+from slipstream.server.parse_errors import PAYLOAD_ERROR_CODE, payload_error_message
 from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
 
 from .config import GatewayConfig
@@ -103,7 +103,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.RequestPayloadError as exc:  # a body aiohttp could not decode, e.g. gzip that is not
         message = payload_error_message(exc)
         log.info("%s %s -> 400 %s", request.method, request.path, message)
-        response = error_response(400, message, code="invalid_request_body")
+        response = error_response(400, message, code=PAYLOAD_ERROR_CODE)
         response.force_close()  # aiohttp closes the connection after an unreadable body: say so
         return response
     except web.HTTPException as exc:
