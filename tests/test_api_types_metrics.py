@@ -63,9 +63,11 @@ def test_every_load_gauge_the_readers_need_is_one_the_server_exports():
     stats = EngineStats(num_running=2, num_waiting=1, kv_cache_usage=0.5, num_blocks=100, num_free_blocks=50,
                         num_preemptions_total=0, prefix_cache_queries_total=0, prefix_cache_hits_total=0,
                         prompt_tokens_total=0, generation_tokens_total=0, num_steps=0, block_size=16,
-                        max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=True)
+                        max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=True,
+                        long_prefill_token_threshold=128)
     text = ServerMetrics(lambda: "m", lambda: stats, vllm_compatible=True).render().decode()
     assert read_pod_load(text) == PodLoad("", 0.0, 1.0, 2.0, 0.5, 16, 8)
+    assert 'long_prefill_token_threshold="128"' in text  # every setting of the engine's, as a label
     assert all(f"{vllm} " in text or f"{vllm}{{" in text for vllm in names.VLLM_GAUGES.values())
 
 

@@ -252,7 +252,8 @@ async def test_a_pod_exports_the_settings_a_gateway_hashes_and_limits_with(token
             text = await resp.text()
         info = [line for line in text.splitlines() if line.startswith("slipstream:engine_config_info{")]
         assert info == ['slipstream:engine_config_info{block_size="16",enable_prefix_caching="true",'
-                        'max_num_batched_tokens="256",max_num_seqs="4",max_waiting="128",model_name="sim-tiny"} 1.0']
+                        'long_prefill_token_threshold="0",max_num_batched_tokens="256",max_num_seqs="4",max_waiting="128",'
+                        'model_name="sim-tiny"} 1.0']
         load = read_pod_load(text)
         assert (load.block_size, load.max_num_seqs, load.max_waiting) == (16, 4, 128)
 

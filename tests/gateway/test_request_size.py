@@ -19,7 +19,11 @@ async def test_a_body_past_the_limit_is_a_413_and_logged(caplog):
     async with running_gateway(max_request_bytes=LIMIT) as (url, _), aiohttp.ClientSession() as session:
         async with session.post(url + "/v1/chat/completions", json=chat("x" * 2 * LIMIT)) as response:
             assert response.status == 413
-            assert (await response.json())["error"]["code"] == "request_too_large"
+            error = (await response.json())["error"]
+    assert error["code"] == "request_too_large"
+    # the server's words for the same limit (request_size.too_large_message), not aiohttp's bare text
+    assert error["message"].startswith("Request body too large: ") and error["message"].endswith(
+        ". Send a smaller request."), error["message"]
     assert any(r.getMessage().startswith("POST /v1/chat/completions -> 413 ") for r in caplog.records)
 
 
@@ -35,7 +39,8 @@ async def test_a_declared_body_past_the_limit_is_a_413_before_the_body_is_read()
         assert head.startswith(b"HTTP/1.1 413"), head
         error = json.loads(body)["error"]
         assert error["code"] == "request_too_large"
-        assert f"Content-Length 999999999999 exceeds the limit of {LIMIT} bytes" in error["message"]
+        assert error["message"] == (f"Request body too large: Content-Length 999999999999 exceeds the limit of "
+                                    f"{LIMIT} bytes. Send a smaller request.")
 
 
 async def test_expect_100_continue_past_the_limit_gets_the_413_instead():

@@ -51,7 +51,8 @@ REQUEST_QUEUE_TIME_SECONDS = PREFIX + "request_queue_time_seconds"
 ITERATION_TOKENS = PREFIX + "iteration_tokens"
 # Info gauges (value 1).
 ENGINE_CONFIG_INFO = PREFIX + "engine_config_info"
-ENGINE_CONFIG_LABELS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching")
+ENGINE_CONFIG_LABELS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                        "long_prefill_token_threshold")
 # The server's own limit beside them (``--max-waiting``): a gateway sends a pod no more than it queues.
 SERVER_CONFIG_LABELS = ("max_waiting",)
 CPU_KERNEL_INFO = PREFIX + "cpu_kernel_info"  # label isa

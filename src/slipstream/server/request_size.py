@@ -11,6 +11,14 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+TOO_LARGE_CODE = "request_too_large"  # the 413's error code, server and gateway
+
+
+def too_large_message(exc: web.HTTPRequestEntityTooLarge) -> str:
+    """The 413's message, the same from the server and the gateway, for a body declared past the
+    limit (:func:`refuse_declared_oversize`'s text) or read past it (aiohttp's)."""
+    return f"Request body too large: {(exc.text or exc.reason).rstrip('.')}. Send a smaller request."
+
 
 def declared_oversize(request: web.Request) -> bool:
     """Whether the ``Content-Length`` header (bytes) exceeds the app's ``client_max_size``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from slipstream.server.engine.errors import InvalidRequest
+from slipstream.server.request_size import TOO_LARGE_CODE, too_large_message
 
 # HTTP status -> OpenAI's error ``type``.
 _TYPES = {
@@ -89,6 +90,5 @@ def from_http_exception(exc: web.HTTPException, routes: list[str] = ()) -> APIEr
         return APIError(405, f"Method {exc.method if hasattr(exc, 'method') else ''} not allowed here; "
                         f"allowed: {allowed}.", code="method_not_allowed", headers={"Allow": allowed})
     if status == 413:
-        return APIError(413, f"Request body too large: {(exc.text or '').rstrip('.')}. Send a smaller request.",
-                        code="request_too_large")
+        return APIError(413, too_large_message(exc), code=TOO_LARGE_CODE)
     return APIError(status, exc.reason or exc.text or "HTTP error", code=None)

@@ -514,6 +514,7 @@ class LLMEngine:
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             enable_prefix_caching=self.kv.enable_prefix_caching,
+            long_prefill_token_threshold=self.scheduler.long_prefill_token_threshold,
             # copies (atomic under the GIL): stats() is read from the event loop while the engine steps
             tenant_requests=self.scheduler.waiting.requests_by_tenant(),
             tenant_running=dict(collections.Counter(r.tenant for r in list(self.scheduler.running))),

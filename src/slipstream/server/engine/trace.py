@@ -51,6 +51,7 @@ class EngineStats:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0  # tokens per step
     enable_prefix_caching: bool = False
+    long_prefill_token_threshold: int = 0  # tokens; 0: off
     # per tenant (the fairness header's id): requests in the engine (waiting or running), running,
     # and the fairness counter (weighted tokens served; ``fair`` only)
     tenant_requests: dict[str, int] = field(default_factory=dict)

@@ -15,7 +15,8 @@ import aiohttp
 from aiohttp import web
 
 from slipstream.server.parse_errors import PAYLOAD_ERROR_CODE, payload_error_message
-from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
+from slipstream.server.request_size import TOO_LARGE_CODE, continue_within_limit, refuse_declared_oversize, \
+    too_large_message
 
 from .config import GatewayConfig
 from .endpoints import EndpointSet
@@ -109,10 +110,12 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {413: "request_too_large"}.get(exc.status)
+        too_large = exc.status == 413
+        code = TOO_LARGE_CODE if too_large else None
+        message = too_large_message(exc) if too_large else exc.text or exc.reason
         request_id = request.headers.get(REQUEST_ID)
-        log.info("%s %s -> %d %s", request.method, request.path, exc.status, exc.text or exc.reason)
-        return error_response(exc.status, exc.text or exc.reason, code=code,
+        log.info("%s %s -> %d %s", request.method, request.path, exc.status, message)
+        return error_response(exc.status, message, code=code,
                               headers={REQUEST_ID: request_id} if request_id else None)
     except (ConnectionError, asyncio.CancelledError):  # the client went away: nobody to answer
         raise
