@@ -3,6 +3,7 @@ and after each one the engine still serves the next request with every KV block 
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import json
 import socket
 import urllib.parse
@@ -180,6 +181,30 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(http, server, enco
     assert error["code"] == "invalid_request_body"
     assert error["message"] == f"The request body could not be read: Can not decode content-encoding: {encoding.decode()}."
     still_serves(http, server)
+
+
+@pytest.mark.parametrize("encoding", [b"compress", b"gzip, gzip", b"gzip, identity", b"x-gzip"])
+def test_a_content_encoding_not_decoded_here_is_a_415_naming_those_that_are(http, server, encoding):
+    """aiohttp passes such a body on undecoded (two stacked codings decoded once at most): the
+    JSON parser got compressed bytes. RFC 9110 §15.5.16: 415 and the codings accepted."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    with raw_post(server, b"Content-Encoding: %s\r\nContent-Length: %d\r\n" % (encoding, len(body)), body) as sock:
+        head, error = json_reply(sock)
+    assert head.startswith(b"HTTP/1.1 415"), head
+    assert b"\r\nAccept-Encoding: gzip, deflate" in head
+    assert error["code"] == "unsupported_content_encoding" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"Content-Encoding '{encoding.decode()}' is not accepted")
+    still_serves(http, server)
+
+
+@pytest.mark.parametrize("encoding", [b"identity", b"GZIP"])
+def test_identity_and_a_decoded_coding_in_any_case_are_served(http, server, encoding):
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    if encoding != b"identity":
+        body = gzip.compress(body)
+    with raw_post(server, b"Content-Encoding: %s\r\nContent-Length: %d\r\n" % (encoding, len(body)), body) as sock:
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
 
 
 def test_unknown_path_and_wrong_method_are_json(http, server):

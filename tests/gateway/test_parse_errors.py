@@ -2,7 +2,8 @@
 Content-Length) is answered 400 by aiohttp and logged in one WARNING line, without a traceback,
 once ``configure_logging`` (what ``slipstream serve`` and ``slipstream gateway`` call) has
 installed the filter; a body its Content-Encoding does not decode is a 400 in OpenAI's shape;
-one it does decode reaches the pod decoded, without the header."""
+one it does decode reaches the pod decoded, without the header; a coding aiohttp does not decode
+is a 415 that never reaches a pod."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from gateway_helpers import MODEL, chat, fake_pod, raw_post, running_gateway
 from slipstream.server.cli import configure_logging
+from slipstream.server.content_coding import DECODED_CODINGS
 from slipstream.server.parse_errors import LOGGER, OneLineParseErrors, first_reason
 
 
@@ -104,3 +106,29 @@ async def test_a_body_its_content_encoding_does_not_decode_is_a_400_logged_in_on
     assert error["message"] == "The request body could not be read: Can not decode content-encoding: gzip."
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert any("-> 400 The request body could not be read" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_content_encoding_not_decoded_here_is_a_415_and_never_reaches_a_pod(caplog):
+    caplog.set_level(logging.INFO)
+    received = []
+
+    async def pod_app(request: web.Request) -> web.Response:
+        received.append(request.path)
+        return await echo(request)
+
+    async with fake_pod("127.0.0.44", pod_app) as pod, running_gateway(endpoints=(pod,)) as (url, _), \
+            aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/chat/completions", data=json.dumps(chat("hello")).encode(),
+                                headers={"Content-Encoding": "compress", "Content-Type": "application/json",
+                                         "X-Request-Id": "r-415"}) as r:
+            assert r.status == 415
+            assert (r.headers["Accept-Encoding"], r.headers["X-Request-Id"]) == (", ".join(DECODED_CODINGS), "r-415")
+            error = (await r.json())["error"]
+        # a request without a body passes whatever it declares
+        async with session.get(url + "/v1/models", headers={"Content-Encoding": "compress"}) as r:
+            assert r.status != 415
+    assert error["code"] == "unsupported_content_encoding"
+    assert error["message"] == ("Content-Encoding 'compress' is not accepted: send the body uncompressed or in one "
+                                f"of {', '.join(DECODED_CODINGS)}.")
+    assert "/v1/chat/completions" not in received
+    assert any("-> 415 Content-Encoding 'compress'" in r.getMessage() for r in caplog.records)

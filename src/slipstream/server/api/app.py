@@ -10,6 +10,7 @@ from slipstream.server.api import kv_events, serving_chat, serving_completions, 
     tokenizer_files
 from slipstream.server.api.errors import APIError, from_http_exception, served_routes
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
+from slipstream.server.content_coding import refuse_undecodable_coding
 from slipstream.server.metrics import CONTENT_TYPE
 from slipstream.server.parse_errors import PAYLOAD_ERROR_CODE, payload_error_message
 from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
@@ -23,6 +24,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     """Every failure becomes OpenAI's error body; never aiohttp's plain-text pages."""
     try:
         refuse_declared_oversize(request)
+        refuse_undecodable_coding(request)
         return await handler(request)
     except APIError as exc:
         error = exc

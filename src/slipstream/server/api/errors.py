@@ -1,8 +1,9 @@
 """OpenAI-shaped errors: every failure leaves the server as ``{"error": {message, type, param, code}}``."""
 from __future__ import annotations
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
+from slipstream.server.content_coding import UNSUPPORTED_CODING_CODE
 from slipstream.server.engine.errors import InvalidRequest
 from slipstream.server.request_size import TOO_LARGE_CODE, too_large_message
 
@@ -91,4 +92,7 @@ def from_http_exception(exc: web.HTTPException, routes: list[str] = ()) -> APIEr
                         f"allowed: {allowed}.", code="method_not_allowed", headers={"Allow": allowed})
     if status == 413:
         return APIError(413, too_large_message(exc), code=TOO_LARGE_CODE)
+    if status == 415:  # content_coding.refuse_undecodable_coding
+        return APIError(415, exc.text or exc.reason, code=UNSUPPORTED_CODING_CODE,
+                        headers={hdrs.ACCEPT_ENCODING: exc.headers.get(hdrs.ACCEPT_ENCODING, "")})
     return APIError(status, exc.reason or exc.text or "HTTP error", code=None)

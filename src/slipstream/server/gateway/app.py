@@ -12,8 +12,9 @@ import logging
 import signal
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
+from slipstream.server.content_coding import UNSUPPORTED_CODING_CODE, refuse_undecodable_coding
 from slipstream.server.parse_errors import PAYLOAD_ERROR_CODE, payload_error_message
 from slipstream.server.request_size import TOO_LARGE_CODE, continue_within_limit, refuse_declared_oversize, \
     too_large_message
@@ -100,6 +101,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     """The gateway's own failures (body too large, a bug) in OpenAI's error shape."""
     try:
         refuse_declared_oversize(request)
+        refuse_undecodable_coding(request)
         return await handler(request)
     except web.RequestPayloadError as exc:  # a body aiohttp could not decode, e.g. gzip that is not
         message = payload_error_message(exc)
@@ -111,12 +113,13 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         too_large = exc.status == 413
-        code = TOO_LARGE_CODE if too_large else None
+        code = {413: TOO_LARGE_CODE, 415: UNSUPPORTED_CODING_CODE}.get(exc.status)
         message = too_large_message(exc) if too_large else exc.text or exc.reason
-        request_id = request.headers.get(REQUEST_ID)
+        headers = {k: v for k, v in exc.headers.items() if k == hdrs.ACCEPT_ENCODING}
+        if request_id := request.headers.get(REQUEST_ID):
+            headers[REQUEST_ID] = request_id
         log.info("%s %s -> %d %s", request.method, request.path, exc.status, message)
-        return error_response(exc.status, message, code=code,
-                              headers={REQUEST_ID: request_id} if request_id else None)
+        return error_response(exc.status, message, code=code, headers=headers or None)
     except (ConnectionError, asyncio.CancelledError):  # the client went away: nobody to answer
         raise
     except Exception:
