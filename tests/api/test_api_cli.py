@@ -43,8 +43,8 @@ def test_serve_maps_options_onto_engine_config_and_server_options(monkeypatch):
                                           max_model_len=1024, enable_prefix_caching=False, device="cpu",
                                           dtype="bfloat16", trace=False, seed=5)
     o = seen["options"]
-    assert (o.served_model_name, o.max_waiting, o.shutdown_timeout, o.api_key, o.vllm_compatible_metrics) == \
-        ("tiny", 7, 3.0, "k", True)
+    assert (o.served_model_names, o.max_waiting, o.shutdown_timeout, o.api_key, o.vllm_compatible_metrics) == \
+        (("tiny",), 7, 3.0, "k", True)
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 9001)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from .harness import Http, assert_engine_idle
+from .harness import Http, assert_engine_idle, serve_app
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -24,6 +24,21 @@ def test_models_lists_the_served_model(client, server):
     assert [m.id for m in models] == [server.state.model_name]
     assert models[0].object == "model"
     assert client.models.retrieve(server.state.model_name).id == server.state.model_name
+
+
+def test_several_served_names_are_each_a_model_and_responses_give_the_first(loop_thread, engine):
+    """vLLM's ``--served-model-name A B``: a request may name either; /v1/models lists both."""
+    with serve_app(loop_thread, engine, served_model_names=("chat", "chat-v1")) as served:
+        client = openai.OpenAI(base_url=served.v1, api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["chat", "chat-v1"]
+        assert client.models.retrieve("chat-v1").id == "chat-v1"
+        reply = client.chat.completions.create(model="chat-v1", messages=CHAT, max_tokens=2, temperature=0)
+        assert reply.model == "chat"
+        with pytest.raises(openai.NotFoundError) as info:
+            client.completions.create(model=engine.model_name, prompt="x", max_tokens=1)
+        assert "This server serves `chat`, `chat-v1`" in info.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("chat-v2")
 
 
 def test_chat_completion_uses_the_chat_template_and_reports_usage(client, model, server):

@@ -256,8 +256,12 @@ def test_bad_messages_name_the_message(message, param):
 
 
 def test_unknown_model_is_404_model_not_found():
-    check_model(None, "m")
-    check_model("m", "m")
+    check_model(None, ("m",))
+    check_model("m", ("m",))
+    check_model("alias", ("m", "alias"))
     with pytest.raises(APIError) as info:
-        check_model("other", "m")
+        check_model("other", ("m", "alias"))
     assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
+    assert "This server serves `m`, `alias`" in info.value.message
+    with pytest.raises(APIError):
+        check_model("m", ("mm",))  # a name, not a substring

@@ -169,9 +169,9 @@ def serve_parser() -> argparse.ArgumentParser:
                     "/v1/models), with /health, /ready and /metrics for Kubernetes and Prometheus.",
         formatter_class=HelpFormatter)
     m = add_engine_arguments(p)
-    m.add_argument("--served-model-name", default=None,
-                   help="name clients pass as 'model' and /v1/models lists (default: the model's own name; "
-                        "ORG/NAME for a Hugging Face model)")
+    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients pass as 'model' and /v1/models lists; a response names the first "
+                        "(default: the model's own name; ORG/NAME for a Hugging Face model)")
     m.add_argument("--model-cache-dir", default=None,
                    help="where hf:// and s3:// models are fetched to (default: $SLIPSTREAM_MODEL_CACHE, else "
                         "~/.cache/slipstream/models); several servers may share it")
@@ -246,7 +246,7 @@ def run_serve(argv: list[str]) -> int:
         from slipstream.server.distributed.node import run_node
 
         return asyncio.run(run_node(engine, args.node_rank, args.host, args.port))
-    options = ServerOptions(served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+    options = ServerOptions(served_model_names=tuple(args.served_model_name or ()), max_waiting=args.max_waiting,
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
                             log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,

@@ -9,6 +9,7 @@ from aiohttp import web
 from slipstream.server.api import kv_events, serving_chat, serving_completions, serving_responses, serving_tokenize, \
     tokenizer_files
 from slipstream.server.api.errors import APIError, from_http_exception, served_routes
+from slipstream.server.api.protocol import check_model
 from slipstream.server.api.state import STATE, ServerOptions, ServerState
 from slipstream.server.content_coding import refuse_undecodable_coding
 from slipstream.server.metrics import CONTENT_TYPE
@@ -76,24 +77,23 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready", "model": state.model_name})
 
 
-def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "slipstream",
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "slipstream",
             "max_model_len": state.llm.max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_accepting()
-    return web.json_response({"object": "list", "data": [_model_card(state)]})
+    return web.json_response({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_accepting()
-    if request.match_info["model"] != state.model_name:
-        raise APIError(404, f"The model `{request.match_info['model']}` does not exist.", param="model",
-                       code="model_not_found")
-    return web.json_response(_model_card(state))
+    name = request.match_info["model"]
+    check_model(name, state.model_names)
+    return web.json_response(_model_card(state, name))
 
 
 async def metrics(request: web.Request) -> web.Response:

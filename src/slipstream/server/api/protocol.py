@@ -15,6 +15,7 @@ path (``messages[2].content``) taken from where the check failed — never parse
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -539,8 +540,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     return validate(CompletionRequest, body)
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """404 ``model_not_found`` unless ``requested`` is absent or names the served model."""
-    if requested is not None and requested != served:
-        raise APIError(404, f"The model `{requested}` does not exist. This server serves `{served}` "
+def check_model(requested: str | None, served: Sequence[str]) -> None:
+    """404 ``model_not_found`` unless ``requested`` is absent or one of the ``served`` names."""
+    if requested is not None and requested not in served:
+        names = ", ".join(f"`{name}`" for name in served)
+        raise APIError(404, f"The model `{requested}` does not exist. This server serves {names} "
                        "(see GET /v1/models).", param="model", code="model_not_found")

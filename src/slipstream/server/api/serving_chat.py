@@ -38,7 +38,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     state.check_accepting()
     req = parse_chat_request(await read_json(request))
-    check_model(req.model, state.model_name)
+    check_model(req.model, state.model_names)
     parser = state.tool_parser if req.tools and req.tool_choice_value != "none" else None
     # Off the event loop: a long conversation takes a while to render and tokenize.
     text = await asyncio.to_thread(conversation_text, state, req, parser)

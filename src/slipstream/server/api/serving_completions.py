@@ -25,7 +25,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state: ServerState = request.app[STATE]
     state.check_accepting()
     req = parse_completion_request(await read_json(request))
-    check_model(req.model, state.model_name)
+    check_model(req.model, state.model_names)
     call = CompletionCall(state, req, f"cmpl-{uuid.uuid4().hex}")
     return await call.run(request, req.prompts, req.params)
 

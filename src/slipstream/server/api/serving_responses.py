@@ -103,7 +103,7 @@ class ResponsesAPI:
         state: ServerState = request.app[STATE]
         state.check_accepting()
         req = validate(ResponsesRequest, await read_json(request))
-        check_model(req.model, state.model_name)
+        check_model(req.model, state.model_names)
         history: list[dict] = []
         if req.previous_response_id is not None:
             history = self.store.get(req.previous_response_id)

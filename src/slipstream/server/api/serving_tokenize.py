@@ -24,7 +24,7 @@ async def tokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     state.check_accepting()
     req = validate(TokenizeRequest, await read_json(request))
-    check_model(req.model, state.model_name)
+    check_model(req.model, state.model_names)
     tokenizer = state.llm.tokenizer
     ids = await asyncio.to_thread(_token_ids, state, req)
     body: dict[str, Any] = {"count": len(ids), "max_model_len": state.llm.max_model_len, "tokens": ids,
@@ -44,7 +44,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state: ServerState = request.app[STATE]
     state.check_accepting()
     req = validate(DetokenizeRequest, await read_json(request))
-    check_model(req.model, state.model_name)
+    check_model(req.model, state.model_names)
     try:
         state.llm.check_token_ids(req.tokens, "tokens")
     except InvalidRequest as exc:

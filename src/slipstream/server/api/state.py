@@ -38,7 +38,7 @@ class ServerOptions:
         so load balancers stop sending requests to a replica whose step hangs; 0: never.
     """
 
-    served_model_name: str | None = None
+    served_model_names: tuple[str, ...] = ()
     max_waiting: int = 128
     api_key: str | None = None
     vllm_compatible_metrics: bool = False
@@ -58,7 +58,7 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.drain_expired = False  # the drain ran out of time and aborted what was left
-        self.model_name = options.served_model_name or ""
+        self.model_names = options.served_model_names or ("",)  # what clients may pass as ``model``
         self.tool_parser = get_parser(options.tool_call_parser)  # an unknown name fails at start-up
         self.reasoning_parser = (get_reasoning_parser(options.reasoning_parser)
                                  if options.reasoning_parser is not None else None)
@@ -69,10 +69,15 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.model_name, self.stats, options.vllm_compatible_metrics,
                                      options.max_waiting)
 
+    @property
+    def model_name(self) -> str:
+        """The name responses, logs and metrics give: the first served name."""
+        return self.model_names[0]
+
     def attach(self, llm: Any) -> None:
         """Adopt a loaded engine: its name (unless overridden), tokenizer and step listener."""
         self.llm = llm
-        self.model_name = self.options.served_model_name or llm.model_name
+        self.model_names = self.options.served_model_names or (llm.model_name,)
         self.template_supports_tools = template_supports_tools(llm.tokenizer)
         llm.add_step_listener(self.metrics.on_step)
         self.metrics.start()
