@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from slipstream.server.engine import SamplingParams
+from slipstream.server.engine.fairness import WaitingQueue
 from slipstream.server.engine.kv_cache import KVCacheManager
 from slipstream.server.engine.model_runner import StepOutput
 from slipstream.server.engine.outputs import FinishReason, RequestMetrics
@@ -353,19 +354,49 @@ def test_a_short_prompt_behind_a_long_prefill_waits_for_it_only_without_a_thresh
             [[("long", 64)], [("long", 48)]]
 
 
-def test_one_long_prefill_at_a_time_and_the_queue_keeps_its_order():
+def test_one_long_prefill_at_a_time_and_shorter_prompts_go_past_the_one_waiting():
     """Threshold 8, budget 32: beside a decode, the first long prompt takes 8 tokens a step; the
-    second long prompt waits (and the short one behind it with it) until the first has 8 tokens or
-    fewer left, then both start beside it."""
+    second long prompt waits until the first has 8 tokens or fewer left, then starts beside it,
+    still ahead of the third; the short prompt behind it starts at once (vLLM V0's order)."""
     sched = capped_scheduler(8, budget=32)
     decoding = queue_as(sched, "decoding", [1, 2, 3], max_tokens=50)
     step_all(sched)
-    a, b, c = (queue_as(sched, "a", range(100, 200)), queue_as(sched, "b", range(200, 300)),
-               queue_as(sched, "c", range(300, 305)))
-    for _ in range(12):
-        assert step_all(sched) == [(decoding, 1), (a, 8)]
-    assert step_all(sched) == [(decoding, 1), (a, 4), (b, 8), (c, 5)]
-    assert a.num_output_tokens == c.num_output_tokens == 1
+    a, b, c, d = (queue_as(sched, "a", range(100, 200)), queue_as(sched, "b", range(200, 300)),
+                  queue_as(sched, "c", range(300, 305)), queue_as(sched, "d", range(400, 500)))
+    assert step_all(sched) == [(decoding, 1), (a, 8), (c, 5)]
+    assert c.num_output_tokens == 1
+    for _ in range(11):
+        assert step_all(sched)[:2] == [(decoding, 1), (a, 8)]
+        assert sched.waiting.head() is b and len(sched.waiting) == 2  # held back in its place
+    assert step_all(sched)[:3] == [(decoding, 1), (a, 4), (b, 8)]
+    assert a.num_output_tokens == 1 and d.num_computed_tokens == 0 and sched.waiting.head() is d
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_a_long_prompt_held_back_keeps_its_place_and_is_not_charged_under_every_policy(policy):
+    """Held back, a long prompt leaves the queue only for the step: under ``priority`` it stays
+    ahead of later long prompts of its rank, under ``fair`` its tenant is charged only when it
+    is admitted; a short prompt of another tenant starts meanwhile."""
+    kv = KVCacheManager(num_blocks=80, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, eos_token_ids=[EOS],
+                      waiting=WaitingQueue(policy), long_prefill_token_threshold=8)
+
+    def add(rid, prompt, tenant="x"):
+        req = Request(rid, rid, 0, list(prompt), SamplingParams(max_tokens=2, ignore_eos=True), None,
+                      RequestMetrics(0.0), tenant=tenant)
+        sched.add(req)
+        return req
+
+    a = add("a", range(100, 200))
+    step_all(sched)
+    b, c, d = add("b", range(200, 300)), add("c", range(300, 305), tenant="y"), add("d", range(400, 500))
+    served = dict(sched.waiting.counters)
+    assert step_all(sched) == [(a, 8), (c, 5)]
+    assert sched.waiting.counters.get("x") == served.get("x")  # b and d waited, uncharged
+    while a.num_computed_tokens < a.num_prompt_tokens - 8:
+        assert sched.waiting.head() is b
+        step_all(sched)
+    assert [r for r, _ in step_all(sched)][:2] == [a, b] and sched.waiting.head() is d
 
 
 def test_a_capped_chunk_alone_grows_only_where_free_blocks_allow_and_loses_none():

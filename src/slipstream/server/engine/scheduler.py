@@ -13,9 +13,10 @@ other requests, so short prompts arriving behind a long one are admitted in the 
 every step beside it stays short, instead of waiting out its whole prefill (head-of-line
 blocking); a capped chunk alone in its step takes the whole budget, as without a cap. One long
 prefill runs at a time (vLLM V0's ``max_long_partial_prefills`` of 1): a waiting request with more
-than the threshold to compute waits while another is in progress, and the queue behind it keeps
-its order, so under a backlog long prompts are prefilled one after another instead of sharing
-the budget and all finishing late. Finished
+than the threshold to compute waits while another is in progress, keeping its place at the head
+of the queue, and shorter ones behind it start meanwhile (as vLLM V0 lets them), so under a
+backlog long prompts are prefilled one after another instead of sharing the budget and all
+finishing late, and a second long prompt does not hold every short one behind it. Finished
 requests leave at once, so a freed seat is filled on the very next step. Before a request's
 blocks are allocated, those behind every layer's sliding window are released
 (:meth:`KVCacheManager.free_out_of_window`).
@@ -138,6 +139,7 @@ class Scheduler:
                 self._release_waiting()
             return out  # blocks are short: admitting now would only preempt again
         long_prefill = self.long_prefill_token_threshold > 0 and any(self._is_long(r) for r in self.running)
+        held: list[Request] = []  # long prompts waiting out the one in progress, out of the queue for this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req, was_seated, seated = seated or self.waiting.head(), seated is not None, None
             fresh = not req.block_table  # a forked choice arrives holding its parent's blocks
@@ -146,7 +148,9 @@ class Scheduler:
             if long and long_prefill and not was_seated:
                 if fresh:
                     self.kv.free_request(req)
-                break  # one long prefill at a time; the queue keeps its order behind it
+                self.waiting.remove(req)  # one long prefill at a time; shorter ones behind may start
+                held.append(req)
+                continue
             n = self._chunk(req, budget)
             self.kv.free_out_of_window(req)
             if not self.kv.allocate(req, n):
@@ -165,6 +169,8 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
+        for req in reversed(held):  # back where they were, ahead of the rest
+            self.waiting.add(req, front=True, returning=True)
         self._uncap_if_alone(out, budget)
         return out
 
