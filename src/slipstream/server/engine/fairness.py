@@ -86,11 +86,15 @@ class WaitingQueue:
         self._len += 1
 
     def remove(self, req: Request) -> None:
-        """Take a waiting request out (finished or aborted while it waited)."""
+        """Take a waiting request out (admitted, finished or aborted while it waited, or held back
+        for a step), uncharged."""
         key = self._queue_of(req)
         heap = self._heaps[key]
-        heap[:] = [e for e in heap if e[2] is not req]
-        heapq.heapify(heap)
+        if heap[0][2] is req:  # the head, as most often: no rebuild
+            heapq.heappop(heap)
+        else:
+            heap[:] = [e for e in heap if e[2] is not req]
+            heapq.heapify(heap)
         self._len -= 1
         self._drop_if_empty(key)
 
@@ -110,14 +114,7 @@ class WaitingQueue:
         as VTC charges input at dispatch: the next admission of the same step sees it."""
         if req.num_preemptions == 0:
             self.charge(req, max(0, req.num_prompt_tokens - req.num_computed_tokens), 0)
-        key = self._queue_of(req)
-        heap = self._heaps[key]
-        if heap[0][2] is req:
-            heapq.heappop(heap)
-            self._len -= 1
-            self._drop_if_empty(key)
-        else:
-            self.remove(req)
+        self.remove(req)
 
     def finished(self, req: Request) -> None:
         """``req`` left the engine (finished or aborted, from waiting or running)."""
