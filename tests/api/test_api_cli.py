@@ -68,8 +68,21 @@ def test_byte_sizes(text, expected):
     assert cli.byte_size(text) == expected
 
 
+def test_several_served_names_are_kept_once_each_in_order(monkeypatch):
+    seen = {}
+
+    async def fake_serve(engine, options, host, port):
+        seen.update(options=options)
+        return 0
+
+    monkeypatch.setattr("slipstream.server.api.server.serve", fake_serve)
+    assert cli.main(["serve", "--served-model-name", "b", "a", "b"]) == 0
+    assert seen["options"].served_model_names == ("b", "a")
+
+
 def test_bad_option_values_exit_with_usage(capsys):
-    for argv in (["serve", "--kv-cache-memory-bytes", "lots"], ["serve", "--max-num-seqs", "0"]):
+    for argv in (["serve", "--kv-cache-memory-bytes", "lots"], ["serve", "--max-num-seqs", "0"],
+                 ["serve", "--served-model-name", ""], ["serve", "--served-model-name", "a", " "]):
         with pytest.raises(SystemExit) as info:
             cli.main(argv)
         assert info.value.code == 2

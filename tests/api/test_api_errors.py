@@ -183,18 +183,27 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(http, server, enco
     still_serves(http, server)
 
 
-@pytest.mark.parametrize("encoding", [b"compress", b"gzip, gzip", b"gzip, identity", b"x-gzip"])
+@pytest.mark.parametrize("encoding", [b"compress", b"gzip, gzip", b"gzip\r\nContent-Encoding: gzip",
+                                      b"gzip, identity", b"x-gzip"])
 def test_a_content_encoding_not_decoded_here_is_a_415_naming_those_that_are(http, server, encoding):
-    """aiohttp passes such a body on undecoded (two stacked codings decoded once at most): the
-    JSON parser got compressed bytes. RFC 9110 §15.5.16: 415 and the codings accepted."""
-    body = b'{"prompt": "hi", "max_tokens": 1}'
+    """aiohttp passes such a body on undecoded (two stacked codings, in one header line or two,
+    decoded once at most): the JSON parser got compressed bytes. RFC 9110 §15.5.16: 415 and the
+    codings accepted."""
+    body = gzip.compress(gzip.compress(b'{"prompt": "hi", "max_tokens": 1}'))
     with raw_post(server, b"Content-Encoding: %s\r\nContent-Length: %d\r\n" % (encoding, len(body)), body) as sock:
         head, error = json_reply(sock)
     assert head.startswith(b"HTTP/1.1 415"), head
     assert b"\r\nAccept-Encoding: gzip, deflate" in head
     assert error["code"] == "unsupported_content_encoding" and error["type"] == "invalid_request_error"
-    assert error["message"].startswith(f"Content-Encoding '{encoding.decode()}' is not accepted")
+    named = encoding.decode().replace("\r\nContent-Encoding: ", ", ")
+    assert error["message"].startswith(f"Content-Encoding '{named}' is not accepted")
     still_serves(http, server)
+
+
+def test_a_path_no_route_takes_keeps_its_404_or_405_whatever_the_coding(http, server):
+    headers = {"Content-Encoding": "compress", "Content-Type": "application/json"}
+    assert_error(http.post("/nope", data=b"{}", headers=headers), 404)
+    assert_error(http.post("/health", data=b"{}", headers=headers), 405)
 
 
 @pytest.mark.parametrize("encoding", [b"identity", b"GZIP"])

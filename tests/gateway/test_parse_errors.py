@@ -127,7 +127,7 @@ async def test_a_content_encoding_not_decoded_here_is_a_415_and_never_reaches_a_
         # a request without a body passes whatever it declares
         async with session.get(url + "/v1/models", headers={"Content-Encoding": "compress"}) as r:
             assert r.status != 415
-    assert error["code"] == "unsupported_content_encoding"
+    assert (error["code"], error["type"]) == ("unsupported_content_encoding", "invalid_request_error")
     assert error["message"] == ("Content-Encoding 'compress' is not accepted: send the body uncompressed or in one "
                                 f"of {', '.join(DECODED_CODINGS)}.")
     assert "/v1/chat/completions" not in received

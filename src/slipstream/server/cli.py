@@ -19,7 +19,8 @@ from slipstream.api_types.parallelism import (MASTER_ADDR_FLAG, MASTER_PORT_FLAG
                                               PIPELINE_PARALLEL_FLAG, TENSOR_PARALLEL_FLAG)
 from slipstream.api_types.tenancy import FAIRNESS_ID_HEADER, SCHEDULING_POLICIES
 
-from .cli_types import fraction, listen_port, non_negative_float, non_negative_int, port, positive_int, tenant_weights
+from .cli_types import fraction, listen_port, non_blank, non_negative_float, non_negative_int, port, positive_int, \
+    tenant_weights
 
 # subcommand -> module whose main(argv) runs it
 _DISPATCH = {
@@ -169,7 +170,7 @@ def serve_parser() -> argparse.ArgumentParser:
                     "/v1/models), with /health, /ready and /metrics for Kubernetes and Prometheus.",
         formatter_class=HelpFormatter)
     m = add_engine_arguments(p)
-    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    m.add_argument("--served-model-name", nargs="+", type=non_blank, default=None, metavar="NAME",
                    help="names clients pass as 'model' and /v1/models lists; a response names the first "
                         "(default: the model's own name; ORG/NAME for a Hugging Face model)")
     m.add_argument("--model-cache-dir", default=None,
@@ -246,7 +247,7 @@ def run_serve(argv: list[str]) -> int:
         from slipstream.server.distributed.node import run_node
 
         return asyncio.run(run_node(engine, args.node_rank, args.host, args.port))
-    options = ServerOptions(served_model_names=tuple(args.served_model_name or ()), max_waiting=args.max_waiting,
+    options = ServerOptions(served_model_names=tuple(dict.fromkeys(args.served_model_name or ())), max_waiting=args.max_waiting,
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
                             log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,

@@ -43,6 +43,13 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def non_blank(text: str) -> str:
+    """A non-blank name (a served model's, a tenant's), as given."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a non-blank name, got {text!r}")
+    return text
+
+
 def port(text: str) -> int:
     """A TCP port, 1 to 65535."""
     value = _number(text, int)

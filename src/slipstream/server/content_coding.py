@@ -3,7 +3,7 @@
 aiohttp decodes a request body whose ``Content-Encoding`` is exactly one of gzip, deflate, br (with
 the Brotli package) or zstd (with a zstd module), and passes any other body on undecoded: an
 unknown coding (``compress``, a typo) reached the JSON parser as whatever bytes it was, and two
-stacked codings (``gzip, gzip``) were decoded once and failed as bad JSON. RFC 9110 §15.5.16 has
+stacked codings (``gzip, gzip``, or two header lines) were decoded once and failed as bad JSON. RFC 9110 §15.5.16 has
 the answer: 415 with ``Accept-Encoding`` naming the codings accepted. The server's and the
 gateway's error middlewares call :func:`refuse_undecodable_coding` after the size check.
 
@@ -24,10 +24,13 @@ def refuse_undecodable_coding(request: web.Request) -> None:
     """Raises ``web.HTTPUnsupportedMediaType`` (415, ``Accept-Encoding`` listing
     :data:`DECODED_CODINGS`) for a request with a body whose ``Content-Encoding`` is neither
     ``identity`` nor one coding aiohttp decodes here. Case and surrounding blanks are ignored, as
-    aiohttp ignores them; a request without a body passes whatever it declares."""
-    declared = request.headers.get(hdrs.CONTENT_ENCODING)
-    if declared is None or not request.body_exists:
+    aiohttp ignores them; two header lines are two codings (RFC 9110 §5.3), as in one line; a
+    request without a body passes whatever it declares, and one no route takes keeps its 404 or
+    405."""
+    lines = request.headers.getall(hdrs.CONTENT_ENCODING, ())
+    if not lines or not request.body_exists or request.match_info.http_exception is not None:
         return
+    declared = ", ".join(lines)
     coding = declared.strip().lower()
     if coding in ("", "identity") or coding in DECODED_CODINGS:
         return

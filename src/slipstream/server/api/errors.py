@@ -5,20 +5,8 @@ from aiohttp import hdrs, web
 
 from slipstream.server.content_coding import UNSUPPORTED_CODING_CODE
 from slipstream.server.engine.errors import InvalidRequest
+from slipstream.server.openai_error import error_body
 from slipstream.server.request_size import TOO_LARGE_CODE, too_large_message
-
-# HTTP status -> OpenAI's error ``type``.
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
-
 
 class APIError(Exception):
     """A request that fails with ``status``; ``param`` names the offending field, ``code`` is
@@ -51,12 +39,6 @@ class APIError(Exception):
         if self.close:
             response.force_close()
         return response
-
-
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500
-                                                             else "invalid_request_error"),
-                      "param": param, "code": code}}
 
 
 def refusal(exc: InvalidRequest, param: str | None = None) -> APIError:

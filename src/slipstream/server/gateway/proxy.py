@@ -37,6 +37,7 @@ from yarl import URL
 
 from slipstream.api_types.tenancy import (CRITICALITIES, CRITICALITY_HEADER, DEFAULT_CRITICALITY, DEFAULT_TENANT,
                                           FAIRNESS_ID_HEADER, USAGE_HEADER, tenant_of)
+from slipstream.server.openai_error import error_body
 
 from .config import GatewayConfig
 from .endpoints import DEFAULT_BLOCK_SIZE, EndpointSet
@@ -56,17 +57,8 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "trailer", "trailers", "transfer-encoding", "upgrade", "proxy-connection"})
 REQUEST_ID = "X-Request-Id"
 SESSION_ID = "X-Session-Id"
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 502: "server_error",
-                503: "service_unavailable_error"}
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 CLIENT_CLOSED = 499  # the requests counter's code for a client that left before its answer (nginx's)
-
-
-def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
-    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
 
 
 def error_response(status: int, message: str, *, code: str | None = None,
