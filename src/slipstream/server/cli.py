@@ -247,7 +247,8 @@ def run_serve(argv: list[str]) -> int:
         from slipstream.server.distributed.node import run_node
 
         return asyncio.run(run_node(engine, args.node_rank, args.host, args.port))
-    options = ServerOptions(served_model_names=tuple(dict.fromkeys(args.served_model_name or ())), max_waiting=args.max_waiting,
+    options = ServerOptions(served_model_names=tuple(dict.fromkeys(args.served_model_name or ())),
+                            max_waiting=args.max_waiting,
                             api_key=args.api_key or None, vllm_compatible_metrics=args.vllm_compatible_metrics,
                             max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout,
                             log_interval=args.log_interval, tool_call_parser=args.tool_call_parser,

@@ -3,8 +3,8 @@
 aiohttp decodes a request body whose ``Content-Encoding`` is exactly one of gzip, deflate, br (with
 the Brotli package) or zstd (with a zstd module), and passes any other body on undecoded: an
 unknown coding (``compress``, a typo) reached the JSON parser as whatever bytes it was, and two
-stacked codings (``gzip, gzip``, or two header lines) were decoded once and failed as bad JSON. RFC 9110 §15.5.16 has
-the answer: 415 with ``Accept-Encoding`` naming the codings accepted. The server's and the
+stacked codings (``gzip, gzip``, or two header lines) were decoded once and failed as bad JSON.
+RFC 9110 §15.5.16 has the answer: 415 with ``Accept-Encoding`` naming the codings accepted. The server's and the
 gateway's error middlewares call :func:`refuse_undecodable_coding` after the size check.
 
 br or zstd without its package never gets here: aiohttp refuses it while parsing the headers

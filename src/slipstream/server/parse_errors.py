@@ -56,7 +56,8 @@ class OneLineParseErrors(logging.Filter):
             _one_line(record, logging.DEBUG, f"{first_reason(str(exc))} (already answered 400)")
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         if isinstance(exc, BadHttpMessage):
-            _one_line(record, logging.WARNING, f"{first_reason(exc.message or type(exc).__name__)} (answered {exc.code})")
+            reason = first_reason(exc.message or type(exc).__name__)
+            _one_line(record, logging.WARNING, f"{reason} (answered {exc.code})")
         return True
 
 

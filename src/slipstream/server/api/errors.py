@@ -1,12 +1,11 @@
 """OpenAI-shaped errors: every failure leaves the server as ``{"error": {message, type, param, code}}``."""
 from __future__ import annotations
 
-from aiohttp import hdrs, web
+from aiohttp import web
 
-from slipstream.server.content_coding import UNSUPPORTED_CODING_CODE
 from slipstream.server.engine.errors import InvalidRequest
-from slipstream.server.openai_error import error_body
-from slipstream.server.request_size import TOO_LARGE_CODE, too_large_message
+from slipstream.server.openai_error import error_body, http_error_parts
+
 
 class APIError(Exception):
     """A request that fails with ``status``; ``param`` names the offending field, ``code`` is
@@ -72,9 +71,7 @@ def from_http_exception(exc: web.HTTPException, routes: list[str] = ()) -> APIEr
         allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
         return APIError(405, f"Method {exc.method if hasattr(exc, 'method') else ''} not allowed here; "
                         f"allowed: {allowed}.", code="method_not_allowed", headers={"Allow": allowed})
-    if status == 413:
-        return APIError(413, too_large_message(exc), code=TOO_LARGE_CODE)
-    if status == 415:  # content_coding.refuse_undecodable_coding
-        return APIError(415, exc.text or exc.reason, code=UNSUPPORTED_CODING_CODE,
-                        headers={hdrs.ACCEPT_ENCODING: exc.headers.get(hdrs.ACCEPT_ENCODING, "")})
+    if status in (413, 415):  # a body past the limit, or in a coding not decoded here
+        message, code, headers = http_error_parts(exc)
+        return APIError(status, message, code=code, headers=headers)
     return APIError(status, exc.reason or exc.text or "HTTP error", code=None)

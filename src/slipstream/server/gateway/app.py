@@ -12,12 +12,12 @@ import logging
 import signal
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import web
 
-from slipstream.server.content_coding import UNSUPPORTED_CODING_CODE, refuse_undecodable_coding
+from slipstream.server.content_coding import refuse_undecodable_coding
+from slipstream.server.openai_error import http_error_parts
 from slipstream.server.parse_errors import PAYLOAD_ERROR_CODE, payload_error_message
-from slipstream.server.request_size import TOO_LARGE_CODE, continue_within_limit, refuse_declared_oversize, \
-    too_large_message
+from slipstream.server.request_size import continue_within_limit, refuse_declared_oversize
 
 from .config import GatewayConfig
 from .endpoints import EndpointSet
@@ -112,10 +112,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        too_large = exc.status == 413
-        code = {413: TOO_LARGE_CODE, 415: UNSUPPORTED_CODING_CODE}.get(exc.status)
-        message = too_large_message(exc) if too_large else exc.text or exc.reason
-        headers = {k: v for k, v in exc.headers.items() if k == hdrs.ACCEPT_ENCODING}
+        message, code, headers = http_error_parts(exc)
         if request_id := request.headers.get(REQUEST_ID):
             headers[REQUEST_ID] = request_id
         log.info("%s %s -> %d %s", request.method, request.path, exc.status, message)
